@@ -1,0 +1,7 @@
+"""bapo-megatron: BAPO (Balanced Policy Optimization with Adaptive Clipping) at Megatron-Core scale.
+
+The core package imports with torch alone; Megatron-Core, Transformer Engine, vLLM and SGLang are
+imported lazily by the modules that need them.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,153 @@
+"""One pass over the tokens: everything the bound search needs, at every candidate bound.
+
+Each response token with advantage A != 0 falls in one bucket of its side's candidate grid:
+
+- A > 0: bucket b = #{c_high candidates < r}. The token is unclipped (carries gradient) at
+  c_high_j exactly when b <= j.
+- A < 0: bucket b = #{c_low candidates <= r}. The token is unclipped at c_low_k exactly when
+  b >= k + 1. With a dual clip C, tokens with r > C go to one extra bucket (they carry no
+  gradient whatever c_low is).
+
+Per bucket three channels are summed: |A|*r, |A| and the token count. Prefix and suffix sums of
+these give P(c_high) and N(c_low) at every candidate under both semantics
+(:mod:`bapo_megatron.algo.bound_search`), and the clip fractions at the chosen bounds. Three
+totals follow: the count of zero-advantage response tokens, the sum of ratios and the sum of the
+k3 KL estimate r - 1 - log r. The whole vector is summed across ranks with one collective.
+
+Two backends build the same vector: a numba kernel on CPU (one fused pass, deterministic chunked
+sums) and torch ops elsewhere (bucketize + bincount).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from bapo_megatron.algo.search_plan import SearchPlan
+
+Backend = Literal["auto", "torch", "numba"]
+CHANNELS = 3  # |A|*r, |A|, count
+EXTRAS = 3  # zero-advantage token count, sum of r, sum of k3 KL
+
+
+@dataclass(frozen=True)
+class StatsLayout:
+    """Where each quantity sits in the flat statistics vector of a :class:`SearchPlan`."""
+
+    num_high: int  # c_high candidates
+    num_low: int  # c_low candidates
+
+    @classmethod
+    def of(cls, plan: SearchPlan) -> "StatsLayout":
+        return cls(num_high=len(plan.c_high_values), num_low=len(plan.c_low_values))
+
+    @property
+    def positive_buckets(self) -> int:
+        return self.num_high + 1
+
+    @property
+    def negative_buckets(self) -> int:
+        # num_low + 1 ordinary buckets, plus one for dual-clipped tokens (r > C).
+        return self.num_low + 2
+
+    @property
+    def row(self) -> int:
+        return self.positive_buckets + self.negative_buckets
+
+    @property
+    def size(self) -> int:
+        return CHANNELS * self.row + EXTRAS
+
+    def split(self, stats: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of a (reduced) statistics vector by name."""
+        rows = stats[: CHANNELS * self.row].view(CHANNELS, self.row)
+        pos, neg = rows[:, : self.positive_buckets], rows[:, self.positive_buckets :]
+        extras = stats[CHANNELS * self.row :]
+        return {
+            "pos_weighted_ratio": pos[0], "pos_weight": pos[1], "pos_count": pos[2],
+            "neg_weighted_ratio": neg[0], "neg_weight": neg[1], "neg_count": neg[2],
+            "zero_count": extras[0], "ratio_sum": extras[1], "kl_sum": extras[2],
+        }
+
+
+def contribution_stats(
+    ratio: torch.Tensor,
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    plan: SearchPlan,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local statistics of one batch for the bound search, not yet reduced across ranks.
+
+    Args:
+        ratio: importance ratios r (no grad needed), any shape.
+        log_ratio: the clamped log r the ratios came from, same shape (for the KL estimate).
+        advantages: effective advantages (times any importance weight), same shape.
+        mask: response-token mask, same shape (bool).
+        plan: the search's candidate grids.
+        backend: `numba` (CPU), `torch`, or `auto` (numba for CPU tensors when installed).
+
+    Returns:
+        ``(stats, extremes)``: the float64 vector laid out by :class:`StatsLayout`, to be summed
+        over the data x context parallel group; and ``[min r, max r]`` over this batch's response
+        tokens (+inf, -inf when it has none), to be reduced with MIN/MAX if wanted.
+    """
+    ratio, log_ratio = ratio.detach().reshape(-1), log_ratio.detach().reshape(-1)
+    advantages, mask = advantages.detach().reshape(-1), mask.reshape(-1)
+    if backend == "auto":
+        backend = "numba" if ratio.device.type == "cpu" and _numba_available() else "torch"
+    if backend == "numba":
+        from bapo_megatron.algo import contributions_cpu
+
+        return contributions_cpu.histogram_stats(ratio, log_ratio, advantages, mask, plan)
+    if backend != "torch":
+        raise ValueError(f"backend must be 'auto', 'torch' or 'numba', got {backend!r}")
+    return _torch_stats(ratio, log_ratio, advantages, mask, plan)
+
+
+def _numba_available() -> bool:
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _torch_stats(ratio, log_ratio, advantages, mask, plan):
+    layout = StatsLayout.of(plan)
+    grids = plan.tensors(ratio.device)
+    # Compare in the ratio's dtype, as the loss's clamps do, so search and loss agree on ties.
+    highs, lows = grids["c_high"].to(ratio.dtype), grids["c_low"].to(ratio.dtype)
+    pos_bucket = torch.bucketize(ratio, highs, right=False)
+    neg_bucket = torch.bucketize(ratio, lows, right=True)
+    dual_clip = plan.config.dual_clip
+    if dual_clip is not None:
+        neg_bucket = torch.where(ratio > dual_clip, layout.num_low + 1, neg_bucket)
+    trash = layout.row
+    bucket = torch.where(
+        mask & (advantages > 0),
+        pos_bucket,
+        torch.where(mask & (advantages < 0), neg_bucket + layout.positive_buckets, trash),
+    )
+    weight = advantages.abs().to(torch.float64)
+    weighted_ratio = weight * ratio.to(torch.float64)
+    size = layout.row + 1
+    channels = [
+        torch.bincount(bucket, weights=weighted_ratio, minlength=size)[: layout.row],
+        torch.bincount(bucket, weights=weight, minlength=size)[: layout.row],
+        torch.bincount(bucket, minlength=size)[: layout.row].to(torch.float64),
+    ]
+    r64 = torch.where(mask, ratio, 0).to(torch.float64)
+    kl = torch.where(mask, ratio - 1 - log_ratio, 0).to(torch.float64)
+    extras = torch.stack([
+        (mask & (advantages == 0)).sum().to(torch.float64), r64.sum(), kl.sum(),
+    ])
+    stats = torch.cat(channels + [extras])
+    extremes = torch.stack([
+        torch.where(mask, ratio, float("inf")).amin() if ratio.numel() else ratio.new_tensor(float("inf")),
+        torch.where(mask, ratio, float("-inf")).amax() if ratio.numel() else ratio.new_tensor(float("-inf")),
+    ]).to(torch.float64)
+    return stats, extremes

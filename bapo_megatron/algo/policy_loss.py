@@ -1,0 +1,191 @@
+r"""The BAPO policy loss (arXiv 2510.18927, with the authors' code as a named mode).
+
+For every response token t (mask m_t = 1):
+
+    r_t = exp(clamp(log pi_theta(y_t) - log pi_old(y_t), -20, 20))
+    L_t = -min(r_t A_t, clip(r_t, c_low, c_high) A_t)                    (Eq. 3 / 8)
+
+so for A_t > 0 only c_high acts (no gradient iff r_t > c_high) and for A_t < 0 only c_low acts
+(no gradient iff r_t < c_low). The optional dual clip C caps negative-advantage tokens:
+L_t = |A_t| min(max(r_t, c_low), C). An optional truncated importance weight w_t multiplies A_t.
+
+BAPO chooses (c_low, c_high) per update so that the positive contribution
+rho = P / (P + N) reaches rho0 (Algorithm 1), moving the bounds along a fixed grid; see
+:mod:`bapo_megatron.algo.bound_search`. Fixed-clip GRPO and clip-higher are the same function
+with empty search ranges.
+
+Aggregation (the paper leaves it open): `token-mean` divides the sum over the step's tokens by
+the step's global response-token count, so one optimizer step's gradient does not depend on
+how it is split into micro-batches or ranks; the `seq-mean-*` modes divide by the global count
+of sequences with at least one response token. The caller reduces that count once per step
+(:func:`loss_normalizer` gives the local part) and passes it in.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from bapo_megatron.algo.bound_search import BoundDecision, choose_bounds
+from bapo_megatron.algo.contributions import Backend, contribution_stats
+from bapo_megatron.algo.reduction import ReduceFn, identity_reduce
+from bapo_megatron.algo.search_plan import SearchPlan
+from bapo_megatron.config import AGGREGATIONS
+
+LOG_RATIO_CLAMP = 20.0
+
+
+def importance_ratio(logp_new: torch.Tensor, logp_old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(r, log r)`` with log r clamped to [-20, 20]; at least float32 whatever the inputs."""
+    dtype = torch.promote_types(torch.promote_types(logp_new.dtype, logp_old.dtype), torch.float32)
+    log_ratio = (logp_new.to(dtype) - logp_old.to(dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return log_ratio.exp(), log_ratio
+
+
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, c_low: torch.Tensor | float,
+                      c_high: torch.Tensor | float, dual_clip: float | None = None) -> torch.Tensor:
+    """Per-token L_t = -A_t * clipped r_t; clipped tokens carry zero gradient (ties unclipped)."""
+    # clamp() passes gradient where min <= r <= max, so r == c_high still counts as unclipped,
+    # matching the search's P(c_high) = sum over r <= c_high.
+    negative_side = ratio.clamp(min=c_low)
+    if dual_clip is not None:
+        negative_side = negative_side.clamp(max=dual_clip)
+    clipped = torch.where(advantages > 0, ratio.clamp(max=c_high), negative_side)
+    return -advantages * clipped
+
+
+def loss_normalizer(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """This batch's share of the aggregation denominator (float64), to be summed over the step."""
+    _check_aggregation(aggregation)
+    mask = mask.bool()
+    if aggregation == "token-mean":
+        return mask.sum().to(torch.float64)
+    return (mask.sum(-1) > 0).sum().to(torch.float64)
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str,
+              normalizer: torch.Tensor | float) -> torch.Tensor:
+    """Sum this batch's part of the step's loss and divide by the step's global ``normalizer``.
+
+    ``per_token`` and ``mask`` are [batch, tokens]; a zero normalizer (no response token anywhere)
+    gives a zero loss that still depends on the inputs, so every rank runs the same backward.
+    """
+    _check_aggregation(aggregation)
+    mask = mask.bool()
+    masked = torch.where(mask, per_token, 0.0)  # where, not *: NaN at padding must not leak
+    if aggregation == "seq-mean-token-mean":
+        total = (masked.sum(-1) / mask.sum(-1).clamp(min=1).to(per_token.dtype)).sum()
+    else:  # token-mean and seq-mean-token-sum share the numerator
+        total = masked.sum()
+    normalizer = torch.as_tensor(normalizer, device=per_token.device)
+    return total / normalizer.clamp(min=1).to(per_token.dtype)
+
+
+def truncated_importance_weights(recomputed_logp: torch.Tensor, behaviour_logp: torch.Tensor,
+                                 cap: float) -> torch.Tensor:
+    """min(exp(recomputed - behaviour), cap), detached: corrects engine/trainer mismatch when the
+    ratio is taken against log-probs recomputed by the actor."""
+    if not cap > 0:
+        raise ValueError(f"truncated importance weight cap must be > 0, got {cap}")
+    diff = (recomputed_logp.detach() - behaviour_logp.detach()).clamp(-LOG_RATIO_CLAMP, math.log(cap))
+    return diff.exp()
+
+
+def bapo_loss(
+    logp_new: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    plan: SearchPlan,
+    normalizer: torch.Tensor | float,
+    aggregation: str = "token-mean",
+    reduce: ReduceFn = identity_reduce,
+    is_weights: torch.Tensor | None = None,
+    decision: BoundDecision | None = None,
+    check_inputs: bool = True,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The BAPO loss of one micro-batch, with its own bound search unless ``decision`` is given.
+
+    Args:
+        logp_new: [batch, tokens] log-probs of the taken tokens under the current policy (grad).
+        logp_old: [batch, tokens] log-probs the ratio is taken against (behaviour or recomputed).
+        advantages: [batch, tokens] or [batch] (copied to every token).
+        mask: [batch, tokens] response-token mask (bool or 0/1).
+        plan: candidate grids and path of the search (:meth:`SearchPlan.from_config`).
+        normalizer: the step's global aggregation denominator (see :func:`loss_normalizer`).
+        aggregation: `token-mean`, `seq-mean-token-mean` or `seq-mean-token-sum`.
+        reduce: sums a tensor over the data x context parallel group (called once).
+        is_weights: optional [batch, tokens] truncated importance weights (detached).
+        decision: bounds decided elsewhere (granularity `step`): no search here, no reduce.
+        check_inputs: validate shapes and finiteness (one host sync).
+        backend: statistics backend, see :func:`contribution_stats`.
+
+    Returns:
+        ``(loss, metrics)``: the scalar loss and 0-dim metric tensors. `bapo/*` metrics from the
+        search are global (over the reduced batch); `bapo/ratio_min_local` and
+        `bapo/ratio_max_local` cover this rank's tokens only.
+    """
+    if check_inputs:
+        check_loss_inputs(logp_new, logp_old, advantages, mask, is_weights)
+    _check_aggregation(aggregation)
+    mask = mask.bool()
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1).expand_as(logp_new)
+    ratio, log_ratio = importance_ratio(logp_new, logp_old)
+    advantages = advantages.detach().to(ratio.dtype)
+    if is_weights is not None:
+        advantages = advantages * is_weights.detach().to(ratio.dtype)
+
+    metrics: dict[str, torch.Tensor] = {}
+    if decision is None:
+        with torch.no_grad():
+            stats, extremes = contribution_stats(ratio, log_ratio, advantages, mask, plan, backend)
+            decision = choose_bounds(reduce(stats), plan)
+        metrics["bapo/ratio_min_local"], metrics["bapo/ratio_max_local"] = extremes[0], extremes[1]
+    per_token = clipped_surrogate(ratio, advantages, decision.c_low, decision.c_high, plan.config.dual_clip)
+    loss = aggregate(per_token, mask, aggregation, normalizer)
+    metrics = {**decision.metrics, "bapo/c_low": decision.c_low, "bapo/c_high": decision.c_high, **metrics}
+    return loss, metrics
+
+
+def check_loss_inputs(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
+                      mask: torch.Tensor, is_weights: torch.Tensor | None = None) -> None:
+    """Raise ``ValueError`` naming the input for wrong shapes, dtypes or non-finite values at
+    response tokens (values under mask = 0 are ignored, as padding may hold anything)."""
+    if logp_new.dim() != 2:
+        raise ValueError(f"logp_new: expected shape [batch, tokens], got {tuple(logp_new.shape)}")
+    shape = logp_new.shape
+    named = {"logp_old": logp_old, "mask": mask}
+    if is_weights is not None:
+        named["is_weights"] = is_weights
+    for name, tensor in named.items():
+        if tensor.shape != shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match logp_new {tuple(shape)}")
+    if advantages.shape not in (shape, shape[:1]):
+        raise ValueError(
+            f"advantages: shape {tuple(advantages.shape)} must be {tuple(shape)} or {tuple(shape[:1])}"
+        )
+    for name, tensor in (("logp_new", logp_new), ("logp_old", logp_old), ("advantages", advantages)):
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name}: expected a floating-point tensor, got {tensor.dtype}")
+    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("mask: expected bool or 0/1 values")
+    mask = mask.bool()
+    values = {"logp_new": logp_new.detach(), "logp_old": logp_old, "advantages": advantages}
+    if is_weights is not None:
+        values["is_weights"] = is_weights
+    token_mask = {name: (mask if t.shape == shape else mask.any(-1)) for name, t in values.items()}
+    bad = torch.stack([(~torch.isfinite(t) & token_mask[name]).sum() for name, t in values.items()])
+    counts = bad.tolist()  # the one host sync of the validation
+    for (name, tensor), count in zip(values.items(), counts):
+        if count:
+            where = (~torch.isfinite(tensor) & token_mask[name]).nonzero()[0].tolist()
+            raise ValueError(f"{name}: {count} non-finite value(s) (nan/inf) at response tokens, first at {where}")
+
+
+def _check_aggregation(aggregation: str) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {aggregation!r}")
