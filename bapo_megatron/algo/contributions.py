@@ -141,7 +141,7 @@ def _torch_stats(ratio, log_ratio, advantages, mask, plan):
         torch.bincount(bucket, minlength=size)[: layout.row].to(torch.float64),
     ]
     r64 = torch.where(mask, ratio, 0).to(torch.float64)
-    kl = torch.where(mask, ratio - 1 - log_ratio, 0).to(torch.float64)
+    kl = torch.where(mask, r64 - 1 - log_ratio.to(torch.float64), 0)
     extras = torch.stack([
         (mask & (advantages == 0)).sum().to(torch.float64), r64.sum(), kl.sum(),
     ])
