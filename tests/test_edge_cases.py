@@ -120,3 +120,25 @@ def test_truncated_importance_weights_are_capped_and_detached():
     assert not w.requires_grad
     with pytest.raises(ValueError, match="cap must be > 0"):
         truncated_importance_weights(recomputed, behaviour, cap=0.0)
+
+
+def test_statistics_refuse_mismatched_shapes():
+    from bapo_megatron.algo import contribution_stats, importance_ratio
+
+    logp_new, logp_old, adv, mask = _batch([1.0, -1.0, 2.0, -2.0])
+    ratio, log_ratio = importance_ratio(logp_new.detach(), logp_old)
+    for backend in ("numba", "torch"):
+        with pytest.raises(ValueError, match=r"advantages: shape \(4,\) does not match ratio"):
+            contribution_stats(ratio, log_ratio, adv, mask, PAPER, backend)
+
+
+def test_search_statistics_match_what_the_loss_decides():
+    from bapo_megatron.algo import choose_bounds, search_statistics
+
+    logp_new, logp_old, adv, mask = _batch([1.0, -1.0, 2.0, -2.0], spread=1.5)
+    weights = torch.rand(4, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    stats, _ = search_statistics(logp_new, logp_old, adv, mask, plan=PAPER, is_weights=weights)
+    decision = choose_bounds(stats, PAPER)
+    _, m = _run(PAPER, logp_new, logp_old, adv, mask, is_weights=weights)
+    assert int(m["bapo/search_steps"]) == int(decision.steps) > 0
+    assert m["bapo/c_high"].item() == decision.c_high.item()

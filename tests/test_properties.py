@@ -13,6 +13,7 @@ from bapo_megatron.algo import (
     contribution_stats,
     importance_ratio,
     loss_normalizer,
+    search_statistics,
 )
 from bapo_megatron.config import ClipSearchConfig
 from tests.random_batches import SEARCH_VARIANTS, random_batch
@@ -76,13 +77,11 @@ def test_token_mean_is_independent_of_the_split(seed, variant, splits):
     pieces = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
     leaf = batch["logp_new"].detach().requires_grad_(True)
     # Decide once over all pieces (stats summed = what one all-reduce gives), then sum the losses.
-    total_stats = None
-    for sl in pieces:
-        ratio, log_ratio = importance_ratio(leaf[sl].detach(), batch["logp_old"][sl])
-        adv = batch["advantages"][sl]
-        adv = adv[:, None].expand_as(ratio) if adv.dim() == 1 else adv
-        stats, _ = contribution_stats(ratio, log_ratio, adv, batch["mask"][sl], plan)
-        total_stats = stats if total_stats is None else total_stats + stats
+    total_stats = sum(
+        search_statistics(leaf[sl], batch["logp_old"][sl], batch["advantages"][sl],
+                          batch["mask"][sl], plan=plan)[0]
+        for sl in pieces
+    )
     decision = choose_bounds(total_stats, plan)
     total = sum(
         bapo_loss(leaf[sl], batch["logp_old"][sl], batch["advantages"][sl], batch["mask"][sl],

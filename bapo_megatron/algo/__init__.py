@@ -10,6 +10,7 @@ from bapo_megatron.algo.policy_loss import (
     clipped_surrogate,
     importance_ratio,
     loss_normalizer,
+    search_statistics,
     truncated_importance_weights,
 )
 from bapo_megatron.algo.reduction import ReduceFn, all_reduce_sum, identity_reduce
@@ -28,5 +29,6 @@ __all__ = [
     "identity_reduce",
     "importance_ratio",
     "loss_normalizer",
+    "search_statistics",
     "truncated_importance_weights",
 ]

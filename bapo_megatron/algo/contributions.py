@@ -85,7 +85,8 @@ def contribution_stats(
     Args:
         ratio: importance ratios r (no grad needed), any shape.
         log_ratio: the clamped log r the ratios came from, same shape (for the KL estimate).
-        advantages: effective advantages (times any importance weight), same shape.
+        advantages: effective advantages (times any importance weight), same shape (expand
+            per-sequence advantages first; :func:`bapo_megatron.algo.search_statistics` does).
         mask: response-token mask, same shape (bool).
         plan: the search's candidate grids.
         backend: `numba` (CPU), `torch`, or `auto` (numba for CPU tensors when installed).
@@ -95,6 +96,9 @@ def contribution_stats(
         over the data x context parallel group; and ``[min r, max r]`` over this batch's response
         tokens (+inf, -inf when it has none), to be reduced with MIN/MAX if wanted.
     """
+    for name, tensor in (("log_ratio", log_ratio), ("advantages", advantages), ("mask", mask)):
+        if tensor.shape != ratio.shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match ratio {tuple(ratio.shape)}")
     ratio, log_ratio = ratio.detach().reshape(-1), log_ratio.detach().reshape(-1)
     advantages, mask = advantages.detach().reshape(-1), mask.reshape(-1)
     if backend == "auto":

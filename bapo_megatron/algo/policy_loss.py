@@ -132,12 +132,8 @@ def bapo_loss(
         check_loss_inputs(logp_new, logp_old, advantages, mask, is_weights)
     _check_aggregation(aggregation)
     mask = mask.bool()
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1).expand_as(logp_new)
     ratio, log_ratio = importance_ratio(logp_new, logp_old)
-    advantages = advantages.detach().to(ratio.dtype)
-    if is_weights is not None:
-        advantages = advantages * is_weights.detach().to(ratio.dtype)
+    advantages = _effective_advantages(advantages, is_weights, ratio)
 
     metrics: dict[str, torch.Tensor] = {}
     if decision is None:
@@ -149,6 +145,43 @@ def bapo_loss(
     loss = aggregate(per_token, mask, aggregation, normalizer)
     metrics = {**decision.metrics, "bapo/c_low": decision.c_low, "bapo/c_high": decision.c_high, **metrics}
     return loss, metrics
+
+
+def search_statistics(
+    logp_new: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    plan: SearchPlan,
+    is_weights: torch.Tensor | None = None,
+    check_inputs: bool = True,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The local statistics ``bapo_loss`` would build for this micro-batch, without the loss.
+
+    For granularity `step`: sum the results over the step's micro-batches, reduce once,
+    :func:`choose_bounds`, then call ``bapo_loss(..., decision=...)`` per micro-batch. Arguments
+    as for :func:`bapo_loss`; returns ``(stats, [min r, max r])`` as
+    :func:`contribution_stats` does.
+    """
+    if check_inputs:
+        check_loss_inputs(logp_new, logp_old, advantages, mask, is_weights)
+    with torch.no_grad():
+        ratio, log_ratio = importance_ratio(logp_new.detach(), logp_old)
+        advantages = _effective_advantages(advantages, is_weights, ratio)
+        return contribution_stats(ratio, log_ratio, advantages, mask.bool(), plan, backend)
+
+
+def _effective_advantages(advantages: torch.Tensor, is_weights: torch.Tensor | None,
+                          ratio: torch.Tensor) -> torch.Tensor:
+    """Per-token A * w in the ratio's dtype, detached (per-sequence A copied to every token)."""
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1).expand_as(ratio)
+    advantages = advantages.detach().to(ratio.dtype)
+    if is_weights is not None:
+        advantages = advantages * is_weights.detach().to(ratio.dtype)
+    return advantages
 
 
 def check_loss_inputs(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
