@@ -210,12 +210,19 @@ def check_loss_inputs(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages
     values = {"logp_new": logp_new.detach(), "logp_old": logp_old, "advantages": advantages}
     if is_weights is not None:
         values["is_weights"] = is_weights
-    token_mask = {name: (mask if t.shape == shape else mask.any(-1)) for name, t in values.items()}
-    bad = torch.stack([(~torch.isfinite(t) & token_mask[name]).sum() for name, t in values.items()])
-    counts = bad.tolist()  # the one host sync of the validation
-    for (name, tensor), count in zip(values.items(), counts):
+    # Fast path: one sum is non-finite iff some input is (overflow aside), and costs one sync.
+    total = logp_new.detach() + logp_old
+    total = total + (advantages if advantages.shape == shape else advantages[:, None])
+    if is_weights is not None:
+        total = total + is_weights
+    if not bool((~torch.isfinite(total) & mask).any()):
+        return
+    for name, tensor in values.items():
+        token_mask = mask if tensor.shape == shape else mask.any(-1)
+        bad = ~torch.isfinite(tensor) & token_mask
+        count = int(bad.sum())
         if count:
-            where = (~torch.isfinite(tensor) & token_mask[name]).nonzero()[0].tolist()
+            where = bad.nonzero()[0].tolist()
             raise ValueError(f"{name}: {count} non-finite value(s) (nan/inf) at response tokens, first at {where}")
 
 
