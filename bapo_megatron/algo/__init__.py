@@ -15,6 +15,7 @@ from bapo_megatron.algo.policy_loss import (
 )
 from bapo_megatron.algo.reduction import ReduceFn, all_reduce_sum, identity_reduce
 from bapo_megatron.algo.search_plan import SearchPlan
+from bapo_megatron.algo.vocab_parallel import token_logprobs_and_entropy
 
 __all__ = [
     "BoundDecision",
@@ -30,5 +31,6 @@ __all__ = [
     "importance_ratio",
     "loss_normalizer",
     "search_statistics",
+    "token_logprobs_and_entropy",
     "truncated_importance_weights",
 ]
