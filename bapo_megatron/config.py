@@ -7,9 +7,12 @@ these classes by :mod:`bapo_megatron.config_loading`.
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 Schedule = Literal["paper", "reference"]
 Semantics = Literal["gradient", "surrogate"]
@@ -155,9 +158,354 @@ class LossConfig:
             raise ValueError(f"loss.truncated_is_cap must be > 0 or null, got {self.truncated_is_cap!r}")
 
 
+ModelType = Literal["llama", "qwen2"]
+ParamsDtype = Literal["float32", "bfloat16"]
+Fp8Format = Literal["e4m3", "hybrid"]
+Fp8Recipe = Literal["delayed", "tensorwise", "mxfp8", "blockwise"]
+Fp8AmaxAlgo = Literal["most_recent", "max"]
+
+MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The policy's architecture: the decoder-only families the paper trains (Qwen2/Qwen2.5 and
+    Llama). Both are pre-norm RMSNorm transformers with rotary embeddings, grouped-query attention,
+    a SwiGLU MLP (implied, not configurable) and no bias except, for Qwen2, on q/k/v.
+
+    Usually read from a Hugging Face ``config.json`` with :meth:`from_hf_config`.
+    """
+
+    model_type: ModelType
+    """Hugging Face ``model_type``: `llama` or `qwen2` (Qwen2 and Qwen2.5 share it)."""
+    num_layers: int
+    """Transformer layers (HF ``num_hidden_layers``)."""
+    hidden_size: int
+    """Width of the residual stream (HF ``hidden_size``)."""
+    ffn_hidden_size: int
+    """Width of the SwiGLU MLP, per gate/up projection (HF ``intermediate_size``)."""
+    num_attention_heads: int
+    """Query heads (HF ``num_attention_heads``); hidden_size must be a multiple."""
+    num_query_groups: int
+    """Key/value heads for grouped-query attention (HF ``num_key_value_heads``); equal to
+    num_attention_heads for plain multi-head attention, and must divide it."""
+    vocab_size: int
+    """Rows of the embedding and output matrices (HF ``vocab_size``, already padded by the
+    checkpoint; not padded again here)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary embedding frequencies (HF ``rope_theta``; Qwen2 uses 1e6)."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm (HF ``rms_norm_eps``)."""
+    qkv_bias: bool | None = None
+    """Bias on the q/k/v projections only; None takes the family's: True for Qwen2, False for
+    Llama."""
+    tie_word_embeddings: bool = False
+    """The output layer reuses the input embedding matrix (HF ``tie_word_embeddings``; small
+    Qwen2.5 models tie, Llama and larger Qwen2.5 do not)."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the model is run on (HF ``max_position_embeddings``)."""
+    params_dtype: ParamsDtype = "float32"
+    """Dtype of the parameters Megatron allocates: `float32`, or `bfloat16` (Megatron's bf16 mode:
+    bf16 parameters and activations, fp32 main weights in the optimizer)."""
+
+    def __post_init__(self) -> None:
+        prefix = "model"
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"{prefix}.model_type must be one of {list(MODEL_TYPES)}, got {self.model_type!r}")
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "num_query_groups", "vocab_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{prefix}.{name} must be a positive integer, got {value!r}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and value > 0):
+                raise ValueError(f"{prefix}.{name} must be a finite number > 0, got {value!r}")
+            setattr(self, name, float(value))
+        if self.qkv_bias is None:
+            self.qkv_bias = self.model_type == "qwen2"
+        for name in ("qkv_bias", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{prefix}.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.params_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"{prefix}.params_dtype must be 'float32' or 'bfloat16', got {self.params_dtype!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"{prefix}.hidden_size ({self.hidden_size}) must be a multiple of "
+                f"{prefix}.num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"{prefix}.num_query_groups ({self.num_query_groups}) must divide "
+                f"{prefix}.num_attention_heads ({self.num_attention_heads})"
+            )
+        if (self.hidden_size // self.num_attention_heads) % 2:
+            raise ValueError(
+                f"{prefix}: the head dimension hidden_size / num_attention_heads = "
+                f"{self.hidden_size // self.num_attention_heads} must be even for rotary embeddings"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head (hidden_size / num_attention_heads)."""
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf_config(cls, source: str | Path | Mapping[str, Any], **overrides: Any) -> "ModelConfig":
+        """Read a Hugging Face ``config.json`` (LlamaConfig or Qwen2Config field names).
+
+        ``source`` is the file, the checkpoint folder holding it, or the already parsed mapping;
+        ``overrides`` set fields that are not in the file (``params_dtype``) or replace ones that
+        are (``max_position_embeddings``). Anything this model definition cannot represent
+        exactly (rope scaling, sliding-window attention, an MLP or output-projection bias, a head
+        dimension other than hidden/heads, an activation other than SiLU) raises ``ValueError``
+        naming the file and the field, rather than loading a silently different model.
+        """
+        if isinstance(source, Mapping):
+            where, hf = "<config mapping>", dict(source)
+        else:
+            path = Path(source)
+            if path.is_dir():
+                path = path / "config.json"
+            where = str(path)
+            if not path.is_file():
+                raise ValueError(f"HF config {where} does not exist")
+            try:
+                hf = json.loads(path.read_text())
+            except json.JSONDecodeError as err:
+                raise ValueError(f"HF config {where} is not valid JSON: {err}") from None
+            if not isinstance(hf, dict):
+                raise ValueError(f"HF config {where}: expected a JSON object at the top level")
+
+        def need(key: str) -> Any:
+            if hf.get(key) is None:
+                raise ValueError(f"HF config {where}: required field {key!r} is missing")
+            return hf[key]
+
+        model_type = need("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"HF config {where}: model_type {model_type!r} is not supported; "
+                f"supported: {list(MODEL_TYPES)}"
+            )
+
+        def refuse(key: str, why: str) -> None:
+            raise ValueError(f"HF config {where}: {key}={hf[key]!r} is not supported ({why})")
+
+        if hf.get("rope_scaling") is not None:
+            refuse("rope_scaling", "only plain RoPE with rope_theta is implemented")
+        if hf.get("hidden_act", "silu") != "silu":
+            refuse("hidden_act", "both families use a SwiGLU MLP with SiLU")
+        if hf.get("mlp_bias"):
+            refuse("mlp_bias", "the MLP has no bias")
+        if model_type == "qwen2" and hf.get("use_sliding_window"):
+            refuse("use_sliding_window", "sliding-window attention is not implemented")
+        if model_type == "llama" and hf.get("attention_bias"):
+            # Llama's attention_bias puts a bias on o_proj as well; Megatron can bias q/k/v only
+            # (add_qkv_bias) or every linear layer including the MLP (add_bias_linear).
+            refuse("attention_bias", "Llama's flag also biases o_proj, which has no Megatron "
+                   "equivalent here")
+        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        head_dim = hf.get("head_dim")
+        if head_dim is not None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0 \
+                and head_dim != hidden // heads:
+            refuse("head_dim", f"must equal hidden_size / num_attention_heads = {hidden // heads}")
+
+        values: dict[str, Any] = dict(
+            model_type=model_type,
+            num_layers=need("num_hidden_layers"),
+            hidden_size=hidden,
+            ffn_hidden_size=need("intermediate_size"),
+            num_attention_heads=heads,
+            num_query_groups=hf.get("num_key_value_heads") or heads,  # absent in old MHA configs
+            vocab_size=need("vocab_size"),
+            rope_theta=hf.get("rope_theta", 10000.0),
+            rms_norm_eps=need("rms_norm_eps"),
+            qkv_bias=model_type == "qwen2",
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=need("max_position_embeddings"),
+        )
+        values.update(overrides)
+        try:
+            return cls(**values)
+        except ValueError as err:
+            raise ValueError(f"HF config {where}: {err}") from None
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the actor is split over ranks, and its FP8 mode. Data parallel is what is left: world
+    size / (tensor x pipeline x context). Which combinations a given model and world size accept
+    is checked by :func:`validate_layout`. The fp8 fields are passed through unchanged to
+    Megatron's ``TransformerConfig`` (they need Transformer Engine and an FP8-capable GPU)."""
+
+    tensor_model_parallel_size: int = 1
+    """Ranks each layer's matrices are split over (heads, MLP columns, vocabulary)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages; each holds a contiguous block of layers."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline stage for the interleaved schedule; None: not interleaved."""
+    context_parallel_size: int = 1
+    """Ranks each sequence is split over (needs Transformer Engine's attention)."""
+    sequence_parallel: bool = False
+    """Shard norm and dropout activations over the tensor-parallel ranks along the sequence
+    (Megatron's sequence parallelism; needs tensor_model_parallel_size > 1)."""
+    fp8: Fp8Format | None = None
+    """FP8 format for Transformer Engine GEMMs: `e4m3`, or `hybrid` (e4m3 forward, e5m2
+    gradients); None: no FP8. Passed through to Megatron."""
+    fp8_recipe: Fp8Recipe = "delayed"
+    """Transformer Engine scaling recipe: `delayed`, `tensorwise`, `mxfp8` (Blackwell) or
+    `blockwise`. Passed through to Megatron."""
+    fp8_amax_history_len: int = 1
+    """Window of amax values kept for the delayed-scaling factor. Passed through to Megatron."""
+    fp8_amax_compute_algo: Fp8AmaxAlgo = "most_recent"
+    """Amax from the window used for scaling: `most_recent` or `max`. Passed through to
+    Megatron."""
+
+    def __post_init__(self) -> None:
+        prefix = "parallel"
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size", "fp8_amax_history_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{prefix}.{name} must be a positive integer, got {value!r}")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None:
+            if isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 2:
+                raise ValueError(
+                    f"{prefix}.virtual_pipeline_model_parallel_size must be an integer >= 2 or null, "
+                    f"got {vpp!r}"
+                )
+            if self.pipeline_model_parallel_size < 2:
+                raise ValueError(
+                    f"{prefix}.virtual_pipeline_model_parallel_size={vpp} needs "
+                    f"{prefix}.pipeline_model_parallel_size > 1, got {self.pipeline_model_parallel_size}"
+                )
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"{prefix}.sequence_parallel must be true or false, got {self.sequence_parallel!r}")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError(
+                f"{prefix}.sequence_parallel=true needs {prefix}.tensor_model_parallel_size > 1 "
+                "(it shards activations over the tensor-parallel ranks)"
+            )
+        if self.fp8 not in (None, "e4m3", "hybrid"):
+            raise ValueError(f"{prefix}.fp8 must be 'e4m3', 'hybrid' or null, got {self.fp8!r}")
+        if self.fp8_recipe not in ("delayed", "tensorwise", "mxfp8", "blockwise"):
+            raise ValueError(
+                f"{prefix}.fp8_recipe must be one of ['delayed', 'tensorwise', 'mxfp8', 'blockwise'], "
+                f"got {self.fp8_recipe!r}"
+            )
+        if self.fp8_amax_compute_algo not in ("most_recent", "max"):
+            raise ValueError(
+                f"{prefix}.fp8_amax_compute_algo must be 'most_recent' or 'max', "
+                f"got {self.fp8_amax_compute_algo!r}"
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one copy of the model: tensor x pipeline x context."""
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                * self.context_parallel_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Accelerator:
+    """What the machine offers that some layouts need; probed by :meth:`detect`, or given
+    explicitly (tests, dry runs on another machine)."""
+
+    transformer_engine: bool
+    """Transformer Engine is importable."""
+    cuda: bool
+    """A CUDA GPU is visible to torch."""
+    fp8_gpu: bool
+    """The GPU computes in FP8 (compute capability 8.9 or newer: Ada, Hopper, Blackwell)."""
+
+    @classmethod
+    def detect(cls) -> "Accelerator":
+        """Probe the current process (does not import Transformer Engine)."""
+        import importlib.util
+
+        import torch
+
+        te = importlib.util.find_spec("transformer_engine") is not None
+        cuda = torch.cuda.is_available()
+        fp8 = cuda and torch.cuda.get_device_capability() >= (8, 9)
+        return cls(transformer_engine=te, cuda=cuda, fp8_gpu=fp8)
+
+
+def validate_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int,
+                    accelerator: Accelerator | None = None) -> int:
+    """Check that ``parallel`` can split ``model`` over ``world_size`` ranks on this machine
+    (``accelerator``: probed when None) and return the data-parallel size. Raises ``ValueError``
+    naming the fields on the first problem."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    cp, vpp = parallel.context_parallel_size, parallel.virtual_pipeline_model_parallel_size
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    if world_size % parallel.model_parallel_size:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor x pipeline x context parallel = "
+            f"{tp} x {pp} x {cp} = {parallel.model_parallel_size} "
+            "(parallel.tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size)"
+        )
+    if model.num_attention_heads % tp:
+        raise ValueError(
+            f"model.num_attention_heads ({model.num_attention_heads}) is not divisible by "
+            f"parallel.tensor_model_parallel_size ({tp})"
+        )
+    if model.num_query_groups % tp:
+        raise ValueError(
+            f"model.num_query_groups ({model.num_query_groups}) is not divisible by "
+            f"parallel.tensor_model_parallel_size ({tp}); every rank needs whole key/value heads"
+        )
+    if model.ffn_hidden_size % tp:
+        raise ValueError(
+            f"model.ffn_hidden_size ({model.ffn_hidden_size}) is not divisible by "
+            f"parallel.tensor_model_parallel_size ({tp})"
+        )
+    if model.vocab_size % tp:
+        raise ValueError(
+            f"model.vocab_size ({model.vocab_size}) is not divisible by "
+            f"parallel.tensor_model_parallel_size ({tp}); vocabulary padding is not implemented"
+        )
+    chunks = pp * (vpp or 1)
+    if model.num_layers % chunks:
+        what = f"pipeline x virtual pipeline = {pp} x {vpp}" if vpp else f"pipeline = {pp}"
+        raise ValueError(
+            f"model.num_layers ({model.num_layers}) is not divisible by {what} "
+            "(parallel.pipeline_model_parallel_size, virtual_pipeline_model_parallel_size)"
+        )
+    if accelerator is None:
+        accelerator = Accelerator.detect()
+    if cp > 1 and not (accelerator.transformer_engine and accelerator.cuda):
+        raise ValueError(
+            f"parallel.context_parallel_size={cp} needs Transformer Engine on a CUDA GPU "
+            f"(found transformer_engine={accelerator.transformer_engine}, cuda={accelerator.cuda}); "
+            "set it to 1"
+        )
+    if parallel.fp8 is not None:
+        if not accelerator.transformer_engine:
+            raise ValueError(
+                f"parallel.fp8={parallel.fp8!r} needs Transformer Engine, which is not installed; "
+                "set parallel.fp8=null"
+            )
+        if not accelerator.fp8_gpu:
+            raise ValueError(
+                f"parallel.fp8={parallel.fp8!r} needs a GPU with FP8 support (compute capability "
+                f">= 8.9), found {'a GPU without it' if accelerator.cuda else 'no GPU'}; "
+                "set parallel.fp8=null"
+            )
+    return world_size // parallel.model_parallel_size
+
+
 @dataclass(kw_only=True)
 class Config:
-    """Root of a run's configuration. Later sections (model, parallel, rollout, data) join here."""
+    """Root of a run's configuration. Later sections (rollout, data) join here."""
 
     loss: LossConfig = field(default_factory=LossConfig)
     """The policy loss."""
+    model: ModelConfig | None = None
+    """The policy's architecture; None for runs without a model (the loss demo)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the actor is split over ranks."""

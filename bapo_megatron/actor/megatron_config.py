@@ -1,0 +1,68 @@
+"""The one conversion from this project's configuration to Megatron-Core's ``TransformerConfig``.
+
+Megatron's config has some 250 fields; they stay here. Everything else in the project speaks
+:class:`~bapo_megatron.config.ModelConfig` and :class:`~bapo_megatron.config.ParallelConfig`.
+Fields that are arguments of ``GPTModel`` rather than of the config (vocabulary size, RoPE base,
+tied embeddings) are passed by :mod:`bapo_megatron.actor.model`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from bapo_megatron.config import ModelConfig, ParallelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def to_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
+                          use_cpu_initialization: bool | None = None) -> TransformerConfig:
+    """Megatron's ``TransformerConfig`` for a Llama/Qwen2 decoder split as ``parallel`` says.
+
+    Architecture: pre-norm RMSNorm (``layernorm_epsilon`` = rms_norm_eps), SwiGLU MLP
+    (``gated_linear_unit`` with SiLU), grouped-query attention (``num_query_groups``), no bias on
+    any linear layer except q/k/v when ``model.qkv_bias`` (Qwen2). Dropout is off: the policy's
+    log-probs must not depend on which pass computed them.
+
+    ``use_cpu_initialization`` (default: when no CUDA GPU is visible) makes every rank build the
+    full weight on the CPU and keep its slice; on CPU it is the only way. The fp8 fields of
+    ``parallel`` are passed through unchanged (Megatron hands them to Transformer Engine).
+    """
+    if use_cpu_initialization is None:
+        use_cpu_initialization = not torch.cuda.is_available()
+    dtype = _DTYPES[model.params_dtype]
+    return TransformerConfig(
+        # architecture
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # precision
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        # parallel layout
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        use_cpu_initialization=use_cpu_initialization,
+        # FP8 through Transformer Engine (validate_layout refuses it where it cannot run)
+        fp8=parallel.fp8,
+        fp8_recipe=parallel.fp8_recipe,
+        fp8_amax_history_len=parallel.fp8_amax_history_len,
+        fp8_amax_compute_algo=parallel.fp8_amax_compute_algo,
+    )

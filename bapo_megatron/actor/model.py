@@ -1,0 +1,84 @@
+"""Build the policy as Megatron-Core ``GPTModel`` chunks for this rank's place in the layout.
+
+The layer spec is Transformer Engine's when it is importable and a CUDA GPU is visible, otherwise
+Megatron's local (plain torch) spec with RMSNorm, which is what runs on the CPU. Rotary position
+embeddings use ``rope_theta``; the output layer shares the embedding matrix when
+``tie_word_embeddings``. Each chunk knows from the context whether it holds the embedding
+(``pre_process``: first stage) and the output layer (``post_process``: last stage).
+
+``forward(tokens [b, s], position_ids [b, s], attention_mask=None)`` of a last-stage chunk returns
+logits ``[b, s, vocab_size / tp_size]``: each tensor-parallel rank holds a contiguous slice of the
+vocabulary (``parallel_output``), which the log-prob code consumes without gathering.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from bapo_megatron.actor.megatron_config import to_transformer_config
+from bapo_megatron.config import ModelConfig, ParallelConfig, validate_layout
+from bapo_megatron.parallel import ParallelContext
+
+DEFAULT_SEED = 1234
+
+
+def uses_transformer_engine() -> bool:
+    """Whether models are built from Transformer Engine layers (TE installed and CUDA visible)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def layer_spec() -> ModuleSpec:
+    """Megatron's decoder-layer spec for the Llama/Qwen2 families on this machine."""
+    if uses_transformer_engine():
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+
+
+def build_model(model: ModelConfig, parallel: ParallelConfig, context: ParallelContext, *,
+                seed: int = DEFAULT_SEED) -> list[GPTModel]:
+    """This rank's model chunks: one ``GPTModel``, or ``virtual_pipeline_model_parallel_size``
+    of them (Megatron's interleaved schedule takes the list).
+
+    The layout is validated first (:func:`~bapo_megatron.config.validate_layout`). Initial
+    weights are a function of ``seed`` and the layout: a rebuild with the same seed and layout
+    gives the same weights, but different layouts do not give the same full model (trained
+    weights are loaded afterwards). The seed sets Megatron's RNG tracker and the default
+    generator, offset per pipeline stage so that stages draw different layers; all
+    tensor-parallel ranks of a stage share it, which ``use_cpu_initialization`` requires (each
+    rank draws the full matrix and keeps its slice).
+    """
+    validate_layout(model, parallel, context.world_size)
+    if parallel != context.config:
+        raise ValueError("build_model: `parallel` differs from the layout the ParallelContext "
+                         "was initialized with")
+    config = to_transformer_config(model, parallel)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed + 100 * context.pp_rank)
+    spec = layer_spec()
+    stages = [None] if context.vpp_size is None else list(range(context.vpp_size))
+    return [
+        GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=model.vocab_size,
+            max_sequence_length=model.max_position_embeddings,
+            pre_process=context.is_first_stage(vp_stage),
+            post_process=context.is_last_stage(vp_stage),
+            parallel_output=True,
+            share_embeddings_and_output_weights=model.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=model.rope_theta,
+            pg_collection=context.process_groups,
+            vp_stage=vp_stage,
+        ).to(context.device)
+        for vp_stage in stages
+    ]
