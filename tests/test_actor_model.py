@@ -21,8 +21,6 @@ if __name__ == "__main__":  # a worker: pin thread pools before torch loads
 import argparse
 import dataclasses
 import datetime
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +33,7 @@ from bapo_megatron.actor import cpu_patches  # noqa: E402
 from bapo_megatron.actor.model import build_model  # noqa: E402
 from bapo_megatron.config import ModelConfig, ParallelConfig  # noqa: E402
 from bapo_megatron.parallel import ParallelContext  # noqa: E402
+from tests import gloo_launch  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 120.0
@@ -218,51 +217,14 @@ def worker(args: argparse.Namespace) -> None:
                               has_embedding=hasattr(c, "embedding"),
                               has_output=hasattr(c, "output_layer")) for c in chunks]
         ctx.teardown()
-    torch.save(results, args.out)
+    gloo_launch.save_result(results, args.out)
     dist.destroy_process_group()
 
 
 def launch(world_size: int, workdir: Path, reference: Path) -> list[dict]:
-    """Run ``world_size`` copies of this file as workers; raise with every rank's log as soon as
-    one fails or the launch outlives :data:`LAUNCH_TIMEOUT_S` (then the rest are killed)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    logs = [workdir / f"rank{r}.log" for r in range(world_size)]
-    outs = [workdir / f"rank{r}.pt" for r in range(world_size)]
-    procs, problem = [], None
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    try:
-        for rank in range(world_size):
-            cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--rank", str(rank),
-                   "--world-size", str(world_size), "--init", str(workdir / "rendezvous"),
-                   "--reference", str(reference), "--out", str(outs[rank])]
-            with open(logs[rank], "wb") as log:
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                              cwd=REPO_ROOT))
-        while problem is None:
-            codes = [p.poll() for p in procs]
-            if all(code == 0 for code in codes):
-                break
-            failed = [r for r, code in enumerate(codes) if code not in (None, 0)]
-            if failed:
-                problem = f"rank(s) {failed} exited with {[codes[r] for r in failed]}"
-            elif time.monotonic() > deadline:
-                problem = f"timed out after {LAUNCH_TIMEOUT_S:.0f} s"
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    if problem is None and not all(out.exists() for out in outs):
-        problem = "a rank exited 0 without writing its results"
-    if problem is not None:
-        text = "\n".join(f"----- rank {r} -----\n{log.read_text(errors='replace')[-5000:]}"
-                         for r, log in enumerate(logs) if log.exists())
-        pytest.fail(f"{world_size}-process launch failed: {problem}\n{text}")
-    return [torch.load(out, weights_only=False) for out in outs]
+    """Every rank's results of one launch of this file's workers (see tests/gloo_launch.py)."""
+    return gloo_launch.launch(__file__, world_size, workdir, ["--reference", reference],
+                              LAUNCH_TIMEOUT_S)
 
 
 @needs_cpu
@@ -294,9 +256,4 @@ def test_tp2_with_split_tp1_weights_gives_tp1_logits_and_pp_stages(tmp_path, sin
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    for flag in ("--rank", "--world-size"):
-        parser.add_argument(flag, type=int, required=True)
-    for flag in ("--init", "--reference", "--out"):
-        parser.add_argument(flag, required=True)
-    worker(parser.parse_args())
+    worker(gloo_launch.worker_arguments(sys.argv[1:], reference=str))

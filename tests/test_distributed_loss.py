@@ -25,11 +25,9 @@ if __name__ == "__main__":  # a worker: pin every thread pool before torch and n
         os.environ[_var] = "1"
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import argparse
 import datetime
 import itertools
 import math
-import subprocess
 import time
 import traceback
 import zlib
@@ -51,6 +49,7 @@ from bapo_megatron.algo import (
     loss_normalizer,
 )
 from bapo_megatron.config import AGGREGATIONS, ClipSearchConfig
+from tests import gloo_launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -311,14 +310,7 @@ def rank_part(data: dict, case: Case, rank: int) -> dict:
 
 
 def worker_main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--init", required=True)
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--fail-rank", type=int, default=-1)
-    args = parser.parse_args(argv)
+    args = gloo_launch.worker_arguments(argv, data=str, fail_rank=int)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{args.init}", rank=args.rank, world_size=args.world_size,
@@ -333,66 +325,16 @@ def worker_main(argv: list[str]) -> None:
             if case.id in payload:
                 results[case.id] = rank_part(payload[case.id], case, args.rank)
         dist.barrier()
-        out = Path(args.out)
-        torch.save(results, out.with_suffix(".tmp"))
-        os.replace(out.with_suffix(".tmp"), out)
+        gloo_launch.save_result(results, args.out)
     finally:
         dist.destroy_process_group()
 
 
-class WorkerFailure(AssertionError):
-    pass
-
-
 def launch(world_size: int, workdir: Path, data_path: Path, fail_rank: int = -1,
            timeout: float = LAUNCH_TIMEOUT_S) -> list[dict]:
-    """Run ``world_size`` workers and return each rank's results; raise :class:`WorkerFailure`
-    with every rank's output as soon as one fails, or when the launch outlives ``timeout``.
-    Workers still running then are killed: a rank blocked in a collective cannot hang the test."""
-    python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
-           "PYTHONPATH": python_path}
-    init = workdir / "rendezvous"  # FileStore of init_method file://, fresh per launch
-    logs = [workdir / f"rank{rank}.log" for rank in range(world_size)]
-    outs = [workdir / f"rank{rank}.pt" for rank in range(world_size)]
-    procs: list[subprocess.Popen] = []
-    problem = None
-    deadline = time.monotonic() + timeout
-    try:
-        for rank in range(world_size):
-            cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--rank", str(rank),
-                   "--world-size", str(world_size), "--init", str(init), "--data", str(data_path),
-                   "--out", str(outs[rank]), "--fail-rank", str(fail_rank)]
-            with open(logs[rank], "wb") as log:
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                              cwd=REPO_ROOT))
-        while True:
-            codes = [p.poll() for p in procs]
-            if all(code == 0 for code in codes):
-                break
-            failed = [r for r, code in enumerate(codes) if code not in (None, 0)]
-            if failed:
-                problem = f"rank(s) {failed} exited with {[codes[r] for r in failed]}"
-                break
-            if time.monotonic() > deadline:
-                problem = f"timed out after {timeout:.0f} s (exit codes {codes})"
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    if problem is None and not all(out.exists() for out in outs):
-        problem = "a rank exited 0 without writing its results"
-    if problem is not None:
-        parts = [f"{world_size}-process launch failed: {problem}"]
-        for rank, log in enumerate(logs):
-            text = log.read_text(errors="replace") if log.exists() else "(no output)"
-            code = procs[rank].returncode if rank < len(procs) else "not started"
-            parts.append(f"----- rank {rank} (exit {code}) -----\n{text[-6000:]}")
-        raise WorkerFailure("\n".join(parts))
-    return [torch.load(out, weights_only=True) for out in outs]
+    """Every rank's results of one launch of this file's workers (see tests/gloo_launch.py)."""
+    return gloo_launch.launch(__file__, world_size, workdir,
+                              ["--data", data_path, "--fail-rank", fail_rank], timeout)
 
 
 # ------------------------------------------------------------------------------- pytest
@@ -537,7 +479,7 @@ def test_a_failing_worker_fails_the_launch_without_hanging(tmp_path):
     data_path = tmp_path / "data.pt"
     torch.save({case.id: data}, data_path)
     start = time.monotonic()
-    with pytest.raises(WorkerFailure) as failure:
+    with pytest.raises(gloo_launch.WorkerFailure) as failure:
         launch(2, tmp_path, data_path, fail_rank=1, timeout=60.0)
     assert time.monotonic() - start < 60.0
     message = str(failure.value)

@@ -21,8 +21,6 @@ if __name__ == "__main__":  # a worker: pin thread pools before torch loads
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import datetime
-import subprocess
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from bapo_megatron.algo.vocab_parallel import token_logprobs_and_entropy
+from tests import gloo_launch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 120.0
@@ -307,8 +306,10 @@ def rank_part(case: Case, data: dict, rank: int, group, counter: CollectiveCount
             "grad": x.grad, "forward_calls": forward_calls, "backward_calls": counter.take()}
 
 
-def worker_main(rank: int, world_size: int, init: str, data_path: str, out: str,
-                fail_rank: int) -> None:
+def worker_main(argv: list[str]) -> None:
+    args = gloo_launch.worker_arguments(argv, data=str, fail_rank=int)
+    rank, world_size, init, data_path = args.rank, args.world_size, args.init, args.data
+    fail_rank = args.fail_rank
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank,
                             world_size=world_size,
@@ -343,51 +344,15 @@ def worker_main(rank: int, world_size: int, init: str, data_path: str, out: str,
         dist.all_reduce(alive)  # the group still works after the errors
         results["alive"] = float(alive)
         dist.barrier()
-        torch.save(results, out + ".tmp")
-        os.replace(out + ".tmp", out)
+        gloo_launch.save_result(results, args.out)
     finally:
         dist.destroy_process_group()
 
 
-def launch(world_size: int, workdir: Path, data_path: Path, fail_rank: int = -1,
-           timeout: float = LAUNCH_TIMEOUT_S) -> list[dict]:
-    """Run the workers; on a failure or after LAUNCH_TIMEOUT_S kill the rest and fail with every
-    rank's output (a rank stuck in a collective cannot hang the test)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
-                                                       os.environ.get("PYTHONPATH")]))}
-    logs = [workdir / f"rank{r}.log" for r in range(world_size)]
-    outs = [workdir / f"rank{r}.pt" for r in range(world_size)]
-    procs, problem = [], None
-    deadline = time.monotonic() + timeout
-    try:
-        for r in range(world_size):
-            cmd = [sys.executable, "-u", str(Path(__file__).resolve()), str(r), str(world_size),
-                   str(workdir / "rendezvous"), str(data_path), str(outs[r]), str(fail_rank)]
-            with open(logs[r], "wb") as log:
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                              env=env, cwd=REPO_ROOT))
-        while problem is None:
-            codes = [p.poll() for p in procs]
-            if all(c == 0 for c in codes):
-                break
-            if any(c not in (None, 0) for c in codes):
-                problem = f"a rank failed (exit codes {codes})"
-            elif time.monotonic() > deadline:
-                problem = f"timed out after {timeout:.0f} s (exit codes {codes})"
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    if problem is None and not all(o.exists() for o in outs):
-        problem = "a rank exited 0 without writing its results"
-    if problem is not None:
-        text = [f"----- rank {r} -----\n{log.read_text(errors='replace')[-4000:]}"
-                for r, log in enumerate(logs) if log.exists()]
-        pytest.fail(f"{world_size}-process launch: {problem}\n" + "\n".join(text), pytrace=False)
-    return [torch.load(o, weights_only=False) for o in outs]
+def launch(world_size: int, workdir: Path, data_path: Path) -> list[dict]:
+    """Every rank's results of one launch of this file's workers (see tests/gloo_launch.py)."""
+    return gloo_launch.launch(__file__, world_size, workdir,
+                              ["--data", data_path, "--fail-rank", -1], LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -463,18 +428,5 @@ def test_group_of_one_and_errors(launched, world_size):
         assert got["alive"] == world_size
 
 
-@pytest.mark.multiprocess
-def test_a_dead_worker_fails_the_launch_without_hanging(tmp_path):
-    """Rank 1 dies right after joining while rank 0 waits in a collective: the launch fails
-    fast, with rank 1's traceback."""
-    torch.save({"cases": []}, tmp_path / "data.pt")
-    start = time.monotonic()
-    with pytest.raises(pytest.fail.Exception) as failure:
-        launch(2, tmp_path, tmp_path / "data.pt", fail_rank=1, timeout=60.0)
-    assert time.monotonic() - start < 60.0
-    assert "injected failure on rank 1" in str(failure.value)
-    assert "Traceback" in str(failure.value)
-
 if __name__ == "__main__":
-    worker_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5],
-                int(sys.argv[6]))
+    worker_main(sys.argv[1:])
