@@ -449,26 +449,19 @@ def validate_layout(model: ModelConfig, parallel: ParallelConfig, world_size: in
             f"{tp} x {pp} x {cp} = {parallel.model_parallel_size} "
             "(parallel.tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size)"
         )
-    if model.num_attention_heads % tp:
-        raise ValueError(
-            f"model.num_attention_heads ({model.num_attention_heads}) is not divisible by "
-            f"parallel.tensor_model_parallel_size ({tp})"
-        )
-    if model.num_query_groups % tp:
-        raise ValueError(
-            f"model.num_query_groups ({model.num_query_groups}) is not divisible by "
-            f"parallel.tensor_model_parallel_size ({tp}); every rank needs whole key/value heads"
-        )
-    if model.ffn_hidden_size % tp:
-        raise ValueError(
-            f"model.ffn_hidden_size ({model.ffn_hidden_size}) is not divisible by "
-            f"parallel.tensor_model_parallel_size ({tp})"
-        )
-    if model.vocab_size % tp:
-        raise ValueError(
-            f"model.vocab_size ({model.vocab_size}) is not divisible by "
-            f"parallel.tensor_model_parallel_size ({tp}); vocabulary padding is not implemented"
-        )
+    tp_divided = (
+        ("num_attention_heads", ""),
+        ("num_query_groups", "; every rank needs whole key/value heads"),
+        ("ffn_hidden_size", ""),
+        ("vocab_size", "; vocabulary padding is not implemented"),
+    )
+    for name, why in tp_divided:
+        value = getattr(model, name)
+        if value % tp:
+            raise ValueError(
+                f"model.{name} ({value}) is not divisible by "
+                f"parallel.tensor_model_parallel_size ({tp}){why}"
+            )
     chunks = pp * (vpp or 1)
     if model.num_layers % chunks:
         what = f"pipeline x virtual pipeline = {pp} x {vpp}" if vpp else f"pipeline = {pp}"
