@@ -1,0 +1,192 @@
+"""HF checkpoint folder <-> Megatron distributed checkpoint, at the layout of the calling ranks.
+
+Both directions run on every rank of a :class:`~bapo_megatron.parallel.ParallelContext` (one
+process is the TP1/PP1 case) and build the actor's chunks for this rank:
+
+- :func:`hf_to_megatron`: each rank reads from the HF files only its own tensor-parallel slices
+  of its own stage's tensors (memory-mapped, one tensor at a time), merges them into its shards
+  with the family's name map, and the chunks are saved with ``dist_checkpointing``.
+- :func:`megatron_to_hf`: the checkpoint is loaded at this layout (resharding on load), then the
+  live export (:func:`~bapo_megatron.weights.export.export_weights`) gathers each stage's tensors
+  bucket by bucket and each stage writes its buckets as safetensors shards; rank 0 names the
+  shards, writes the index and restores the config and tokenizer files.
+
+Outputs are staged and renamed into place (:mod:`~bapo_megatron.weights.staging`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from bapo_megatron.actor.model import build_model
+from bapo_megatron.config import ModelConfig
+from bapo_megatron.parallel import ParallelContext
+from bapo_megatron.weights.export import export_weights
+from bapo_megatron.weights.hf_checkpoint import (
+    CONFIG_FILE,
+    DTYPE_NAMES,
+    HFCheckpoint,
+    copy_files,
+    name_shards,
+    non_weight_files,
+    read_model_config,
+    write_shard,
+)
+from bapo_megatron.weights.megatron_checkpoint import (
+    HF_FILES_DIR,
+    check_same_model,
+    load_megatron_checkpoint,
+    read_checkpoint_info,
+    save_megatron_checkpoint,
+)
+from bapo_megatron.weights.name_maps import (
+    chunk_parameters,
+    hf_tensor_shapes,
+    merge,
+    tp_slice,
+)
+from bapo_megatron.weights.staging import staged_folder
+
+DEFAULT_SHARD_BYTES = 2 * 2**30
+_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+@torch.no_grad()
+def load_hf_weights(chunks: list[torch.nn.Module], hf: HFCheckpoint, context: ParallelContext,
+                    *, progress: bool = False) -> None:
+    """Copy this rank's shards of the HF checkpoint ``hf`` into ``chunks`` (built for
+    ``hf.model`` at the context's layout). Reads only this rank's slices from the files."""
+    model = hf.model
+    rules = {rule.megatron: rule for rule in hf.name_map.rules(model)}
+    params = [(name, p) for chunk in chunks for name, p in chunk_parameters(chunk)]
+    for name, param in tqdm(params, desc="HF -> Megatron", unit="tensor", disable=not progress):
+        rule = rules.get(name)
+        if rule is None:
+            raise ValueError(f"parameter {name!r} of the Megatron model has no rule in the "
+                             f"{model.model_type!r} name map")
+        parts = []
+        for hf_name, shape in zip(rule.hf, hf_tensor_shapes(rule, model)):
+            if rule.tp_dim is None:
+                parts.append(hf.read(hf_name))
+            else:
+                part = tp_slice(rule, shape[rule.tp_dim], context.tp_rank, context.tp_size)
+                parts.append(hf.read(hf_name, rule.tp_dim, part))
+        shard = merge(rule, parts, model)
+        if tuple(shard.shape) != tuple(param.shape):
+            raise ValueError(f"{rule.hf}: the tensor-parallel shard has shape "
+                             f"{tuple(shard.shape)}, but Megatron parameter {name!r} has "
+                             f"{tuple(param.shape)} at TP rank {context.tp_rank}")
+        param.copy_(shard)
+        if name == "embedding.word_embeddings.weight" and model.tie_word_embeddings \
+                and "lm_head.weight" in hf:
+            # a tied checkpoint that stores the output matrix too: it must be the same matrix
+            head = hf.read("lm_head.weight", rule.tp_dim,
+                           tp_slice(rule, model.vocab_size, context.tp_rank, context.tp_size))
+            if not torch.equal(head, parts[0]):
+                raise ValueError(f"HF checkpoint {hf.folder}: tie_word_embeddings is true, but "
+                                 "lm_head.weight differs from model.embed_tokens.weight")
+
+
+def hf_to_megatron(hf_folder: str | Path, out_folder: str | Path, context: ParallelContext, *,
+                   params_dtype: str | None = None, overwrite: bool = False,
+                   progress: bool = False) -> tuple[ModelConfig, list[torch.nn.Module]]:
+    """Convert the HF folder to a Megatron checkpoint at ``out_folder`` (collective).
+
+    ``params_dtype`` (`float32` or `bfloat16`) is the dtype of the Megatron weights; default: the
+    HF weights' when it is one of those, else float32. Returns the model and this rank's
+    converted chunks.
+    """
+    with HFCheckpoint.open(hf_folder) as hf:
+        if params_dtype is None:
+            params_dtype = DTYPE_NAMES[hf.dtype] if hf.dtype in (torch.float32, torch.bfloat16) \
+                else "float32"
+        model = dataclasses.replace(hf.model, params_dtype=params_dtype)
+        chunks = build_model(model, context.config, context)
+        load_hf_weights(chunks, hf, context, progress=progress and _is_rank0())
+        save_megatron_checkpoint(chunks, model, out_folder, hf_dtype=hf.dtype,
+                                 hf_files=non_weight_files(hf_folder), overwrite=overwrite)
+        return model, chunks
+
+
+def write_hf_folder(chunks: list[torch.nn.Module], model: ModelConfig, out_folder: str | Path,
+                    context: ParallelContext, *, files: list[Path], dtype: torch.dtype,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
+                    progress: bool = False) -> None:
+    """Write the weights of ``chunks`` as an HF folder (collective over the world): each stage's
+    first TP rank of data-parallel replica 0 writes its export buckets as shards of at most
+    ``max_shard_bytes``; ``files`` (config, tokenizer...) are copied."""
+    with staged_folder(out_folder, overwrite=overwrite) as staging:
+        written: list[tuple[int, int, str, list[str], int]] = []
+        if context.dp_rank == 0 and context.cp_rank == 0:
+            buckets = export_weights(chunks, model, context, version=0,
+                                     bucket_bytes=max_shard_bytes, dtype=dtype)
+            for bucket in tqdm(buckets, desc=f"Megatron -> HF (stage {context.pp_rank})",
+                               unit="shard", disable=not progress):
+                file = f"part-{bucket.pipeline_rank:05d}-{bucket.index:05d}.safetensors"
+                size = write_shard(staging / file, bucket.tensors)
+                written.append((bucket.pipeline_rank, bucket.index, file, list(bucket.tensors),
+                                size))
+        everyone: list[list] = [written]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, written)
+        if _is_rank0():
+            shards = sorted(entry for rank_written in everyone for entry in rank_written)
+            name_shards(staging, [(file, names, size) for _, _, file, names, size in shards])
+            copy_files(files, staging)
+            _set_config_dtype(staging / CONFIG_FILE, dtype)
+
+
+def _set_config_dtype(config: Path, dtype: torch.dtype) -> None:
+    """Make the ``dtype`` / ``torch_dtype`` fields of the copied config.json name the dtype the
+    weights were written in (the file is left byte for byte unchanged when they already do)."""
+    if not config.is_file():
+        return
+    hf = json.loads(config.read_text())
+    keys = [key for key in ("dtype", "torch_dtype") if key in hf]
+    if all(hf[key] == DTYPE_NAMES[dtype] for key in keys):
+        return
+    hf.update({key: DTYPE_NAMES[dtype] for key in keys})
+    config.write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+
+
+def megatron_to_hf(checkpoint: str | Path, out_folder: str | Path, context: ParallelContext, *,
+                   dtype: str | None = None, hf_files_from: str | Path | None = None,
+                   max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
+                   progress: bool = False) -> None:
+    """Convert the Megatron checkpoint to an HF folder (collective), loading it at this layout.
+
+    ``dtype``: of the HF weights; default: the dtype recorded at conversion from HF, else the
+    checkpoint's. Config and tokenizer files come from the checkpoint's ``hf/`` folder, or from
+    ``hf_files_from`` (an HF folder whose config.json must describe the same model).
+    """
+    checkpoint = Path(checkpoint)
+    info = read_checkpoint_info(checkpoint)
+    if hf_files_from is not None:
+        source = Path(hf_files_from)
+        check_same_model(info.model, read_model_config(source, params_dtype=info.model.params_dtype),
+                         f"HF config {source / CONFIG_FILE}")
+    else:
+        source = checkpoint / HF_FILES_DIR
+        if not (source / CONFIG_FILE).is_file():
+            raise ValueError(f"Megatron checkpoint {checkpoint} carries no HF config "
+                             f"({source / CONFIG_FILE}); pass the HF folder to take config and "
+                             "tokenizer files from")
+    name = dtype or info.hf_dtype or info.model.params_dtype
+    if name not in _BY_NAME:
+        raise ValueError(f"dtype must be one of {sorted(_BY_NAME)}, got {name!r}")
+    chunks = build_model(info.model, context.config, context)
+    load_megatron_checkpoint(chunks, info.model, checkpoint)
+    write_hf_folder(chunks, info.model, out_folder, context, files=non_weight_files(source),
+                    dtype=_BY_NAME[name], max_shard_bytes=max_shard_bytes, overwrite=overwrite,
+                    progress=progress)

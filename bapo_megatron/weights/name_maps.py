@@ -1,0 +1,240 @@
+"""Hugging Face <-> Megatron-Core parameter names and layouts: one name map per model family.
+
+The registry :data:`NAME_MAPS` is keyed by the HF ``model_type`` (no substring dispatch). A name
+map turns a :class:`~bapo_megatron.config.ModelConfig` into :class:`ParamRule`\\ s, one per
+Megatron parameter of the whole (TP1/PP1) model, and every rule says
+
+- which HF tensors make the Megatron tensor and how (:func:`merge`, inverse :func:`split`):
+  ``same`` (one tensor, unchanged), ``qkv`` or ``gate_up``;
+- along which dimension tensor-parallel rank ``r`` of ``t`` holds the contiguous slice ``r`` of
+  *each HF tensor* (:func:`tp_slice`), or None for replicated tensors (norms).
+
+The Megatron layouts, and why TP slicing is done on the HF side:
+
+- ``linear_qkv.weight`` is ``[G * (H/G + 2) * d, hidden]`` for H query heads in G query groups of
+  head size d, laid out per group as ``(q heads of the group, k, v)``; its bias likewise. TP splits
+  along the groups, so rank r holds groups ``[r G/t, (r+1) G/t)``: the contiguous slices r of q, k
+  and v, merged group by group. ``merge`` of the slices is the rank's shard.
+- ``linear_fc1.weight`` (SwiGLU) is ``[gate; up]``, ``[2 F, hidden]``; rank r holds
+  ``[gate_r; up_r]``: again ``merge`` of the slices r.
+- Column-parallel matrices (embedding, output layer) split dim 0, row-parallel ones
+  (``linear_proj``, ``linear_fc2``) dim 1: the same dimension in HF, whose ``nn.Linear`` weights are
+  ``[out, in]`` as Megatron's.
+
+So a rank's shard of every parameter is ``merge(tp_slice(hf) for each hf tensor)``, and the whole
+HF tensor is the concatenation over ranks of ``split(shard)`` along ``tp_dim``: the offline
+conversion, the live export and the tests all use exactly these functions.
+
+With tied embeddings the last pipeline stage of a PP > 1 model holds ``output_layer.weight``, a
+copy of the embedding matrix: it is loaded from ``model.embed_tokens.weight`` and never exported
+(``ParamRule.exported``). HF checkpoints of tied models usually carry no ``lm_head.weight``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from bapo_megatron.config import ModelConfig
+
+Layout = Literal["same", "qkv", "gate_up"]
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    """How one Megatron parameter of the whole model is made of HF tensors."""
+
+    megatron: str
+    """Megatron name in the whole model (global layer numbers), e.g.
+    ``decoder.layers.3.self_attention.linear_qkv.weight``."""
+    hf: tuple[str, ...]
+    """HF names of the tensors merged into it, in merge order (q, k, v / gate, up)."""
+    layout: Layout
+    """`same`: the one HF tensor as it is; `qkv`: q, k, v interleaved per query group;
+    `gate_up`: gate and up stacked."""
+    tp_dim: int | None
+    """Dimension along which TP ranks hold contiguous equal slices of each HF tensor (and of the
+    Megatron tensor); None: every rank holds the whole tensor."""
+    exported: bool = True
+    """False for the tied output layer: a copy of the embedding that HF does not store."""
+
+
+# Per-layer entries: (Megatron suffix, HF suffixes, layout, tp_dim). Prefixes are added by
+# NameMap.rules: "decoder.layers.{i}." and "model.layers.{i}.".
+_LayerEntry = tuple[str, tuple[str, ...], Layout, int | None]
+
+_LLAMA_LAYER: tuple[_LayerEntry, ...] = (
+    ("input_layernorm.weight", ("input_layernorm.weight",), "same", None),
+    ("self_attention.linear_qkv.weight",
+     ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv", 0),
+    ("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "same", 1),
+    ("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "same", None),
+    ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up", 0),
+    ("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "same", 1),
+)
+
+# Qwen2 / Qwen2.5: Llama's layer plus a bias on q, k and v (and nothing else).
+_QWEN2_LAYER: tuple[_LayerEntry, ...] = _LLAMA_LAYER[:2] + (
+    ("self_attention.linear_qkv.bias",
+     ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv", 0),
+) + _LLAMA_LAYER[2:]
+
+# Transformer Engine's fused layers own the pre-norm weights; the local spec (CPU) has separate
+# norm modules. Megatron's own checkpoints use the TE names as keys for both.
+TE_NAME_ALIASES: dict[str, str] = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+@dataclass(frozen=True)
+class NameMap:
+    """The name map of one model family (an HF ``model_type``)."""
+
+    model_type: str
+    """HF ``model_type`` this map is registered under."""
+    layer: tuple[_LayerEntry, ...]
+    """The decoder layer's parameters, in HF order."""
+
+    def rules(self, model: ModelConfig) -> list[ParamRule]:
+        """Every Megatron parameter of the whole ``model``, in HF order: embedding, layers, final
+        norm, output layer (untied; tied: the loading-only copy of the embedding)."""
+        if model.model_type != self.model_type:
+            raise ValueError(f"name map {self.model_type!r} cannot describe a model of "
+                             f"model_type {model.model_type!r}")
+        has_bias = any(m.endswith(".bias") for m, *_ in self.layer)
+        if model.qkv_bias != has_bias:
+            raise ValueError(f"model.qkv_bias={model.qkv_bias} does not match the "
+                             f"{self.model_type!r} family (q/k/v bias: {has_bias})")
+        rules = [ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",),
+                           "same", 0)]
+        for i in range(model.num_layers):
+            rules += [ParamRule(f"decoder.layers.{i}.{megatron}",
+                                tuple(f"model.layers.{i}.{name}" for name in hf), layout, tp_dim)
+                      for megatron, hf, layout, tp_dim in self.layer]
+        rules.append(ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "same",
+                               None))
+        if model.tie_word_embeddings:
+            rules.append(ParamRule("output_layer.weight", ("model.embed_tokens.weight",), "same",
+                                   0, exported=False))
+        else:
+            rules.append(ParamRule("output_layer.weight", ("lm_head.weight",), "same", 0))
+        return rules
+
+    def hf_shapes(self, model: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Shape of every HF tensor of ``model`` (without ``lm_head.weight`` when tied)."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for rule in self.rules(model):
+            if rule.exported:
+                shapes.update(zip(rule.hf, hf_tensor_shapes(rule, model)))
+        return shapes
+
+
+NAME_MAPS: dict[str, NameMap] = {
+    "llama": NameMap("llama", _LLAMA_LAYER),
+    "qwen2": NameMap("qwen2", _QWEN2_LAYER),
+}
+"""The registry: HF ``model_type`` -> its family's name map."""
+
+
+def name_map_for(model_type: str) -> NameMap:
+    """The registered name map of ``model_type``; ``ValueError`` listing the supported ones."""
+    if model_type not in NAME_MAPS:
+        raise ValueError(f"no name map for HF model_type {model_type!r}; supported: "
+                         f"{sorted(NAME_MAPS)}")
+    return NAME_MAPS[model_type]
+
+
+def hf_tensor_shapes(rule: ParamRule, model: ModelConfig) -> tuple[tuple[int, ...], ...]:
+    """Shapes of the whole HF tensors of ``rule`` for ``model``."""
+    h, d = model.hidden_size, model.head_dim
+    q, kv = model.num_attention_heads * d, model.num_query_groups * d
+    suffix = rule.megatron.split(".", 3)[-1] if rule.megatron.startswith("decoder.layers.") \
+        else rule.megatron
+    shapes = {
+        "embedding.word_embeddings.weight": ((model.vocab_size, h),),
+        "output_layer.weight": ((model.vocab_size, h),),
+        "decoder.final_layernorm.weight": ((h,),),
+        "input_layernorm.weight": ((h,),),
+        "pre_mlp_layernorm.weight": ((h,),),
+        "self_attention.linear_qkv.weight": ((q, h), (kv, h), (kv, h)),
+        "self_attention.linear_qkv.bias": ((q,), (kv,), (kv,)),
+        "self_attention.linear_proj.weight": ((h, q),),
+        "mlp.linear_fc1.weight": ((model.ffn_hidden_size, h),) * 2,
+        "mlp.linear_fc2.weight": ((h, model.ffn_hidden_size),),
+    }
+    return shapes[suffix]
+
+
+def megatron_shape(rule: ParamRule, model: ModelConfig, tp_size: int = 1) -> tuple[int, ...]:
+    """Shape of the Megatron parameter of ``rule`` on one of ``tp_size`` ranks."""
+    parts = [list(shape) for shape in hf_tensor_shapes(rule, model)]
+    if rule.tp_dim is not None:
+        for shape in parts:
+            shape[rule.tp_dim] //= tp_size
+    if rule.layout == "same":
+        return tuple(parts[0])
+    return (sum(shape[0] for shape in parts), *parts[0][1:])
+
+
+def tp_slice(rule: ParamRule, length: int, tp_rank: int, tp_size: int) -> slice:
+    """The slice of an HF tensor's ``rule.tp_dim`` (of size ``length``) that ``tp_rank`` holds."""
+    if rule.tp_dim is None:
+        return slice(0, length)
+    if length % tp_size:
+        raise ValueError(f"{rule.hf}: dimension {rule.tp_dim} of size {length} is not divisible "
+                         f"by the tensor-parallel size {tp_size}")
+    step = length // tp_size
+    return slice(tp_rank * step, (tp_rank + 1) * step)
+
+
+def merge(rule: ParamRule, parts: Sequence[torch.Tensor], model: ModelConfig) -> torch.Tensor:
+    """The Megatron tensor made of the HF tensors ``parts`` (whole tensors, or one rank's
+    :func:`tp_slice` of each, which gives that rank's shard)."""
+    if len(parts) != len(rule.hf):
+        raise ValueError(f"{rule.megatron}: expected {len(rule.hf)} tensors {rule.hf}, "
+                         f"got {len(parts)}")
+    if rule.layout == "same":
+        return parts[0]
+    if rule.layout == "gate_up":
+        return torch.cat(list(parts), dim=0)
+    q, k, v = parts
+    d = model.head_dim
+    groups = k.shape[0] // d  # query groups in these slices
+    rest = q.shape[1:]
+    # [G, heads_per_group * d | d | d, *rest] -> [G * (heads_per_group + 2) * d, *rest]
+    return torch.cat([q.reshape(groups, -1, *rest), k.reshape(groups, d, *rest),
+                      v.reshape(groups, d, *rest)], dim=1).reshape(-1, *rest)
+
+
+def split(rule: ParamRule, tensor: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, ...]:
+    """Inverse of :func:`merge`: the HF tensors (or slices) that make ``tensor``. Views where the
+    layout allows (``same``, ``gate_up``); ``qkv`` pieces are strided views too."""
+    if rule.layout == "same":
+        return (tensor,)
+    if rule.layout == "gate_up":
+        return tuple(tensor.chunk(2, dim=0))
+    d = model.head_dim
+    per_group = model.num_attention_heads // model.num_query_groups
+    rest = tensor.shape[1:]
+    grouped = tensor.reshape(-1, per_group + 2, d, *rest)  # [G, q heads + k + v, d, *rest]
+    return (grouped[:, :per_group].reshape(-1, *rest), grouped[:, per_group].reshape(-1, *rest),
+            grouped[:, per_group + 1].reshape(-1, *rest))
+
+
+def chunk_parameters(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """``(whole-model Megatron name, parameter)`` for every parameter of a model chunk (or a
+    wrapper with ``.module``, such as DDP): decoder layers renumbered by their global
+    ``layer_number``, Transformer Engine's norm names mapped to the local spec's."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    layers = chunk.decoder.layers
+    for name, param in chunk.named_parameters():
+        parts = name.split(".", 3)
+        if parts[:2] == ["decoder", "layers"]:
+            suffix = TE_NAME_ALIASES.get(parts[3], parts[3])
+            name = f"decoder.layers.{layers[int(parts[2])].layer_number - 1}.{suffix}"
+        yield name, param

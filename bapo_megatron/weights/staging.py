@@ -1,0 +1,69 @@
+"""Outputs that appear whole or not at all.
+
+A conversion writes into a hidden sibling of its destination, ``.<name>.incomplete``, and renames
+it into place only after every rank has finished writing. A run that is killed leaves just that
+hidden folder (removed by the next run to the same destination); a run that fails with an
+exception removes it. Nothing at the destination ever looks complete before it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def staging_path(final: Path) -> Path:
+    """The hidden sibling folder a write to ``final`` goes to first."""
+    return final.parent / f".{final.name}.incomplete"
+
+
+def _barrier(group: dist.ProcessGroup | None) -> None:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def _is_first(group: dist.ProcessGroup | None) -> bool:
+    return not dist.is_initialized() or dist.get_rank(group) == 0
+
+
+@contextlib.contextmanager
+def staged_folder(final: str | Path, *, overwrite: bool = False,
+                  group: dist.ProcessGroup | None = None) -> Iterator[Path]:
+    """Yield an empty staging folder for ``final`` and rename it to ``final`` on success.
+
+    Collective over ``group`` (default: the whole world, if torch.distributed is initialized):
+    every rank enters, rank 0 of the group creates and renames, barriers order the steps, and all
+    ranks must see the same filesystem. ``final`` must not exist unless ``overwrite`` (then the
+    old folder is replaced only once the new one is complete). On an exception the staging
+    folder is removed and the exception propagates.
+    """
+    final = Path(final).absolute()
+    if final.exists() and not overwrite:
+        raise ValueError(f"output {final} already exists (pass overwrite to replace it)")
+    if not final.parent.is_dir():
+        raise ValueError(f"output {final}: parent folder {final.parent} does not exist")
+    staging = staging_path(final)
+    if _is_first(group):
+        shutil.rmtree(staging, ignore_errors=True)  # left by a killed run
+        staging.mkdir()
+    _barrier(group)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _barrier(group)
+    if _is_first(group):
+        if final.exists():
+            old = final.parent / f".{final.name}.replaced"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            staging.rename(final)
+            shutil.rmtree(old)
+        else:
+            staging.rename(final)
+    _barrier(group)
