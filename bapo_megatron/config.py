@@ -18,6 +18,7 @@ Schedule = Literal["paper", "reference"]
 Semantics = Literal["gradient", "surrogate"]
 TargetUnit = Literal["share", "ratio"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+Granularity = Literal["step", "microbatch"]
 
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
@@ -29,11 +30,13 @@ CLIP_PRESETS: dict[str, dict[str, object]] = {
         schedule="paper", semantics="gradient", target_unit="share", target=0.4,
         c_low_start=0.6, c_low_max=0.9, c_low_step=0.02,
         c_high_start=1.2, c_high_max=3.0, c_high_step=0.05, dual_clip=None,
+        granularity="step",
     ),
     "reference": dict(
         schedule="reference", semantics="surrogate", target_unit="ratio", target=1.0,
         c_low_start=0.6, c_low_max=0.8, c_low_step=0.05,
         c_high_start=1.2, c_high_max=2.0, c_high_step=0.05, dual_clip=3.0,
+        granularity="microbatch",
     ),
     "grpo": dict(
         schedule="paper", semantics="gradient", target_unit="share", target=0.4,
@@ -83,6 +86,11 @@ class ClipSearchConfig:
     """Step of c_high (delta1)."""
     dual_clip: float | None = None
     """Dual-clip constant C > 1 for negative advantages (loss capped at |A|*C); None disables."""
+    granularity: Granularity = "step"
+    """Where the bounds are decided (spec section 5). `step`: once per optimizer step from all of
+    its micro-batches (the paper; costs one no-grad forward pass). `microbatch`: per micro-batch,
+    on that micro-batch index over the data-parallel ranks (the authors' code). Fixed clips need
+    no decision and behave the same either way."""
 
     def __post_init__(self) -> None:
         prefix = "loss.clip"
@@ -120,6 +128,10 @@ class ClipSearchConfig:
             raise ValueError(f"{prefix}.c_low_step must be > 0, got {self.c_low_step}")
         if self.c_high_step <= 0.0:
             raise ValueError(f"{prefix}.c_high_step must be > 0, got {self.c_high_step}")
+        if self.granularity not in ("step", "microbatch"):
+            raise ValueError(
+                f"{prefix}.granularity must be 'step' or 'microbatch', got {self.granularity!r}"
+            )
         if self.dual_clip is not None:
             if isinstance(self.dual_clip, bool) or not isinstance(self.dual_clip, (int, float)):
                 raise ValueError(f"{prefix}.dual_clip must be a number > 1 or null, got {self.dual_clip!r}")
@@ -409,6 +421,100 @@ class ParallelConfig:
                 * self.context_parallel_size)
 
 
+LrDecayStyle = Literal["constant", "linear", "cosine"]
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Adam with decoupled weight decay, a warmup/decay learning-rate schedule and gradient
+    clipping: Megatron's optimizer and ``OptimizerParamScheduler``, configured from here."""
+
+    lr: float = 1e-6
+    """Peak learning rate (reached after warmup)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay (`linear`, `cosine`)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to ``lr``."""
+    lr_decay_steps: int | None = None
+    """Optimizer steps from the start to the end of the decay; None: no decay (``lr`` after
+    warmup, whatever ``lr_decay_style`` says)."""
+    lr_decay_style: LrDecayStyle = "constant"
+    """`constant`, `linear` or `cosine` decay from ``lr`` to ``min_lr``."""
+    weight_decay: float = 0.01
+    """Decoupled (AdamW) weight decay; Megatron exempts biases and norm weights."""
+    adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
+    adam_beta2: float = 0.999
+    """Adam's second-moment decay."""
+    adam_eps: float = 1e-8
+    """Adam's denominator epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still
+    computed, logged, and checked for inf/nan)."""
+    use_distributed_optimizer: bool = False
+    """Shard the optimizer state over the data-parallel ranks (Megatron's distributed optimizer).
+    On the CPU it trains but its checkpoints cannot be saved (docs/megatron-cpu.md)."""
+
+    def __post_init__(self) -> None:
+        prefix = "optimizer"
+        for name in ("lr", "min_lr", "weight_decay", "adam_eps", "clip_grad"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and value >= 0):
+                raise ValueError(f"{prefix}.{name} must be a finite number >= 0, got {value!r}")
+            setattr(self, name, float(value))
+        if self.min_lr > self.lr:
+            raise ValueError(f"{prefix}.min_lr ({self.min_lr}) must not exceed {prefix}.lr ({self.lr})")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise ValueError(f"{prefix}.{name} must lie in [0, 1), got {value!r}")
+            setattr(self, name, float(value))
+        if isinstance(self.lr_warmup_steps, bool) or not isinstance(self.lr_warmup_steps, int) \
+                or self.lr_warmup_steps < 0:
+            raise ValueError(f"{prefix}.lr_warmup_steps must be an integer >= 0, got {self.lr_warmup_steps!r}")
+        if self.lr_decay_steps is not None:
+            if isinstance(self.lr_decay_steps, bool) or not isinstance(self.lr_decay_steps, int) \
+                    or self.lr_decay_steps <= self.lr_warmup_steps:
+                raise ValueError(
+                    f"{prefix}.lr_decay_steps must be an integer > lr_warmup_steps "
+                    f"({self.lr_warmup_steps}) or null, got {self.lr_decay_steps!r}"
+                )
+        if self.lr_decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(
+                f"{prefix}.lr_decay_style must be 'constant', 'linear' or 'cosine', got {self.lr_decay_style!r}"
+            )
+        if not isinstance(self.use_distributed_optimizer, bool):
+            raise ValueError(
+                f"{prefix}.use_distributed_optimizer must be true or false, got {self.use_distributed_optimizer!r}"
+            )
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    """How the actor runs its passes over a batch."""
+
+    micro_batch_size: int = 1
+    """Sequences per micro-batch (one forward/backward of the pipeline schedule)."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollout: the actor's log-probs and entropy are those of
+    softmax(logits / temperature), the distribution the engine sampled from."""
+    seed: int = 1234
+    """Seed of the initial weights (when not loaded from a checkpoint)."""
+
+    def __post_init__(self) -> None:
+        prefix = "actor"
+        if isinstance(self.micro_batch_size, bool) or not isinstance(self.micro_batch_size, int) \
+                or self.micro_batch_size < 1:
+            raise ValueError(f"{prefix}.micro_batch_size must be a positive integer, got {self.micro_batch_size!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not (
+                math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"{prefix}.temperature must be a finite number > 0, got {self.temperature!r}")
+        self.temperature = float(self.temperature)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"{prefix}.seed must be an integer >= 0, got {self.seed!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Accelerator:
     """What the machine offers that some layouts need; probed by :meth:`detect`, or given
@@ -502,3 +608,7 @@ class Config:
     """The policy's architecture; None for runs without a model (the loss demo)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """How the actor is split over ranks."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The actor's optimizer and learning-rate schedule."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """How the actor runs its passes (micro-batch size, temperature, seed)."""

@@ -100,6 +100,12 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             raise ValueError(f"{where}: expected one of {list(choices)}, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str):
+            # PyYAML (YAML 1.1) reads exponent-only numbers such as 1e-6 as strings.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{where}: expected a number, got {value!r}")
         return float(value)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 pytest.importorskip("megatron.core")
 
 from bapo_megatron.actor import cpu_patches  # noqa: E402
-from bapo_megatron.actor.model import build_model  # noqa: E402
+from bapo_megatron.actor.model import build_model, tensor_parallel_shard  # noqa: E402
 from bapo_megatron.config import ModelConfig, ParallelConfig  # noqa: E402
 from bapo_megatron.parallel import ParallelContext  # noqa: E402
 from tests import gloo_launch  # noqa: E402
@@ -168,23 +168,6 @@ def test_build_refuses_a_layout_that_does_not_fit(single_process):
 # ------------------------------------------------------------------------ two processes
 
 
-def shard(name: str, full: torch.Tensor, local: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """The slice of the TP1 tensor ``full`` that tensor-parallel rank ``tp_rank`` holds.
-
-    Replicated parameters (norms) are whole. Split ones carry Megatron's ``partition_dim``: the
-    vocabulary rows of embedding and output layer, the output rows of column-parallel layers and
-    the input columns of row-parallel ones are contiguous chunks. The q/k/v rows are grouped per
-    query group ([q_g, k_g, v_g] for g = 0..G-1), so a contiguous chunk holds whole groups. The
-    SwiGLU fc1 stacks [gate; up]: each rank holds [gate_r; up_r].
-    """
-    if not getattr(local, "tensor_model_parallel", False):
-        return full
-    dim = local.partition_dim
-    if name.endswith("mlp.linear_fc1.weight"):
-        return torch.cat([half.chunk(tp_size, dim)[tp_rank] for half in full.chunk(2, dim)], dim)
-    return full.chunk(tp_size, dim)[tp_rank]
-
-
 def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", init_method=f"file://{args.init}", rank=args.rank,
                             world_size=args.world_size, timeout=datetime.timedelta(seconds=60))
@@ -198,7 +181,8 @@ def worker(args: argparse.Namespace) -> None:
         [model] = build_model(model_cfg, ctx.config, ctx)
         with torch.no_grad():
             for name, param in model.named_parameters():
-                param.copy_(shard(name, reference[variant]["weights"][name], param, ctx.tp_rank, ctx.tp_size))
+                param.copy_(tensor_parallel_shard(name, reference[variant]["weights"][name], param,
+                                                  ctx.tp_rank, ctx.tp_size))
             local = model(tokens, positions, None)  # [b, s, vocab / tp]
         assert local.shape == (BATCH, SEQ, 128 // 2)
         pieces = [torch.empty_like(local) for _ in range(ctx.tp_size)]

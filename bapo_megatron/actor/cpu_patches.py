@@ -7,8 +7,11 @@ listed in ``patches/README.md``. :func:`apply_cpu_patches` installs them; it che
 installed megatron-core version (the sites move between releases), refuses to run where CUDA
 is available (these patches would break a GPU run), and is idempotent.
 
-Not patched (not needed by what this package runs yet): the ~68 CUDA sites of the Megatron
-optimizer, grad clipping and checkpoint exchange (``docs/megatron-cpu.md`` items 8-10).
+The ~68 CUDA sites of the Megatron optimizer, grad-norm and clipping code (``device="cuda"``
+buffers, ``Tensor.type() == "torch.cuda.FloatTensor"`` checks) are not patched one by one:
+:func:`cuda_sites_on_cpu` is a context manager, entered only around optimizer construction and
+the optimizer step, under which such requests are answered on the CPU. It is a torch function
+mode, which costs a Python call per torch operation, so it is kept off the forward/backward path.
 """
 
 from __future__ import annotations
@@ -165,6 +168,50 @@ def _patch_torch_norm_sequence_parallel() -> None:
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
+def _is_cuda_device(device: object) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return False
+
+
+class _CudaSitesOnCpu(torch.overrides.TorchFunctionMode):
+    """Answers the CUDA requests of Megatron's optimizer code on the CPU: ``device="cuda"``
+    allocations and ``.to("cuda")`` land on the CPU, ``.cuda()`` returns the tensor, and the
+    no-argument ``Tensor.type()`` of a CPU tensor reports its ``torch.cuda.*`` name, which is
+    what the optimizer (param classification) and ``clip_grad_by_total_norm_fp32`` (an assert)
+    compare against."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            if args[0].device.type == "cpu" and name.startswith("torch.") \
+                    and not name.startswith("torch.cuda."):
+                return "torch.cuda." + name[len("torch."):]
+            return name
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def cuda_sites_on_cpu() -> contextlib.AbstractContextManager:
+    """Context for Megatron optimizer calls: on a CPU-only run (patches applied) a mode that
+    answers their CUDA requests on the CPU (``docs/megatron-cpu.md`` items 8-10); with CUDA, or
+    before :func:`apply_cpu_patches`, a no-op context. Per thread, like every torch function
+    mode."""
+    if not _APPLIED:
+        return contextlib.nullcontext()
+    return _CudaSitesOnCpu()
 
 
 # Name -> patch, in application order. Names are what patches/README.md lists.

@@ -60,6 +60,11 @@ def to_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
         context_parallel_size=parallel.context_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         use_cpu_initialization=use_cpu_initialization,
+        # Batched p2p posts a send to the next and one to the previous stage together; at PP2
+        # both are the same peer, and gloo (CPU) matches same-tag messages in posting order, so
+        # the interleaved schedule received gradients as activations. Unbatched p2p posts them
+        # in an order both peers agree on. NCCL (GPU) keeps Megatron's batched default.
+        batch_p2p_comm=torch.cuda.is_available(),
         # FP8 through Transformer Engine (validate_layout refuses it where it cannot run)
         fp8=parallel.fp8,
         fp8_recipe=parallel.fp8_recipe,

@@ -82,3 +82,54 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, context: ParallelC
         ).to(context.device)
         for vp_stage in stages
     ]
+
+
+def global_parameter_name(chunk: GPTModel, local_name: str) -> str:
+    """The name ``local_name`` of ``chunk`` has in the whole (TP1/PP1) model: decoder layers are
+    numbered per chunk, and renumbered here by their global ``layer_number``. Accepts the chunk
+    itself or a wrapper (DDP) whose ``module`` is the chunk."""
+    model = getattr(chunk, "module", chunk)
+    parts = local_name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+    return ".".join(parts)
+
+
+def tensor_parallel_shard(name: str, full: torch.Tensor, param: torch.nn.Parameter,
+                          tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The slice of the whole-model tensor ``full`` that tensor-parallel rank ``tp_rank`` holds
+    as ``param`` (named ``name``).
+
+    Replicated parameters (norms) are whole. Split ones carry Megatron's ``partition_dim``: the
+    vocabulary rows of embedding and output layer, the output rows of column-parallel layers and
+    the input columns of row-parallel ones are contiguous chunks. The q/k/v rows are grouped per
+    query group ([q_g, k_g, v_g] for g = 0..G-1), so a contiguous chunk holds whole groups. The
+    SwiGLU fc1 stacks [gate; up]: each rank holds [gate_r; up_r].
+    """
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    if name.endswith("mlp.linear_fc1.weight"):
+        return torch.cat([half.chunk(tp_size, dim)[tp_rank] for half in full.chunk(2, dim)], dim)
+    return full.chunk(tp_size, dim)[tp_rank]
+
+
+@torch.no_grad()
+def load_whole_model_weights(chunks: list[torch.nn.Module], weights: dict[str, torch.Tensor],
+                             context: ParallelContext) -> None:
+    """Copy this rank's shards of ``weights`` (every parameter of the TP1/PP1 model, by its
+    Megatron name) into ``chunks``. With tied embeddings the last stage's output layer is the
+    embedding matrix. Raises ``ValueError`` naming a missing tensor or a shape mismatch."""
+    for chunk in chunks:
+        for local_name, param in getattr(chunk, "module", chunk).named_parameters():
+            name = global_parameter_name(chunk, local_name)
+            if name == "output_layer.weight" and name not in weights:
+                name = "embedding.word_embeddings.weight"  # tied: a copy on the last stage
+            if name not in weights:
+                raise ValueError(f"weights: no tensor for parameter {name!r}")
+            shard = tensor_parallel_shard(local_name, weights[name], param, context.tp_rank,
+                                          context.tp_size)
+            if shard.shape != param.shape:
+                raise ValueError(f"weights[{name!r}]: shard shape {tuple(shard.shape)} does not fit "
+                                 f"parameter shape {tuple(param.shape)} at TP rank {context.tp_rank}")
+            param.copy_(shard)

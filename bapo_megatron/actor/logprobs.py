@@ -1,0 +1,74 @@
+"""Per-token log-probs and entropy of a batch under the actor, from vocabulary-parallel logits.
+
+Token-aligned: column t holds log pi(token_t | tokens_<t) and the entropy of that distribution,
+both of softmax(logits / temperature) (the distribution the rollout engine sampled from).
+Column 0 has no predecessor and holds 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from bapo_megatron.actor.batch import PolicyBatch, microbatch_count, split_microbatches
+from bapo_megatron.actor.schedule import last_stage_rank, run_schedule
+from bapo_megatron.algo.vocab_parallel import token_logprobs_and_entropy
+from bapo_megatron.parallel import ParallelContext
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, context: ParallelContext, *,
+                   temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-aligned ``[b, s]`` log-probs (and entropy) from this rank's logits ``[b, s, V/TP]``
+    (position t predicts token t + 1). Differentiable; collectives over the TP group only."""
+    logprobs, entropy = token_logprobs_and_entropy(
+        logits[:, :-1], tokens[:, 1:].to(logits.device),
+        vocab_start=context.tp_rank * logits.shape[-1], group=context.tp_group,
+        temperature=temperature, with_entropy=with_entropy)
+    return _shift_right(logprobs), (_shift_right(entropy) if with_entropy else None)
+
+
+def _shift_right(values: torch.Tensor) -> torch.Tensor:
+    return torch.cat([values.new_zeros(values.shape[0], 1), values], dim=1)
+
+
+def seq_multiple(context: ParallelContext) -> int:
+    """What the sequence length must be a multiple of: the TP size under sequence parallelism."""
+    return context.tp_size if context.config.sequence_parallel else 1
+
+
+@torch.no_grad()
+def compute_logprobs(chunks: list[torch.nn.Module], batch: PolicyBatch, context: ParallelContext, *,
+                     micro_batch_size: int, temperature: float, with_entropy: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward-only pass over this data-parallel rank's ``batch``: ``(logprobs, entropy)``, each
+    ``[n, s]`` float32 on the CPU, on every rank of the pipeline (the last stage computes them
+    and broadcasts). Used to recompute old log-probs and to check rollout engines."""
+    n, s = batch.tokens.shape
+    if n == 0:
+        empty = torch.zeros(0, s)
+        return empty, (empty.clone() if with_entropy else None)
+    count = microbatch_count(n, micro_batch_size)
+    if context.vpp_size is not None:  # the interleaved schedule wants whole groups of PP
+        count = -(-max(count, context.pp_size) // context.pp_size) * context.pp_size
+    microbatches = split_microbatches(batch, micro_batch_size, count, seq_multiple(context))
+
+    def per_microbatch(microbatch: PolicyBatch, logits: torch.Tensor):
+        logprobs, entropy = token_logprobs(logits, microbatch.tokens, context,
+                                           temperature=temperature, with_entropy=with_entropy)
+        outputs = {"logprobs": logprobs.float()}
+        if with_entropy:
+            outputs["entropy"] = entropy.float()
+        return logprobs.sum(), outputs
+
+    outputs = run_schedule(chunks, microbatches, per_microbatch, context, forward_only=True)
+    padded_len = microbatches[0].tokens.shape[1]
+    result = torch.empty(2 if with_entropy else 1, count * micro_batch_size, padded_len,
+                         device=context.device)
+    if context.is_last_stage():
+        result[0] = torch.cat([out["logprobs"] for out in outputs])
+        if with_entropy:
+            result[1] = torch.cat([out["entropy"] for out in outputs])
+    if context.pp_size > 1:
+        dist.broadcast(result, src=last_stage_rank(context), group=context.pp_group)
+    result = result[:, :n, :s].cpu()
+    return result[0], (result[1] if with_entropy else None)

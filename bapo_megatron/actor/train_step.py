@@ -1,0 +1,187 @@
+"""One optimizer step of the actor on this data-parallel rank's share of the step's sequences.
+
+Order of events, the same on every rank (collectives must line up):
+
+1. One all-gather over data x context parallel: each rank's micro-batch count, response tokens
+   and responding sequences. Every rank then runs the largest count (padding with empty
+   micro-batches) and knows the step's global loss normalizer.
+2. Granularity `step` with a search: a no-grad forward pass over the step's micro-batches gives
+   the search statistics; summed locally, reduced once over data x context parallel on the last
+   stage, they fix the bounds for the whole step. Granularity `microbatch` (or fixed clips):
+   each micro-batch's loss searches on its own statistics, reduced over the same group.
+3. Forward/backward through Megatron's schedule, the BAPO loss on the last stage.
+4. Optimizer step (skipped when the gradient norm is not finite).
+5. Metrics for the whole step, reduced over data x context parallel on the last stage and
+   broadcast to the other pipeline stages.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from bapo_megatron.actor.batch import PolicyBatch, microbatch_count, split_microbatches
+from bapo_megatron.actor.build import Actor
+from bapo_megatron.actor.logprobs import seq_multiple, token_logprobs
+from bapo_megatron.actor.optimizer import optimizer_step
+from bapo_megatron.actor.schedule import last_stage_rank, run_schedule
+from bapo_megatron.algo.bound_search import BoundDecision, choose_bounds
+from bapo_megatron.algo.policy_loss import bapo_loss, loss_normalizer, search_statistics
+from bapo_megatron.algo.reduction import all_reduce_sum
+from bapo_megatron.algo.search_plan import SearchPlan
+from bapo_megatron.config import LossConfig
+
+# Decision metrics that are counts: summed over micro-batches; the others are token-weighted means.
+_COUNT_METRICS = ("bapo/tokens", "bapo/positive_tokens", "bapo/negative_tokens")
+
+
+def train_step(actor: Actor, batch: PolicyBatch, loss: LossConfig, plan: SearchPlan) -> dict[str, float]:
+    """Train on ``batch`` (this data-parallel rank's sequences; ranks may hold different numbers,
+    including none) for one optimizer step and return the step's metrics, the same on every
+    rank: `loss`, `entropy` (mean over response tokens), `response_tokens`, `grad_norm`, `lr`,
+    `skipped` (1 when the update was dropped for a non-finite gradient norm),
+    `skipped_steps` (so far), `num_microbatches`, and the `bapo/*` search metrics."""
+    batch.require_training_fields()
+    context = actor.context
+    micro_batch_size = actor.actor_config.micro_batch_size
+    count, tokens, sequences = _agree_on_step(batch, micro_batch_size, loss.aggregation, context)
+    if context.vpp_size is not None:  # the interleaved schedule wants whole groups of PP
+        count = -(-max(count, context.pp_size) // context.pp_size) * context.pp_size
+    microbatches = split_microbatches(batch, micro_batch_size, count, seq_multiple(context))
+    normalizer = tokens if loss.aggregation == "token-mean" else sequences
+    reduce = all_reduce_sum(context.dp_cp_group)
+    temperature = actor.actor_config.temperature
+
+    decision, extremes = None, None
+    if plan.config.granularity == "step" and not plan.is_fixed:
+        decision, extremes = _decide_for_step(actor, microbatches, plan, reduce)
+
+    def per_microbatch(microbatch: PolicyBatch, logits: torch.Tensor):
+        logprobs, entropy = token_logprobs(logits, microbatch.tokens, context,
+                                           temperature=temperature, with_entropy=True)
+        mask = microbatch.response_mask.to(logprobs.device)
+        value, metrics = bapo_loss(
+            logprobs, microbatch.old_logprobs.to(logprobs.device),
+            microbatch.advantages.to(logprobs.device), mask,
+            plan=plan, normalizer=normalizer, aggregation=loss.aggregation, reduce=reduce,
+            is_weights=None if microbatch.is_weights is None else microbatch.is_weights.to(logprobs.device),
+            decision=decision)
+        metrics["entropy_sum"] = torch.where(mask, entropy.detach(), 0.0).sum().double()
+        metrics["loss"] = value.detach().double()
+        return value, metrics
+
+    for chunk in actor.chunks:
+        chunk.zero_grad_buffer()
+    actor.optimizer.zero_grad()
+    outputs = run_schedule(actor.chunks, microbatches, per_microbatch, context, forward_only=False)
+    outcome = optimizer_step(actor.optimizer, actor.scheduler, actor.optimizer_config.clip_grad)
+    if outcome.skipped:
+        actor.skipped_steps += 1
+
+    metrics = {}
+    if context.is_last_stage():
+        metrics = _step_metrics(outputs, decision, extremes, context)
+        metrics["response_tokens"] = tokens
+    metrics = _from_last_stage(metrics, context)
+    metrics.update(grad_norm=outcome.grad_norm, lr=outcome.lr, skipped=float(outcome.skipped),
+                   skipped_steps=float(actor.skipped_steps), num_microbatches=float(count))
+    return metrics
+
+
+def _agree_on_step(batch: PolicyBatch, micro_batch_size: int, aggregation: str, context) -> tuple[int, float, float]:
+    """(largest micro-batch count, global response tokens, global responding sequences) over
+    the data x context parallel group, in one collective."""
+    mask = batch.response_mask
+    local = torch.tensor([
+        float(microbatch_count(batch.num_sequences, micro_batch_size)),
+        float(loss_normalizer(mask, "token-mean")),
+        float(loss_normalizer(mask, "seq-mean-token-sum")),
+    ], dtype=torch.float64, device=context.device)
+    if context.dp_cp_size == 1:
+        gathered = local[None]
+    else:
+        parts = [torch.empty_like(local) for _ in range(context.dp_cp_size)]
+        dist.all_gather(parts, local, group=context.dp_cp_group)
+        gathered = torch.stack(parts)
+    count = int(gathered[:, 0].max())
+    if count == 0:
+        raise ValueError("train_step: no data-parallel rank has any sequence for this step")
+    return count, float(gathered[:, 1].sum()), float(gathered[:, 2].sum())
+
+
+def _decide_for_step(actor: Actor, microbatches: list[PolicyBatch], plan: SearchPlan,
+                     reduce) -> tuple[BoundDecision | None, torch.Tensor | None]:
+    """Granularity `step`: search statistics of every micro-batch from a no-grad forward pass,
+    reduced once, then the bounds. Last stage only (elsewhere: None, None)."""
+    context = actor.context
+    temperature = actor.actor_config.temperature
+
+    def per_microbatch(microbatch: PolicyBatch, logits: torch.Tensor):
+        logprobs, _ = token_logprobs(logits, microbatch.tokens, context,
+                                     temperature=temperature, with_entropy=False)
+        device = logprobs.device
+        stats, extremes = search_statistics(
+            logprobs, microbatch.old_logprobs.to(device), microbatch.advantages.to(device),
+            microbatch.response_mask.to(device), plan=plan,
+            is_weights=None if microbatch.is_weights is None else microbatch.is_weights.to(device))
+        return logprobs.sum(), {"stats": stats, "extremes": extremes}
+
+    with torch.no_grad():
+        outputs = run_schedule(actor.chunks, microbatches, per_microbatch, context, forward_only=True)
+    if not context.is_last_stage():
+        return None, None
+    stats = torch.stack([out["stats"] for out in outputs]).sum(0)
+    extremes = torch.stack([out["extremes"] for out in outputs])
+    extremes = torch.stack([extremes[:, 0].min(), extremes[:, 1].max()])
+    return choose_bounds(reduce(stats), plan), extremes
+
+
+def _step_metrics(outputs: list[dict[str, torch.Tensor]], decision: BoundDecision | None,
+                  extremes: torch.Tensor | None, context) -> dict[str, float]:
+    """The step's metrics on a last-stage rank, reduced over data x context parallel."""
+    if decision is not None:  # one decision for the whole step: its metrics are the step's
+        search = {key: value.double() for key, value in decision.metrics.items()}
+    else:  # one decision per micro-batch (each already global): combine them
+        search = _combine_microbatch_decisions(outputs)
+        extremes = torch.stack([
+            torch.stack([out["bapo/ratio_min_local"] for out in outputs]).min(),
+            torch.stack([out["bapo/ratio_max_local"] for out in outputs]).max(),
+        ])
+    sums = torch.stack([
+        torch.stack([out["loss"] for out in outputs]).sum(),
+        torch.stack([out["entropy_sum"] for out in outputs]).sum(),
+    ])
+    extremes = torch.stack([-extremes[0], extremes[1]]).double()  # both reduced with MAX
+    if context.dp_cp_size > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=context.dp_cp_group)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=context.dp_cp_group)
+    tokens = search["bapo/tokens"]
+    metrics = {key: float(value) for key, value in search.items()}
+    metrics.update(
+        loss=float(sums[0]),
+        entropy=float(sums[1] / tokens.clamp(min=1)),
+        **{"bapo/ratio_min": float(-extremes[0]), "bapo/ratio_max": float(extremes[1])},
+    )
+    return metrics
+
+
+def _combine_microbatch_decisions(outputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    keys = [key for key in outputs[0] if key.startswith("bapo/") and not key.endswith("_local")]
+    weights = torch.stack([out["bapo/tokens"].double() for out in outputs])
+    total = weights.sum()
+    combined = {}
+    for key in keys:
+        values = torch.stack([out[key].double() for out in outputs])
+        if key in _COUNT_METRICS:
+            combined[key] = values.sum()
+        else:  # token-weighted; micro-batches without tokens anywhere carry no weight
+            combined[key] = (values * weights).sum() / total if total > 0 else values.mean()
+    return combined
+
+
+def _from_last_stage(metrics: dict[str, float], context) -> dict[str, float]:
+    if context.pp_size == 1:
+        return metrics
+    box = [metrics]
+    dist.broadcast_object_list(box, src=last_stage_rank(context), group=context.pp_group)
+    return dict(box[0])
