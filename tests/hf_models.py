@@ -1,0 +1,94 @@
+"""Tiny random Hugging Face checkpoints built with transformers, for the conversion tests.
+
+Each variant is a real ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` (2 layers, hidden 64, 4 heads
+in 2 key/value groups, vocab 128), randomly initialised, saved with ``save_pretrained`` in small
+safetensors shards (so the index file exists), next to a tiny word-level tokenizer built with the
+``tokenizers`` library. Biases of Qwen2's q/k/v and the norm weights are drawn at random too, so
+that a swapped or dropped tensor changes the logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB, HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 128, 64, 128, 4, 2, 2
+BATCH, SEQ = 2, 12
+
+# name -> (transformers model_type, tie_word_embeddings)
+VARIANTS: dict[str, tuple[str, bool]] = {
+    "llama-untied": ("llama", False),
+    "llama-tied": ("llama", True),
+    "qwen2-tied": ("qwen2", True),
+    "qwen2-untied": ("qwen2", False),
+}
+
+
+def build_hf_model(variant: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+                   layers: int = LAYERS) -> torch.nn.Module:
+    """A random transformers model of ``variant`` in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    model_type, tied = VARIANTS[variant]
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
+                  num_hidden_layers=layers, num_attention_heads=HEADS,
+                  num_key_value_heads=KV_HEADS, max_position_embeddings=64,
+                  tie_word_embeddings=tied, rms_norm_eps=1e-6)
+    if model_type == "qwen2":
+        config, cls = Qwen2Config(**common, rope_theta=1e6), Qwen2ForCausalLM
+    else:
+        config, cls = LlamaConfig(**common, rope_theta=5e5), LlamaForCausalLM
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith((".bias", "norm.weight")):
+                param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.2)
+    return model.to(dtype).eval()
+
+
+def save_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer over ``VOCAB`` words, saved as transformers saves a fast one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0",
+                            eos_token="w1").save_pretrained(str(folder))
+
+
+def save_hf_folder(folder: Path, variant: str, seed: int = 0,
+                   dtype: torch.dtype = torch.float32, layers: int = LAYERS) -> torch.nn.Module:
+    """Build ``variant``, save it and a tokenizer to ``folder``; return the model."""
+    model = build_hf_model(variant, seed, dtype, layers)
+    model.save_pretrained(str(folder), safe_serialization=True, max_shard_size="40KB")
+    save_tokenizer(folder)
+    assert (folder / "model.safetensors.index.json").is_file()
+    return model
+
+
+def tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed batch of token ids [BATCH, SEQ] and its position ids."""
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+    return ids, torch.arange(SEQ).expand(BATCH, SEQ)
+
+
+@torch.no_grad()
+def hf_logits(model: torch.nn.Module) -> torch.Tensor:
+    """transformers' own logits [BATCH, SEQ, VOCAB] on :func:`tokens`."""
+    ids, _ = tokens()
+    return model(input_ids=ids).logits.float()
+
+
+def read_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files of ``folder``."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    return tensors
