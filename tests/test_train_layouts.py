@@ -5,7 +5,8 @@ on the same 8 sequences (old log-probs from the initial policy plus noise, so ra
 the search moves) in one process at TP1/PP1, and in 4 gloo workers at TP2/PP2, TP2/DP2, PP2/DP2,
 TP2 with sequence parallelism x DP2, and PP2 x VPP2 x DP2, all from the same initial weights.
 Compared: log-probs and entropy of the initial policy, per-step loss, grad norm, entropy, bounds
-and rho, and every parameter after the 3 steps, for both granularities.
+and rho, and every parameter after the 3 steps, for both granularities; at TP2/DP2 also with
+Megatron's distributed optimizer.
 
 With data parallelism, micro-batch i of the step is the union of micro-batch i of every rank;
 the one-process reference runs the same unions (sequences interleaved, micro-batches dp times
@@ -118,11 +119,12 @@ def interleaved(batch: PolicyBatch, dp: int) -> PolicyBatch:
 
 
 def train(context: ParallelContext, weights: dict[str, torch.Tensor], batch: PolicyBatch,
-          granularity: str, micro_batch_size: int = ACTOR.micro_batch_size) -> dict:
+          granularity: str, micro_batch_size: int = ACTOR.micro_batch_size,
+          optimizer: OptimizerConfig = OPTIMIZER) -> dict:
     """Build an actor with ``weights``, train STEPS steps on ``batch``; metrics per step and the
     final parameters by global name (this rank's shards)."""
     actor = build_actor(MODEL, dataclasses.replace(ACTOR, micro_batch_size=micro_batch_size),
-                        OPTIMIZER, context)
+                        optimizer, context)
     load_whole_model_weights(actor.chunks, weights, context)
     step_plan = plan(granularity)
     metrics = [train_step(actor, batch, LOSS, step_plan) for _ in range(STEPS)]
@@ -152,6 +154,11 @@ def worker(args: argparse.Namespace) -> None:
             run = train(context, weights, local, granularity)
             runs[granularity] = dict(metrics=run["metrics"],
                                      param_error=_param_error(run["params"], finals[(dp, granularity)], context))
+        if layout_name == "tp2-dp2":  # Megatron's distributed optimizer: states sharded over DP
+            run = train(context, weights, local, "step",
+                        optimizer=dataclasses.replace(OPTIMIZER, use_distributed_optimizer=True))
+            runs["distributed-optimizer step"] = dict(
+                metrics=run["metrics"], param_error=_param_error(run["params"], finals[(dp, "step")], context))
         if dp == 2:
             for case, counts in UNEVEN.items():
                 run = train(context, weights, shard_rows(batch, counts, context.dp_rank), "step")
@@ -243,7 +250,7 @@ def test_layouts_match_the_single_process_run(tmp_path, single_process):
                                        msg=what + " entropy")
             for run_name, run in got["runs"].items():
                 dp = got["dp"] if run_name in GRANULARITIES else 1
-                granularity = run_name if run_name in GRANULARITIES else "step"
+                granularity = run_name if run_name in GRANULARITIES else "step"  # step: any split
                 _assert_metrics_match(run["metrics"], references[(dp, granularity)]["metrics"],
                                       f"{what} {run_name}")
                 errors[f"{what} {run_name}"] = run["param_error"]
