@@ -22,3 +22,17 @@ def test_loss_benchmark_smoke():
     assert res["reductions"]["b"] == 1 and res["reductions"]["c"] == res["steps"] + 1
     assert res["targets"]["bounds_agree_b_c"] is True
     assert {"b_over_a", "c_over_b"} <= set(res)
+
+
+def test_actor_step_benchmark_smoke():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_actor_step.py"), "--layouts", "tp1",
+         "--steps", "1", "--warmup", "1", "--sequences", "2", "--length", "16", "--layers", "2",
+         "--hidden", "64", "--vocab", "128"],
+        check=True, capture_output=True, text=True, timeout=300,
+    ).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    tp1 = report["layouts"]["tp1"]
+    assert report["benchmark"] == "actor_step" and tp1["processes"] == 1
+    assert tp1["step_ms"] > 0 and tp1["tokens_per_s"] > 0
+    assert 0 < tp1["search_share"] < 1 and tp1["step_vs_fixed_clip"] > 0

@@ -1,0 +1,192 @@
+"""Benchmark one actor train step (Megatron schedule + BAPO loss + optimizer) at several layouts.
+
+For each layout in ``--layouts`` (default tp1, tp2, pp2, tp2-pp2; data parallel 1), this script
+starts tp x pp gloo processes (one thread each) that build the same small Qwen2-style model,
+train ``--warmup`` untimed steps and then ``--steps`` timed steps on random off-policy data
+(``--sequences`` sequences of ``--length`` tokens, micro-batches of ``--micro-batch-size``), once
+with the `paper` preset at granularity `step` (search statistics from a no-grad forward pass,
+one reduce, then the bounds) and once with fixed `grpo` clips (no search, no extra pass), the
+two interleaved step by step so machine noise hits both.
+
+Per layout it reports the median step time, tokens/s (all tokens of the step, prompt and
+response, over the median step), the share of the `paper` step spent in the BAPO search itself
+(statistics + bound choice, timed around those calls on the last stage), and the ratio of the
+`paper` step to the fixed-clip step (what the search and its extra forward pass cost).
+The last line printed is one JSON object with those numbers.
+
+Usage: python3 tools/bench_actor_step.py [--layouts tp1,tp2,pp2,tp2-pp2] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2-pp2": (2, 2)}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", default="tp1,tp2,pp2,tp2-pp2",
+                        help=f"comma-separated, from {sorted(LAYOUTS)}")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per preset")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per preset first")
+    parser.add_argument("--sequences", type=int, default=8)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per layout")
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)  # set for the worker processes
+    return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------------ worker
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    from bapo_megatron.actor import train_step as train_step_module
+    from bapo_megatron.actor.batch import PolicyBatch
+    from bapo_megatron.actor.build import build_actor
+    from bapo_megatron.algo.search_plan import SearchPlan
+    from bapo_megatron.config import (ActorConfig, ClipSearchConfig, LossConfig, ModelConfig,
+                                      OptimizerConfig, ParallelConfig)
+    from bapo_megatron.parallel import ParallelContext
+
+    tp, pp = int(os.environ["BENCH_TP"]), int(os.environ["BENCH_PP"])
+    context = ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=tp,
+                                                        pipeline_model_parallel_size=pp))
+    model = ModelConfig(model_type="qwen2", num_layers=args.layers, hidden_size=args.hidden,
+                        ffn_hidden_size=4 * args.hidden, num_attention_heads=8, num_query_groups=4,
+                        vocab_size=args.vocab, max_position_embeddings=max(args.length, 64))
+    actor = build_actor(model, ActorConfig(micro_batch_size=args.micro_batch_size), OptimizerConfig(lr=1e-6),
+                        context)
+    g = torch.Generator().manual_seed(0)
+    n, s = args.sequences, args.length
+    tokens = torch.randint(0, args.vocab, (n, s), generator=g)
+    mask = torch.zeros(n, s, dtype=torch.bool)
+    mask[:, s // 4:] = True
+    old = torch.where(mask, -torch.log(torch.tensor(float(args.vocab))) + 0.5 * torch.randn(n, s, generator=g), 0.0)
+    batch = PolicyBatch(tokens=tokens, response_mask=mask, old_logprobs=old,
+                        advantages=torch.randn(n, generator=g))
+
+    search_seconds = [0.0]
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                search_seconds[0] += time.perf_counter() - start
+        return wrapper
+
+    # The search proper: statistics of each micro-batch and the bound choice (bench-only timers).
+    train_step_module.search_statistics = timed(train_step_module.search_statistics)
+    train_step_module.choose_bounds = timed(train_step_module.choose_bounds)
+
+    presets = {"paper": ClipSearchConfig.from_preset("paper", granularity="step"),
+               "grpo": ClipSearchConfig.from_preset("grpo")}
+    times = {name: [] for name in presets}
+    search_share = []
+    for step in range(args.warmup + args.steps):
+        for name, clip in presets.items():
+            search_seconds[0] = 0.0
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            train_step_module.train_step(actor, batch, LossConfig(clip=clip), SearchPlan.from_config(clip))
+            elapsed = time.perf_counter() - start
+            if step >= args.warmup:
+                times[name].append(elapsed)
+                if name == "paper" and context.is_last_stage():
+                    search_share.append(search_seconds[0] / elapsed)
+    result = dict(times=times, search_share=search_share, last_stage=context.is_last_stage(),
+                  tokens=n * s)
+    context.teardown()
+    Path(args.worker_out).write_text(json.dumps(result))
+
+
+# ------------------------------------------------------------------------ driver
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_layout(name: str, args: argparse.Namespace, argv: list[str], workdir: Path) -> dict:
+    tp, pp = LAYOUTS[name]
+    world = tp * pp
+    port = free_port()
+    procs, outs = [], []
+    for rank in range(world):
+        out = workdir / f"{name}-rank{rank}.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
+               "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "BENCH_TP": str(tp),
+               "BENCH_PP": str(pp), "PYTHONWARNINGS": "ignore"}
+        log = open(workdir / f"{name}-rank{rank}.log", "wb")
+        procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--worker-out", str(out)],
+                                      env=env, stdout=log, stderr=subprocess.STDOUT))
+        outs.append(out)
+    deadline = time.monotonic() + args.timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    if any(p.returncode != 0 for p in procs) or not all(o.exists() for o in outs):
+        logs = "\n".join((workdir / f"{name}-rank{r}.log").read_text(errors="replace")[-3000:]
+                         for r in range(world))
+        raise RuntimeError(f"layout {name} failed:\n{logs}")
+    results = [json.loads(o.read_text()) for o in outs]
+    # A step ends when its slowest rank ends: per step, the max over ranks.
+    step = {name_: [max(r["times"][name_][i] for r in results) for i in range(args.steps)]
+            for name_ in ("paper", "grpo")}
+    shares = [x for r in results if r["last_stage"] for x in r["search_share"]]
+    paper, grpo = statistics.median(step["paper"]), statistics.median(step["grpo"])
+    return dict(processes=world, step_ms=round(1e3 * paper, 2), fixed_clip_step_ms=round(1e3 * grpo, 2),
+                tokens_per_s=round(results[0]["tokens"] / paper, 1),
+                search_share=round(statistics.median(shares), 4),
+                step_vs_fixed_clip=round(paper / grpo, 3))
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    if args.worker_out:
+        worker(args)
+        return
+    names = [n for n in args.layouts.split(",") if n]
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        raise SystemExit(f"--layouts: unknown {unknown}; choose from {sorted(LAYOUTS)}")
+    report = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            report[name] = run_layout(name, args, argv, Path(tmp))
+            r = report[name]
+            print(f"{name:8s} {r['processes']} proc  step {r['step_ms']:9.2f} ms  "
+                  f"fixed-clip step {r['fixed_clip_step_ms']:9.2f} ms  {r['tokens_per_s']:10.1f} tok/s  "
+                  f"search {100 * r['search_share']:5.2f}% of step  paper/fixed {r['step_vs_fixed_clip']:.3f}",
+                  flush=True)
+    config = {k: v for k, v in vars(args).items() if k != "worker_out"}
+    print(json.dumps(dict(benchmark="actor_step", config=config, layouts=report)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
