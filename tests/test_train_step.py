@@ -245,3 +245,34 @@ def test_split_microbatches_pads_to_equal_shapes():
     assert parts[2].advantages.shape == (2,) and (parts[2].advantages == 0).all()
     with pytest.raises(ValueError, match="do not fit"):
         split_microbatches(batch, micro_batch_size=1, num_microbatches=2)
+
+
+@needs_cpu
+def test_bf16_parameters_train_with_fp32_main_weights(context):
+    """Megatron's bf16 mode: bf16 parameters and activations, fp32 main weights in the optimizer;
+    the step agrees with the fp32 model's at bf16 precision."""
+    batch = random_batch(8)
+    clip = ClipSearchConfig.from_preset("paper")
+    plan = SearchPlan.from_config(clip)
+    fp32 = make_actor(context)
+    weights = {global_parameter_name(c, n): p.detach().clone()
+               for c in fp32.chunks for n, p in c.module.named_parameters()}
+    want = train_step(fp32, batch, LossConfig(clip=clip), plan)
+    bf16 = build_actor(dataclasses.replace(MODEL, params_dtype="bfloat16"),
+                       ActorConfig(micro_batch_size=2, temperature=0.9, seed=5), OptimizerConfig(lr=1e-3),
+                       context)
+    load_whole_model_weights(bf16.chunks, weights, context)
+    named = dict(bf16.chunks[0].module.named_parameters())
+    params = list(named.values())
+    # Matrices are bf16; the local spec's RMSNorm weights stay fp32.
+    assert {n for n, p in named.items() if p.dtype != torch.bfloat16} == {
+        n for n in named if n.endswith("layernorm.weight")}
+    before = [p.detach().clone() for p in params]
+    got = train_step(bf16, batch, LossConfig(clip=clip), plan)
+    assert got["skipped"] == 0.0
+    for key in ("loss", "grad_norm", "entropy"):
+        assert got[key] == pytest.approx(want[key], rel=0.05, abs=1e-3), key
+    main = [p for inner in bf16.optimizer.chained_optimizers for group in inner.optimizer.param_groups
+            for p in group["params"]]
+    assert main and all(p.dtype == torch.float32 for p in main)
+    assert any(not torch.equal(p, b) for p, b in zip(params, before))
