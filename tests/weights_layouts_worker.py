@@ -1,0 +1,113 @@
+"""The worker of tests/test_weights_layouts.py, started by tests/gloo_launch.py in 4 processes.
+
+It is a separate module, light at import time (everything heavy is imported in :func:`main`),
+because ``dist_checkpointing.save`` starts a multiprocessing Manager with the ``spawn`` method,
+which re-imports ``__main__``: re-importing a test file costs every worker several seconds of
+torch and Megatron imports; re-importing this file costs nothing.
+
+For every layout (TP2/PP2 first, then TP2/PP1, TP1/PP2, TP1/PP1; data parallel fills the 4
+ranks) and both model variants it converts the HF folder, records the pipeline's logits, loads
+the TP2/PP2 checkpoint at that layout and compares every parameter with the direct conversion,
+and, at TP2/PP2, records the live export's buckets; it converts the TP2/PP2 checkpoint back to HF
+at TP2/PP2 and TP1/PP1. The parent test makes the comparisons.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+LAYERS = 4
+VARIANTS = ("llama-untied", "qwen2-tied")
+LAYOUTS = {"tp2pp2": (2, 2), "tp2pp1": (2, 1), "tp1pp2": (1, 2), "tp1pp1": (1, 1)}  # TP2/PP2 first
+BUCKET_BYTES = 70_000  # every single tensor group fits (the largest, gate+up in fp32, is 64 KiB)
+VERSION = 3
+
+
+def main(argv: list[str]) -> None:
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ[var] = "1"  # before torch loads
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import datetime
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from bapo_megatron.actor.batch import PolicyBatch
+    from bapo_megatron.actor.model import build_model
+    from bapo_megatron.actor.schedule import run_schedule
+    from bapo_megatron.config import ParallelConfig
+    from bapo_megatron.parallel import ParallelContext
+    from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf
+    from bapo_megatron.weights.export import export_weights
+    from bapo_megatron.weights.megatron_checkpoint import load_megatron_checkpoint
+    from bapo_megatron.weights.name_maps import chunk_parameters
+    from tests import gloo_launch, hf_models
+
+    args = gloo_launch.worker_arguments(argv, workdir=str)
+    dist.init_process_group("gloo", init_method=f"file://{args.init}", rank=args.rank,
+                            world_size=args.world_size, timeout=datetime.timedelta(seconds=120))
+    work = Path(args.workdir)
+    start = time.monotonic()
+
+    def log(what: str) -> None:  # in the rank's log, shown if the launch fails
+        print(f"{time.monotonic() - start:6.1f} s  {what}", flush=True)
+
+    def pipeline_logits(chunks, ctx):
+        """Whole-vocabulary logits [b, s, V] on the last stage (None elsewhere), through the
+        project's pipeline schedule (forward only)."""
+        ids, _ = hf_models.tokens()
+        batch = PolicyBatch(tokens=ids, response_mask=torch.zeros_like(ids, dtype=torch.bool))
+        outputs = run_schedule(chunks, [batch],
+                               lambda mb, logits: (logits.sum() * 0, {"logits": logits.detach()}),
+                               ctx, forward_only=True)
+        if not ctx.is_last_stage():
+            return None
+        local = outputs[0]["logits"].float().contiguous()  # [b, s, V / TP]
+        pieces = [torch.empty_like(local) for _ in range(ctx.tp_size)]
+        dist.all_gather(pieces, local, group=ctx.tp_group)
+        return torch.cat(pieces, dim=-1)
+
+    def records(buckets):
+        return [dict(version=b.version, stage=b.pipeline_rank, index=b.index, last=b.last,
+                     nbytes=b.nbytes, tensors=b.tensors) for b in buckets]
+
+    results: dict[tuple, object] = {}
+    for layout, (tp, pp) in LAYOUTS.items():
+        ctx = ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=tp,
+                                                        pipeline_model_parallel_size=pp))
+        for variant in VARIANTS:
+            model, chunks = hf_to_megatron(work / variant, work / f"{variant}-{layout}", ctx)
+            log(f"{layout} {variant}: converted")
+            results["logits", variant, layout] = pipeline_logits(chunks, ctx)
+            if layout != "tp2pp2":
+                loaded = build_model(model, ctx.config, ctx, seed=99)
+                load_megatron_checkpoint(loaded, model, work / f"{variant}-tp2pp2")
+                converted = dict(p for c in chunks for p in chunk_parameters(c))
+                resharded = dict(p for c in loaded for p in chunk_parameters(c))
+                results["resharded", variant, layout] = sorted(converted) == sorted(resharded) \
+                    and all(torch.equal(converted[k], resharded[k]) for k in converted)
+                log(f"{layout} {variant}: loaded the TP2/PP2 checkpoint")
+            if layout == "tp2pp2":
+                results["export", variant] = records(export_weights(
+                    chunks, model, ctx, version=VERSION, bucket_bytes=BUCKET_BYTES))
+                results["export-bf16", variant] = records(export_weights(
+                    chunks, model, ctx, version=VERSION + 1, bucket_bytes=BUCKET_BYTES // 2,
+                    dtype=torch.bfloat16, to_all_tp_ranks=True))
+                log(f"{layout} {variant}: exported")
+            if layout in ("tp2pp2", "tp1pp1"):
+                megatron_to_hf(work / f"{variant}-tp2pp2", work / f"{variant}-back-{layout}", ctx,
+                               max_shard_bytes=BUCKET_BYTES)
+                log(f"{layout} {variant}: back to HF")
+        results["place", layout] = dict(tp_rank=ctx.tp_rank, pp_rank=ctx.pp_rank,
+                                        dp_rank=ctx.dp_rank)
+        ctx.teardown()
+    gloo_launch.save_result(results, args.out)
+    dist.destroy_process_group()
+    log("done")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
