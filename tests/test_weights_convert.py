@@ -374,3 +374,41 @@ def test_interrupted_conversion_leaves_nothing_that_looks_complete(hf_folders, t
         hf_to_megatron(source, out, context)
     with pytest.raises(ValueError, match=r"bapo_checkpoint.json does not exist"):
         megatron_to_hf(source, tmp_path / "x", context)
+
+
+# ------------------------------------------------------------------------ command line
+
+
+@needs_cpu
+def test_command_line_converts_both_ways_and_reports_bad_input(hf_folders, tmp_path, capsys):
+    import importlib.util
+    import subprocess
+    import sys
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint.py"
+    source, _ = hf_folders["qwen2-untied"]
+    # as a script in its own process
+    done = subprocess.run([sys.executable, str(tool), "hf-to-megatron", str(source),
+                           str(tmp_path / "megatron"), "--params-dtype", "bfloat16",
+                           "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "wrote Megatron checkpoint" in done.stdout and "bfloat16" in done.stdout
+    # its main() in this process (a second interpreter start is slow on these machines)
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", tool)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    args = ["megatron-to-hf", str(tmp_path / "megatron"), str(tmp_path / "back"), "--dtype",
+            "float32", "--max-shard-size", "40KB", "--no-progress"]
+    cli.main(args)
+    original, back = hf_models.read_hf_tensors(source), hf_models.read_hf_tensors(tmp_path / "back")
+    assert sorted(back) == sorted(original)
+    for name, tensor in original.items():  # matrices through bf16: rounded, then widened exactly
+        kept = tensor if "norm" in name else tensor.to(torch.bfloat16).float()  # norms stay fp32
+        assert torch.equal(back[name], kept), name
+    assert len(list((tmp_path / "back").glob("*.safetensors"))) > 3
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as failed:
+        cli.main(args)
+    assert failed.value.code == 2
+    assert f"error: output {tmp_path / 'back'} already exists" in capsys.readouterr().err
+    assert cli.byte_size("512MiB") == 512 * 2**20 and cli.byte_size("2GB") == 2 * 10**9

@@ -43,7 +43,8 @@ def staged_folder(final: str | Path, *, overwrite: bool = False,
     """
     final = Path(final).absolute()
     if final.exists() and not overwrite:
-        raise ValueError(f"output {final} already exists (pass overwrite to replace it)")
+        raise ValueError(f"output {final} already exists (overwrite=True, or --overwrite, "
+                         "replaces it)")
     if not final.parent.is_dir():
         raise ValueError(f"output {final}: parent folder {final.parent} does not exist")
     staging = staging_path(final)
