@@ -344,6 +344,33 @@ class ModelConfig:
         except ValueError as err:
             raise ValueError(f"HF config {where}: {err}") from None
 
+    def to_hf_config(self) -> dict[str, Any]:
+        """The Hugging Face ``config.json`` fields of this architecture (the inverse of
+        :meth:`from_hf_config`): ``transformers.AutoConfig.for_model(**it)`` builds the
+        equivalent ``LlamaConfig`` / ``Qwen2Config``."""
+        fields: dict[str, Any] = dict(
+            model_type=self.model_type,
+            architectures=["LlamaForCausalLM" if self.model_type == "llama" else "Qwen2ForCausalLM"],
+            num_hidden_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.ffn_hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_query_groups,
+            vocab_size=self.vocab_size,
+            rope_theta=self.rope_theta,
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=self.max_position_embeddings,
+            hidden_act="silu",
+            torch_dtype=self.params_dtype,
+        )
+        if self.model_type == "llama":
+            fields.update(attention_bias=False, mlp_bias=False, head_dim=self.head_dim)
+        elif not self.qkv_bias:
+            raise ValueError("model.qkv_bias=false has no Qwen2 config.json equivalent (Qwen2 always "
+                             "biases q/k/v)")
+        return fields
+
 
 @dataclass(kw_only=True)
 class ParallelConfig:
