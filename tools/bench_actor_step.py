@@ -1,7 +1,7 @@
 """Benchmark one actor train step (Megatron schedule + BAPO loss + optimizer) at several layouts.
 
 For each layout in ``--layouts`` (default tp1, tp2, pp2, tp2-pp2; data parallel 1), this script
-starts tp x pp gloo processes (one thread each) that build the same small Qwen2-style model,
+starts tp x pp gloo processes under torchrun (one thread each) that build the same small Qwen2-style model,
 train ``--warmup`` untimed steps and then ``--steps`` timed steps on random off-policy data
 (``--sequences`` sequences of ``--length`` tokens, micro-batches of ``--micro-batch-size``), once
 with the `paper` preset at granularity `step` (search statistics from a no-grad forward pass,
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -114,46 +113,28 @@ def worker(args: argparse.Namespace) -> None:
     result = dict(times=times, search_share=search_share, last_stage=context.is_last_stage(),
                   tokens=n * s)
     context.teardown()
-    Path(args.worker_out).write_text(json.dumps(result))
+    Path(args.worker_out.format(rank=os.environ["RANK"])).write_text(json.dumps(result))
 
 
 # ------------------------------------------------------------------------ driver
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_layout(name: str, args: argparse.Namespace, argv: list[str], workdir: Path) -> dict:
     tp, pp = LAYOUTS[name]
     world = tp * pp
-    port = free_port()
-    procs, outs = [], []
-    for rank in range(world):
-        out = workdir / f"{name}-rank{rank}.json"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
-               "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "BENCH_TP": str(tp),
-               "BENCH_PP": str(pp), "PYTHONWARNINGS": "ignore"}
-        log = open(workdir / f"{name}-rank{rank}.log", "wb")
-        procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--worker-out", str(out)],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT))
-        outs.append(out)
-    deadline = time.monotonic() + args.timeout
-    while any(p.poll() is None for p in procs):
-        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
-            break
-        time.sleep(0.1)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-    if any(p.returncode != 0 for p in procs) or not all(o.exists() for o in outs):
-        logs = "\n".join((workdir / f"{name}-rank{r}.log").read_text(errors="replace")[-3000:]
-                         for r in range(world))
-        raise RuntimeError(f"layout {name} failed:\n{logs}")
+    outs = [workdir / f"{name}-rank{rank}.json" for rank in range(world)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
+           "BENCH_TP": str(tp), "BENCH_PP": str(pp), "PYTHONWARNINGS": "ignore"}
+    # torchrun starts the ranks and stops them all when one fails.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           __file__, *argv, "--worker-out", str(workdir / f"{name}-rank{{rank}}.json")]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"layout {name} did not finish within {args.timeout:.0f} s") from None
+    if done.returncode != 0 or not all(o.exists() for o in outs):
+        raise RuntimeError(f"layout {name} failed (exit {done.returncode}):\n{done.stdout[-4000:]}"
+                           f"\n{done.stderr[-4000:]}")
     results = [json.loads(o.read_text()) for o in outs]
     # A step ends when its slowest rank ends: per step, the max over ranks.
     step = {name_: [max(r["times"][name_][i] for r in results) for i in range(args.steps)]
