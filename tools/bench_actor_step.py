@@ -59,8 +59,14 @@ def worker(args: argparse.Namespace) -> None:
     from bapo_megatron.actor.batch import PolicyBatch
     from bapo_megatron.actor.build import build_actor
     from bapo_megatron.algo.search_plan import SearchPlan
-    from bapo_megatron.config import (ActorConfig, ClipSearchConfig, LossConfig, ModelConfig,
-                                      OptimizerConfig, ParallelConfig)
+    from bapo_megatron.config import (
+        ActorConfig,
+        ClipSearchConfig,
+        LossConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelConfig,
+    )
     from bapo_megatron.parallel import ParallelContext
 
     tp, pp = int(os.environ["BENCH_TP"]), int(os.environ["BENCH_PP"])
