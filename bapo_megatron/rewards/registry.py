@@ -1,0 +1,45 @@
+"""Named reward functions: ``(response text, ground truth) -> float``.
+
+Built-in rewards register themselves by name when their module is imported; any other function
+is named ``"package.module:function"`` and imported on first use (also inside pool workers, which
+do not share the parent's runtime registrations).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+RewardFn = Callable[[str, str], float]
+
+_REWARDS: dict[str, RewardFn] = {}
+_BUILTIN_MODULES = ("bapo_megatron.rewards.math_answer",)
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make ``fn`` available as ``name``."""
+    def register(fn: RewardFn) -> RewardFn:
+        if name in _REWARDS and _REWARDS[name] is not fn:
+            raise ValueError(f"reward {name!r} is already registered")
+        _REWARDS[name] = fn
+        return fn
+    return register
+
+
+def get_reward(name: str) -> RewardFn:
+    """The reward function called ``name`` (a registered name or ``"module:function"``)."""
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+    if name in _REWARDS:
+        return _REWARDS[name]
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"reward {name!r}: cannot import it ({err})") from None
+        if not callable(fn):
+            raise ValueError(f"reward {name!r} is not callable")
+        return fn
+    raise ValueError(f"unknown reward {name!r}; registered: {sorted(_REWARDS)}, or give "
+                     "'package.module:function'")
