@@ -1,0 +1,188 @@
+"""What the adapters of external engines (vLLM, SGLang) share: partial rollout by re-submission,
+merging an engine's output into samples, and checking HF tensors before they are sent.
+
+Partial rollout by re-submission. These engines know nothing of our samples: a round sends each
+unfinished sample as a new request whose prompt is the sample's prompt plus every token it has
+generated so far, capped at ``min(round_tokens, tokens left)`` new tokens. What comes back is
+appended, each new token stamped with the engine's current policy version, so every token keeps
+the behaviour log-prob and version it was sampled with. The engine recomputes the KV cache of the
+re-submitted tokens (under the new weights, which is what continuing under the new policy means;
+a prefix cache may make this cheap).
+
+Seeds. One request per sample (never the engine's own ``n``), each with a seed derived from the
+call's seed, the sample's position and its length so far: the same call gives the same rollout
+whatever the batching, and a continued round does not replay the first round's random draws.
+
+Everything here is pure Python (plus torch for the tensor checks); it is tested without either
+engine installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from bapo_megatron.config import ModelConfig
+from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams
+from bapo_megatron.rollout.weight_sync import Checksum
+
+EngineFinish = Literal["stop", "length", "abort"]
+"""How an engine ended one request, normalized from its own vocabulary."""
+
+LOGPROB_TOLERANCE = 1e-4
+"""How far above 0 a reported log-prob may be (rounding) before it is refused."""
+
+
+def check_prompts(prompts: list[list[int]], vocab_size: int | None) -> None:
+    """Refuse empty prompts and token ids outside ``[0, vocab_size)`` (same messages as the
+    embedded engine)."""
+    for index, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompts[{index}] is empty; a prompt needs at least one token")
+        if vocab_size is not None:
+            bad = [t for t in prompt if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"prompts[{index}] holds token ids outside the vocabulary "
+                                 f"[0, {vocab_size}): {bad[:5]}")
+
+
+def new_samples(prompts: list[list[int]], n: int) -> list[RolloutSample]:
+    """``n`` empty samples per prompt, prompt-major."""
+    return [RolloutSample(prompt_index=p, sample_index=i, prompt_token_ids=list(prompt))
+            for p, prompt in enumerate(prompts) for i in range(n)]
+
+
+def sample_seed(seed: int | None, sample: RolloutSample) -> int | None:
+    """The seed of ``sample``'s next request: a 31-bit hash of the call's seed, the sample's
+    prompt and sample index and its length so far; None without a call seed."""
+    if seed is None:
+        return None
+    key = f"{seed}/{sample.prompt_index}/{sample.sample_index}/{len(sample.token_ids)}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+@dataclass(frozen=True)
+class RoundRequest:
+    """One sample's request in one round."""
+
+    sample: RolloutSample
+    context: list[int]
+    """Prompt plus the tokens generated so far: the engine's prompt for this round."""
+    max_new_tokens: int
+    """This round's cap: ``min(round_tokens, tokens the sample has left)``."""
+    final: bool
+    """Whether the cap is all the sample has left (so `length` ends it, rather than pausing it)."""
+    seed: int | None
+    """Seed of this request (:func:`sample_seed`)."""
+
+
+def plan_round(samples: list[RolloutSample], params: SamplingParams,
+               round_tokens: int | None) -> list[RoundRequest]:
+    """The requests of one round for ``samples`` (all to be generated now, in order)."""
+    if round_tokens is not None and (isinstance(round_tokens, bool) or not isinstance(round_tokens, int)
+                                     or round_tokens < 1):
+        raise ValueError(f"round_tokens must be a positive integer or None, got {round_tokens!r}")
+    requests = []
+    for sample in samples:
+        left = params.max_new_tokens - len(sample.token_ids)
+        if left <= 0:
+            raise ValueError("a sample to continue has already generated max_new_tokens tokens")
+        cap = left if round_tokens is None else min(round_tokens, left)
+        requests.append(RoundRequest(sample=sample, context=sample.prompt_token_ids + sample.token_ids,
+                                     max_new_tokens=cap, final=cap == left,
+                                     seed=sample_seed(params.seed, sample)))
+    return requests
+
+
+def reopen(samples: list[RolloutSample]) -> list[RolloutSample]:
+    """The `paused` samples of ``samples``, marked unfinished again (to be continued)."""
+    active = [s for s in samples if s.resumable]
+    for sample in active:
+        sample.finish_reason = None
+    return active
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """What an engine generated for one request, parsed from its own format."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    """Behaviour log-prob of each token."""
+    finish: EngineFinish
+    detail: str = ""
+    """The engine's own words on an `abort` (an error message), for error reports."""
+
+
+def apply_output(request: RoundRequest, output: EngineOutput, *, version: int, pausing: bool,
+                 where: str) -> None:
+    """Append ``output`` to ``request.sample`` and set its finish reason.
+
+    `length` at this round's cap pauses the sample unless the cap was all it had left (a
+    `length` below the cap is the engine's context window: final). `abort` pauses it when the
+    adapter was pausing, else it ends it. ``where`` names the output in errors, which are
+    ``ValueError``\\ s naming the offending field.
+    """
+    tokens, logprobs = output.token_ids, output.logprobs
+    if len(logprobs) != len(tokens):
+        raise ValueError(f"{where}: 'logprobs' has {len(logprobs)} entries for {len(tokens)} "
+                         f"generated tokens")
+    if len(tokens) > request.max_new_tokens:
+        raise ValueError(f"{where}: 'token_ids' holds {len(tokens)} tokens, the request allowed "
+                         f"{request.max_new_tokens}")
+    for position, value in enumerate(logprobs):
+        if not isinstance(value, (int, float)) or math.isnan(value) or value > LOGPROB_TOLERANCE:
+            raise ValueError(f"{where}: 'logprobs'[{position}] = {value!r} is not a log-probability")
+    if output.finish == "stop" and not tokens:
+        raise ValueError(f"{where}: finish reason 'stop' with no generated token")
+    sample = request.sample
+    sample.token_ids.extend(int(t) for t in tokens)
+    sample.logprobs.extend(float(v) for v in logprobs)
+    sample.versions.extend([version] * len(tokens))
+    if output.finish == "stop":
+        sample.finish_reason = "stop"
+    elif output.finish == "length":
+        capped = len(tokens) == request.max_new_tokens and not request.final
+        sample.finish_reason = "paused" if capped else "length"
+    elif output.finish == "abort":
+        sample.finish_reason = "paused" if pausing else "abort"
+    else:
+        raise ValueError(f"{where}: unknown finish reason {output.finish!r}")
+
+
+# ------------------------------------------------------------------ weights
+
+
+def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of ``model`` and its shape (tied: no ``lm_head.weight``)."""
+    from bapo_megatron.weights.name_maps import name_map_for  # keeps this module light
+
+    return name_map_for(model.model_type).hf_shapes(model)
+
+
+def checked_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], model: ModelConfig,
+                    shapes: dict[str, tuple[int, ...]], total: Checksum | None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``named_tensors`` after checking each name and shape against ``shapes`` (the same
+    ``ValueError`` messages as the embedded engine), adding each to ``total`` when given. A tied
+    ``lm_head.weight`` is skipped, as the embedded engine does.
+
+    The engines load what they are sent without a clear error for a wrong name or shape, so the
+    adapters check first; a consumer that stops at the first error has loaded nothing wrong."""
+    for name, tensor in named_tensors:
+        if name not in shapes:
+            if name == "lm_head.weight" and model.tie_word_embeddings:
+                continue
+            raise ValueError(f"update_weights: {name!r} is not a parameter of this "
+                             f"{model.model_type} model")
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model "
+                             f"expects {shapes[name]}")
+        if total is not None:
+            total.add(name, tensor)
+        yield name, tensor
