@@ -42,7 +42,8 @@ from bapo_megatron.weights.name_maps import (  # noqa: E402
 from bapo_megatron.weights.staging import staging_path  # noqa: E402
 from tests import hf_models  # noqa: E402
 
-needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches are for CPU-only runs")
+needs_cpu = pytest.mark.skipif(torch.cuda.is_available(),
+                               reason="CPU patches are for CPU-only runs")
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +144,8 @@ def test_gate_up_and_row_parallel_slices():
     assert torch.equal(merge(fc1, [gate, up], model), torch.cat([gate, up]))
     for rank in range(2):  # rank r holds [gate_r; up_r] and the columns r of down
         shard = merge(fc1, [gate[tp_slice(fc1, 6, rank, 2)], up[tp_slice(fc1, 6, rank, 2)]], model)
-        assert torch.equal(shard, torch.cat([gate[3 * rank:3 * rank + 3], up[3 * rank:3 * rank + 3]]))
+        rows = slice(3 * rank, 3 * rank + 3)
+        assert torch.equal(shard, torch.cat([gate[rows], up[rows]]))
         assert torch.equal(down[:, tp_slice(fc2, 6, rank, 2)], down[:, 3 * rank:3 * rank + 3])
     with pytest.raises(ValueError, match="not divisible by the tensor-parallel size 4"):
         tp_slice(fc1, 6, 0, 4)
@@ -213,7 +215,8 @@ def test_bfloat16_checkpoint_round_trips_bitwise_and_can_widen(tmp_path, context
     megatron_to_hf(tmp_path / "bf16", tmp_path / "back", context)
     original = hf_models.read_hf_tensors(source)
     back = hf_models.read_hf_tensors(tmp_path / "back")
-    assert all(torch.equal(back[k].view(torch.int16), original[k].view(torch.int16)) for k in original)
+    assert all(torch.equal(back[k].view(torch.int16), original[k].view(torch.int16))
+               for k in original)
     assert (tmp_path / "back" / "config.json").read_bytes() == (source / "config.json").read_bytes()
     # float32 Megatron weights from bf16 HF weights (exact), exported as float32: the config's
     # dtype follows the weights

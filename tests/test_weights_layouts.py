@@ -1,5 +1,6 @@
-"""HF <-> Megatron at TP1/PP1, TP2/PP1, TP1/PP2 and TP2/PP2, resharding, and the live export at
-TP2/PP2, in one launch of 4 gloo workers (tests/weights_layouts_worker.py).
+"""HF <-> Megatron at TP1/PP1, TP2/PP1, TP1/PP2, TP2/PP2 and PP2 x VPP2, resharding, and the live
+export at TP2/PP2 and PP2 x VPP2, in one launch of 4 gloo workers
+(tests/weights_layouts_worker.py).
 
 The parent builds two tiny transformers models (Llama untied, Qwen2 tied with q/k/v bias; 4
 layers so that each pipeline stage holds 2) and records transformers' logits. Each worker, for
@@ -10,8 +11,10 @@ every layout (data parallel fills the 4 ranks):
 - loads the checkpoint saved at TP2/PP2 at that layout: every parameter must be bitwise the one
   converted directly at that layout (resharding on load);
 - at TP2/PP2: exports the weights live, in buckets of a small bound, in fp32 (into the first TP
-  rank) and bf16 (into both TP ranks), and converts the TP2/PP2 checkpoint back to HF with every
-  stage writing its own shards; at TP1/PP1 (DP4) converts it back again.
+  rank) and bf16 (into both TP ranks), through shared memory and through the gloo collective,
+  and converts the TP2/PP2 checkpoint back to HF with every stage writing its own shards; at
+  TP1/PP1 (DP4) converts it back again; at PP2 x VPP2 exports again (each stage holds
+  interleaved layers).
 
 The parent checks the exported tensors and both HF folders bitwise against the saved HF tensors
 (the offline conversion of the same weights), the bucket bound, the versions, which stage sent
@@ -26,7 +29,7 @@ import pytest
 import torch
 
 from tests import gloo_launch, hf_models
-from tests.weights_layouts_worker import BUCKET_BYTES, LAYERS, LAYOUTS, VERSION
+from tests.weights_layouts_worker import BUCKET_BYTES, LAYERS, LAYOUTS, TRANSPORTS, VERSION
 from tests.weights_layouts_worker import VARIANTS as MP_VARIANTS
 
 pytest.importorskip("megatron.core")
@@ -34,7 +37,8 @@ pytest.importorskip("megatron.core")
 WORKER = Path(__file__).with_name("weights_layouts_worker.py")
 LAUNCH_TIMEOUT_S = 300.0
 WORLD = 4
-needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches are for CPU-only runs")
+needs_cpu = pytest.mark.skipif(torch.cuda.is_available(),
+                               reason="CPU patches are for CPU-only runs")
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +60,7 @@ def launched(tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_converted_checkpoint_gives_transformers_logits(launched, layout):
     _, reference, results = launched
-    tp, pp = LAYOUTS[layout]
+    tp, pp, vpp = LAYOUTS[layout]
     last = [rank for rank, r in enumerate(results) if r["place", layout]["pp_rank"] == pp - 1]
     assert len(last) == WORLD // pp
     for variant in MP_VARIANTS:
@@ -82,30 +86,38 @@ def exported_by_sender(results: list[dict], key: tuple) -> dict[int, list[dict]]
     return {rank: r[key] for rank, r in enumerate(results) if r[key]}
 
 
+def check_stage_buckets(buckets: list[dict], stage: int, layers: set[int], bound: int,
+                        version: int) -> list[str]:
+    """One stage's buckets are numbered, versioned, bounded and hold its layers; their names."""
+    assert [b["index"] for b in buckets] == list(range(len(buckets))) and len(buckets) > 2
+    assert [b["last"] for b in buckets] == [False] * (len(buckets) - 1) + [True]
+    assert all(b["version"] == version and b["stage"] == stage for b in buckets)
+    assert all(b["nbytes"] <= bound for b in buckets)
+    names = [name for b in buckets for name in b["tensors"]]
+    assert {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")} == layers
+    assert ("model.embed_tokens.weight" in names) == (stage == 0)
+    assert ("model.norm.weight" in names) == (stage == 1)
+    return names
+
+
 @needs_cpu
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("variant", MP_VARIANTS)
-def test_live_export_at_tp2_pp2_equals_offline_conversion(launched, variant):
+def test_live_export_at_tp2_pp2_equals_offline_conversion(launched, variant, transport):
     _, reference, results = launched
     original = reference[variant]["tensors"]
     places = [r["place", "tp2pp2"] for r in results]
 
-    senders = exported_by_sender(results, ("export", variant))
+    senders = exported_by_sender(results, ("export", variant, transport))
     # the first TP rank of each stage sends its own stage's layers, nobody else sends
     assert sorted(senders) == [rank for rank, p in enumerate(places) if p["tp_rank"] == 0]
     assert sorted(places[rank]["pp_rank"] for rank in senders) == [0, 1]
     exported: dict[str, torch.Tensor] = {}
     for rank, buckets in senders.items():
         stage = places[rank]["pp_rank"]
-        assert [b["index"] for b in buckets] == list(range(len(buckets))) and len(buckets) > 2
-        assert [b["last"] for b in buckets] == [False] * (len(buckets) - 1) + [True]
-        assert all(b["version"] == VERSION and b["stage"] == stage for b in buckets)
-        assert all(b["nbytes"] <= BUCKET_BYTES for b in buckets)
-        names = [name for b in buckets for name in b["tensors"]]
-        layers = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
-        assert layers == ({0, 1} if stage == 0 else {2, 3})
-        assert ("model.embed_tokens.weight" in names) == (stage == 0)
-        assert ("model.norm.weight" in names) == (stage == 1)
+        names = check_stage_buckets(buckets, stage, {0, 1} if stage == 0 else {2, 3},
+                                    BUCKET_BYTES, VERSION)
         assert not set(names) & set(exported)
         exported.update((n, t) for b in buckets for n, t in b["tensors"].items())
     assert sorted(exported) == sorted(original)  # tied: no lm_head.weight, as HF saves it
@@ -113,14 +125,34 @@ def test_live_export_at_tp2_pp2_equals_offline_conversion(launched, variant):
         assert tensor.dtype == torch.float32 and torch.equal(tensor, original[name]), name
 
     # bf16 into every TP rank: both ranks of a stage get the same tensors, rounded from fp32
-    everyone = exported_by_sender(results, ("export-bf16", variant))
+    everyone = exported_by_sender(results, ("export-bf16", variant, transport))
     assert sorted(everyone) == list(range(WORLD))
     for rank, buckets in everyone.items():
-        assert all(b["nbytes"] <= BUCKET_BYTES // 2 and b["version"] == VERSION + 1
-                   for b in buckets)
+        stage = places[rank]["pp_rank"]
+        check_stage_buckets(buckets, stage, {0, 1} if stage == 0 else {2, 3},
+                            BUCKET_BYTES // 2, VERSION + 1)
         for name, tensor in ((n, t) for b in buckets for n, t in b["tensors"].items()):
             assert tensor.dtype == torch.bfloat16
             assert torch.equal(tensor, original[name].to(torch.bfloat16)), (rank, name)
+
+
+@needs_cpu
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", MP_VARIANTS)
+def test_live_export_with_virtual_stages(launched, variant):
+    """PP2 x VPP2 over 4 layers: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3."""
+    _, reference, results = launched
+    original = reference[variant]["tensors"]
+    senders = exported_by_sender(results, ("export-vpp", variant))
+    assert len(senders) == WORLD  # TP1: every rank sends; DP2: both replicas
+    exported: dict[str, torch.Tensor] = {}
+    for rank, buckets in senders.items():
+        stage = results[rank]["place", "pp2vpp2"]["pp_rank"]
+        check_stage_buckets(buckets, stage, {0, 2} if stage == 0 else {1, 3}, BUCKET_BYTES,
+                            VERSION)
+        exported.update((n, t) for b in buckets for n, t in b["tensors"].items())
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[name], original[name]) for name in original)
 
 
 @needs_cpu
@@ -137,7 +169,8 @@ def test_megatron_to_hf_from_tp2_pp2_is_bitwise_and_loads_in_transformers(launch
         assert sorted(back) == sorted(original)
         assert all(torch.equal(back[k], original[k]) and back[k].dtype == original[k].dtype
                    for k in original)
-        assert (folder / "config.json").read_bytes() == (work / variant / "config.json").read_bytes()
+        config = (folder / "config.json").read_bytes()
+        assert config == (work / variant / "config.json").read_bytes()
         model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
         torch.testing.assert_close(hf_models.hf_logits(model), reference[variant]["logits"],
                                    rtol=0, atol=0)

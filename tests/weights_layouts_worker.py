@@ -5,11 +5,12 @@ because ``dist_checkpointing.save`` starts a multiprocessing Manager with the ``
 which re-imports ``__main__``: re-importing a test file costs every worker several seconds of
 torch and Megatron imports; re-importing this file costs nothing.
 
-For every layout (TP2/PP2 first, then TP2/PP1, TP1/PP2, TP1/PP1; data parallel fills the 4
-ranks) and both model variants it converts the HF folder, records the pipeline's logits, loads
-the TP2/PP2 checkpoint at that layout and compares every parameter with the direct conversion,
-and, at TP2/PP2, records the live export's buckets; it converts the TP2/PP2 checkpoint back to HF
-at TP2/PP2 and TP1/PP1. The parent test makes the comparisons.
+For every layout (TP2/PP2 first, then TP2/PP1, TP1/PP2, TP1/PP2, PP2 x VPP2; data parallel fills
+the 4 ranks) and both model variants it converts the HF folder, records the pipeline's logits,
+loads the TP2/PP2 checkpoint at that layout and compares every parameter with the direct
+conversion, and, at TP2/PP2 (both transports) and PP2 x VPP2, records the live export's
+buckets; it converts the TP2/PP2 checkpoint back to HF at TP2/PP2 and TP1/PP1. The parent test
+makes the comparisons.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import time
 
 LAYERS = 4
 VARIANTS = ("llama-untied", "qwen2-tied")
-LAYOUTS = {"tp2pp2": (2, 2), "tp2pp1": (2, 1), "tp1pp2": (1, 2), "tp1pp1": (1, 1)}  # TP2/PP2 first
+# name -> (TP, PP, virtual stages per PP rank); TP2/PP2 first: the others load its checkpoint
+LAYOUTS = {"tp2pp2": (2, 2, None), "tp2pp1": (2, 1, None), "tp1pp2": (1, 2, None),
+           "tp1pp1": (1, 1, None), "pp2vpp2": (1, 2, 2)}
+TRANSPORTS = ("shared_memory", "collective")
 BUCKET_BYTES = 70_000  # every single tensor group fits (the largest, gate+up in fp32, is 64 KiB)
 VERSION = 3
 
@@ -60,7 +64,8 @@ def main(argv: list[str]) -> None:
         project's pipeline schedule (forward only)."""
         ids, _ = hf_models.tokens()
         batch = PolicyBatch(tokens=ids, response_mask=torch.zeros_like(ids, dtype=torch.bool))
-        outputs = run_schedule(chunks, [batch],
+        # the interleaved schedule wants as many micro-batches as stages
+        outputs = run_schedule(chunks, [batch] * ctx.pp_size,
                                lambda mb, logits: (logits.sum() * 0, {"logits": logits.detach()}),
                                ctx, forward_only=True)
         if not ctx.is_last_stage():
@@ -75,9 +80,10 @@ def main(argv: list[str]) -> None:
                      nbytes=b.nbytes, tensors=b.tensors) for b in buckets]
 
     results: dict[tuple, object] = {}
-    for layout, (tp, pp) in LAYOUTS.items():
-        ctx = ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=tp,
-                                                        pipeline_model_parallel_size=pp))
+    for layout, (tp, pp, vpp) in LAYOUTS.items():
+        ctx = ParallelContext.initialize(ParallelConfig(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp))
         for variant in VARIANTS:
             model, chunks = hf_to_megatron(work / variant, work / f"{variant}-{layout}", ctx)
             log(f"{layout} {variant}: converted")
@@ -91,12 +97,17 @@ def main(argv: list[str]) -> None:
                     and all(torch.equal(converted[k], resharded[k]) for k in converted)
                 log(f"{layout} {variant}: loaded the TP2/PP2 checkpoint")
             if layout == "tp2pp2":
-                results["export", variant] = records(export_weights(
-                    chunks, model, ctx, version=VERSION, bucket_bytes=BUCKET_BYTES))
-                results["export-bf16", variant] = records(export_weights(
-                    chunks, model, ctx, version=VERSION + 1, bucket_bytes=BUCKET_BYTES // 2,
-                    dtype=torch.bfloat16, to_all_tp_ranks=True))
+                for transport in TRANSPORTS:
+                    results["export", variant, transport] = records(export_weights(
+                        chunks, model, ctx, version=VERSION, bucket_bytes=BUCKET_BYTES,
+                        transport=transport))
+                    results["export-bf16", variant, transport] = records(export_weights(
+                        chunks, model, ctx, version=VERSION + 1, bucket_bytes=BUCKET_BYTES // 2,
+                        dtype=torch.bfloat16, to_all_tp_ranks=True, transport=transport))
                 log(f"{layout} {variant}: exported")
+            if layout == "pp2vpp2":
+                results["export-vpp", variant] = records(export_weights(
+                    chunks, model, ctx, version=VERSION, bucket_bytes=BUCKET_BYTES))
             if layout in ("tp2pp2", "tp1pp1"):
                 megatron_to_hf(work / f"{variant}-tp2pp2", work / f"{variant}-back-{layout}", ctx,
                                max_shard_bytes=BUCKET_BYTES)

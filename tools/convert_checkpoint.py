@@ -77,7 +77,8 @@ def main(argv: list[str]) -> None:
             model, _ = hf_to_megatron(args.hf, args.out, context, params_dtype=args.params_dtype,
                                       overwrite=args.overwrite, progress=progress)
             summary = (f"wrote Megatron checkpoint {args.out} ({model.model_type}, "
-                       f"{model.num_layers} layers, {model.params_dtype}) at TP{args.tp}/PP{args.pp}")
+                       f"{model.num_layers} layers, {model.params_dtype}) "
+                       f"at TP{args.tp}/PP{args.pp}")
         else:
             megatron_to_hf(args.checkpoint, args.out, context, dtype=args.dtype,
                            hf_files_from=args.hf_files_from, max_shard_bytes=args.max_shard_size,

@@ -51,7 +51,7 @@ from bapo_megatron.weights.name_maps import (
     merge,
     tp_slice,
 )
-from bapo_megatron.weights.staging import staged_folder
+from bapo_megatron.weights.staging import check_output, staged_folder
 
 DEFAULT_SHARD_BYTES = 2 * 2**30
 _BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -106,6 +106,7 @@ def hf_to_megatron(hf_folder: str | Path, out_folder: str | Path, context: Paral
     HF weights' when it is one of those, else float32. Returns the model and this rank's
     converted chunks.
     """
+    check_output(out_folder, overwrite)
     with HFCheckpoint.open(hf_folder) as hf:
         if params_dtype is None:
             params_dtype = DTYPE_NAMES[hf.dtype] if hf.dtype in (torch.float32, torch.bfloat16) \
@@ -170,12 +171,13 @@ def megatron_to_hf(checkpoint: str | Path, out_folder: str | Path, context: Para
     checkpoint's. Config and tokenizer files come from the checkpoint's ``hf/`` folder, or from
     ``hf_files_from`` (an HF folder whose config.json must describe the same model).
     """
+    check_output(out_folder, overwrite)
     checkpoint = Path(checkpoint)
     info = read_checkpoint_info(checkpoint)
     if hf_files_from is not None:
         source = Path(hf_files_from)
-        check_same_model(info.model, read_model_config(source, params_dtype=info.model.params_dtype),
-                         f"HF config {source / CONFIG_FILE}")
+        found = read_model_config(source, params_dtype=info.model.params_dtype)
+        check_same_model(info.model, found, f"HF config {source / CONFIG_FILE}")
     else:
         source = checkpoint / HF_FILES_DIR
         if not (source / CONFIG_FILE).is_file():

@@ -30,6 +30,18 @@ def _is_first(group: dist.ProcessGroup | None) -> bool:
     return not dist.is_initialized() or dist.get_rank(group) == 0
 
 
+def check_output(final: str | Path, overwrite: bool = False) -> Path:
+    """``final`` as an absolute path; ``ValueError`` if it exists (unless ``overwrite``) or its
+    parent folder does not. Call it before long work, so that a bad output fails fast."""
+    final = Path(final).absolute()
+    if final.exists() and not overwrite:
+        raise ValueError(f"output {final} already exists (overwrite=True, or --overwrite, "
+                         "replaces it)")
+    if not final.parent.is_dir():
+        raise ValueError(f"output {final}: parent folder {final.parent} does not exist")
+    return final
+
+
 @contextlib.contextmanager
 def staged_folder(final: str | Path, *, overwrite: bool = False,
                   group: dist.ProcessGroup | None = None) -> Iterator[Path]:
@@ -41,12 +53,7 @@ def staged_folder(final: str | Path, *, overwrite: bool = False,
     old folder is replaced only once the new one is complete). On an exception the staging
     folder is removed and the exception propagates.
     """
-    final = Path(final).absolute()
-    if final.exists() and not overwrite:
-        raise ValueError(f"output {final} already exists (overwrite=True, or --overwrite, "
-                         "replaces it)")
-    if not final.parent.is_dir():
-        raise ValueError(f"output {final}: parent folder {final.parent} does not exist")
+    final = check_output(final, overwrite)
     staging = staging_path(final)
     if _is_first(group):
         shutil.rmtree(staging, ignore_errors=True)  # left by a killed run

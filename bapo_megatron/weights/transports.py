@@ -1,0 +1,193 @@
+"""How the tensor-parallel ranks of a stage turn their shards of one export bucket into whole
+HF tensors on the receiving rank(s): the transport seam of :mod:`bapo_megatron.weights.export`.
+
+Every rank of the TP group calls :meth:`ShardTransport.assemble` with the bucket's rules; the
+receiving ranks get ``{HF name: whole tensor}``, the others None. Where TP rank ``r``'s piece of
+a tensor goes is one function, :func:`place_shard` (the inverse of the name map's slicing: the
+pieces ``split(shard)`` land at slice ``r`` of ``tp_dim``). Two transports:
+
+- :class:`CollectiveTransport`: each rank flattens its shards into one buffer (in the export
+  dtype), one ``torch.distributed`` gather (or all-gather) per bucket, and the receiver places
+  every rank's pieces. NCCL on GPUs; gloo (TCP) on the CPU.
+- :class:`SharedMemoryTransport` (TP ranks that are CPU processes on one host): the receiver
+  allocates the bucket's output in a ``/dev/shm`` file that every TP rank maps; each rank places
+  its own pieces straight into it, in parallel, so every byte is copied once. The yielded
+  tensors are ordinary CPU tensors backed by that (already unlinked) file, freed with them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Literal, Protocol
+
+import torch
+import torch.distributed as dist
+
+from bapo_megatron.config import ModelConfig
+from bapo_megatron.parallel import ParallelContext
+from bapo_megatron.weights.name_maps import ParamRule, hf_tensor_shapes, split
+
+TransportKind = Literal["auto", "collective", "shared_memory"]
+SHM_DIR = Path("/dev/shm")
+
+
+class ShardTransport(Protocol):
+    """The seam: one bucket of TP shards -> whole HF tensors on the receiving ranks."""
+
+    def assemble(self, rules: Sequence[ParamRule], params: Mapping[str, torch.Tensor],
+                 model: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+        """``{HF name: whole tensor in dtype}`` of ``rules`` on receiving ranks, None elsewhere
+        (collective over the TP group)."""
+
+
+def place_shard(rule: ParamRule, wholes: Sequence[torch.Tensor], shard: torch.Tensor,
+                tp_rank: int, model: ModelConfig) -> None:
+    """Copy TP rank ``tp_rank``'s Megatron ``shard`` of ``rule`` into its place in the whole HF
+    tensors ``wholes`` (all of a replicated tensor's place is the whole tensor)."""
+    for target, part in zip(wholes, split(rule, shard, model)):
+        if rule.tp_dim is None:
+            target.copy_(part)
+        else:
+            step = part.shape[rule.tp_dim]
+            target.narrow(rule.tp_dim, tp_rank * step, step).copy_(part)
+
+
+def _is_split(rule: ParamRule, context: ParallelContext) -> bool:
+    return rule.tp_dim is not None and context.tp_size > 1
+
+
+class CollectiveTransport:
+    """One ``torch.distributed`` gather into the first TP rank, or all-gather into all."""
+
+    def __init__(self, context: ParallelContext, to_all: bool) -> None:
+        self.context, self.to_all = context, to_all
+
+    def assemble(self, rules, params, model, dtype):
+        ctx = self.context
+        split_rules = [r for r in rules if _is_split(r, ctx)]
+        device = params[rules[0].megatron].device
+        pieces: list[torch.Tensor | None] | None = None
+        if split_rules:
+            flat = torch.empty(sum(params[r.megatron].numel() for r in split_rules), dtype=dtype,
+                               device=device)
+            offset = 0
+            for rule in split_rules:  # the dtype conversion happens before the transfer
+                shard = params[rule.megatron]
+                flat[offset:offset + shard.numel()].view(shard.shape).copy_(shard)
+                offset += shard.numel()
+            first = dist.get_global_rank(ctx.tp_group, 0)
+            if self.to_all:
+                out = torch.empty(ctx.tp_size * flat.numel(), dtype=dtype, device=device)
+                dist.all_gather_into_tensor(out, flat, group=ctx.tp_group)
+                pieces = list(out.chunk(ctx.tp_size))
+            elif ctx.tp_rank == 0:
+                pieces = [torch.empty_like(flat) for _ in range(ctx.tp_size)]
+                dist.gather(flat, pieces, dst=first, group=ctx.tp_group)
+            else:
+                dist.gather(flat, None, dst=first, group=ctx.tp_group)
+        if not (self.to_all or ctx.tp_rank == 0):
+            return None
+        out_tensors: dict[str, torch.Tensor] = {}
+        offset = 0
+        for rule in rules:
+            shard = params[rule.megatron]
+            wholes = [torch.empty(shape, dtype=dtype, device=device)
+                      for shape in hf_tensor_shapes(rule, model)]
+            if rule in split_rules:
+                for rank, piece in enumerate(pieces):
+                    local = shard if rank == ctx.tp_rank else \
+                        piece[offset:offset + shard.numel()].view(shard.shape)
+                    place_shard(rule, wholes, local, rank, model)
+                offset += shard.numel()
+            else:
+                place_shard(rule, wholes, shard, 0, model)
+            out_tensors.update(zip(rule.hf, wholes))
+        return out_tensors
+
+
+def _host_identity() -> str:
+    """This machine (the boot id tells containers of one kernel apart from other machines)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def shared_memory_possible(context: ParallelContext, device: torch.device) -> bool:
+    """Whether every rank of the TP group is a CPU process on this host with a writable
+    ``/dev/shm`` (collective over the TP group)."""
+    usable = device.type == "cpu" and SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+    mine = (_host_identity(), usable)
+    everyone: list = [None] * context.tp_size
+    dist.all_gather_object(everyone, mine, group=context.tp_group)
+    return all(ok and host == mine[0] for host, ok in everyone)
+
+
+class SharedMemoryTransport:
+    """TP ranks on one CPU host place their shards directly into the receiver's output, a
+    ``/dev/shm`` file mapped by all of them. Two TP barriers per bucket (three when every rank
+    receives: the others copy the bucket out of the shared mapping)."""
+
+    def __init__(self, context: ParallelContext, to_all: bool) -> None:
+        self.context, self.to_all = context, to_all
+        group = context.tp_group
+        token = [uuid.uuid4().hex if context.tp_rank == 0 else None]
+        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+        self.prefix = f"bapo-export-{token[0]}"
+        self.buckets = 0
+
+    def assemble(self, rules, params, model, dtype):
+        ctx = self.context
+        path = SHM_DIR / f"{self.prefix}-{self.buckets}"
+        self.buckets += 1
+        shapes = [hf_tensor_shapes(rule, model) for rule in rules]
+        total = sum(torch.Size(shape).numel() for group in shapes for shape in group)
+        receiver = ctx.tp_rank == 0
+        try:
+            if receiver:  # creates the file
+                buffer = torch.from_file(str(path), shared=True, size=total, dtype=dtype)
+            dist.barrier(group=ctx.tp_group)
+            if not receiver:
+                buffer = torch.from_file(str(path), shared=True, size=total, dtype=dtype)
+            out: dict[str, torch.Tensor] = {}
+            offset = 0
+            for rule, group in zip(rules, shapes):
+                wholes = []
+                for shape in group:
+                    numel = torch.Size(shape).numel()
+                    wholes.append(buffer[offset:offset + numel].view(shape))
+                    offset += numel
+                if _is_split(rule, ctx) or receiver:  # replicated tensors: the receiver's copy
+                    place_shard(rule, wholes, params[rule.megatron], ctx.tp_rank, model)
+                out.update(zip(rule.hf, wholes))
+            dist.barrier(group=ctx.tp_group)  # every piece is in place; all have mapped the file
+        finally:
+            if receiver:
+                path.unlink(missing_ok=True)
+        if not self.to_all:
+            return out if receiver else None
+        if not receiver:  # a private copy: the shared mapping stays the first rank's
+            out = {name: tensor.clone() for name, tensor in out.items()}
+        dist.barrier(group=ctx.tp_group)  # copied before the first rank hands its tensors out
+        return out
+
+
+def make_transport(kind: TransportKind, context: ParallelContext, device: torch.device,
+                   to_all: bool) -> ShardTransport:
+    """The transport of ``kind`` (collective over the TP group). `auto`: shared memory when the
+    TP group is CPU processes on one host, else the collective."""
+    if kind not in ("auto", "collective", "shared_memory"):
+        raise ValueError(f"transport must be 'auto', 'collective' or 'shared_memory', got {kind!r}")
+    if kind != "collective" and context.tp_size > 1:
+        possible = shared_memory_possible(context, device)
+        if kind == "shared_memory" and not possible:
+            raise ValueError("transport='shared_memory' needs every TP rank to be a CPU process "
+                             "on this host with a writable /dev/shm")
+        if possible:
+            return SharedMemoryTransport(context, to_all)
+    return CollectiveTransport(context, to_all)

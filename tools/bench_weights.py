@@ -1,0 +1,257 @@
+"""Benchmark the live weight export and the HF -> Megatron conversion at TP2/PP2 on the CPU.
+
+Starts 4 gloo processes (one thread each) that build a Llama-style model (default about 1B
+parameters: hidden 2048, 18 layers, 16 heads in 8 query groups, MLP 5632, vocab 32000, untied,
+bf16, random weights) at TP2/PP2 and measure, with barriers around each phase and the slowest
+rank's time:
+
+    copy        every rank clones its own parameter shards into new tensors: a plain in-memory
+                copy of the same bytes, at the same parallelism (the floor the export is
+                compared with; new tensors, as the export hands out new tensors)
+    warm copy   the same copy into tensors already allocated (no page faults; for reference)
+    export      ``export_weights`` at TP2/PP2: each stage gathers its TP shards into its first
+                TP rank and yields whole HF tensors in ``--bucket-mib`` buckets (consumer: drop)
+    to HF       ``write_hf_folder``: the export written as safetensors shards by each stage
+    to Megatron ``hf_to_megatron``'s phases on that folder at TP2/PP2: open and validate, build
+                the model (with Megatron's random init, which the conversion does not need),
+                read each rank's slices into it, save the torch_dist checkpoint
+    read+write  every rank reads a quarter of the HF shard files and writes the bytes to new
+                files (fsync, as Megatron's checkpoint writer): the I/O floor of the conversion
+
+Throughputs count the bytes of the whole model once. The last printed line is one JSON object
+with the numbers and the ratios export/copy (target >= 0.5) and to-Megatron/read+write (with
+and without the model build).
+
+Usage: python3 tools/bench_weights.py [--dtype bfloat16] [--bucket-mib 512] [--repeats 3]
+       [--hidden 2048 --layers 18 --ffn 5632 --heads 16 --kv-heads 8 --vocab 32000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD, TP, PP = 4, 2, 2
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--bucket-mib", type=float, default=512.0, help="export bucket bound")
+    parser.add_argument("--repeats", type=int, default=3, help="timed copies and exports (min)")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=18)
+    parser.add_argument("--ffn", type=int, default=5632)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--workdir", default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)  # set for the worker processes
+    return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------------ worker
+
+
+def worker(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import torch.distributed as dist
+
+    from bapo_megatron.actor.model import build_model
+    from bapo_megatron.config import ModelConfig, ParallelConfig
+    from bapo_megatron.parallel import ParallelContext
+    from bapo_megatron.weights.convert import load_hf_weights, write_hf_folder
+    from bapo_megatron.weights.export import export_weights
+    from bapo_megatron.weights.hf_checkpoint import DTYPE_NAMES, HFCheckpoint, non_weight_files
+    from bapo_megatron.weights.megatron_checkpoint import save_megatron_checkpoint
+
+    dtype = getattr(torch, args.dtype)
+    work = Path(args.workdir)
+    context = ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=TP,
+                                                        pipeline_model_parallel_size=PP))
+    model = ModelConfig(model_type="llama", num_layers=args.layers, hidden_size=args.hidden,
+                        ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
+                        num_query_groups=args.kv_heads, vocab_size=args.vocab,
+                        max_position_embeddings=4096, params_dtype=args.dtype)
+
+    def timed(fn, *fn_args, **fn_kwargs):
+        """(result of fn, seconds on the slowest rank), with barriers before and after."""
+        dist.barrier()
+        start = time.perf_counter()
+        result = fn(*fn_args, **fn_kwargs)
+        dist.barrier()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return result, float(elapsed)
+
+    def total(value: int) -> int:
+        summed = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(summed)
+        return int(summed)
+
+    def clone_all(tensors):
+        return [t.clone() for t in tensors]
+
+    def copy_all(targets, tensors):
+        for target, tensor in zip(targets, tensors):
+            target.copy_(tensor)
+
+    def export(chunks) -> int:
+        sent = 0
+        for bucket in export_weights(chunks, model, context, version=1,
+                                     bucket_bytes=int(args.bucket_mib * 2**20), dtype=dtype):
+            sent += bucket.nbytes  # the consumer drops the bucket
+        return sent
+
+    chunks, build_s = timed(build_model, model, context.config, context)
+    params = [p.detach() for chunk in chunks for p in chunk.parameters()]
+    model_bytes = total(sum(p.numel() * p.element_size() for p in params))
+    copy_s, warm_s, export_s = [], [], []
+    for _ in range(args.repeats):  # interleaved, so machine noise hits all three
+        copies, seconds = timed(clone_all, params)
+        copy_s.append(seconds)
+        warm_s.append(timed(copy_all, copies, params)[1])
+        del copies
+        sent, seconds = timed(export, chunks)
+        export_s.append(seconds)
+    exported_bytes = total(sent)
+
+    hf_dir, megatron_dir, io_dir = work / "hf", work / "megatron", work / "io-floor"
+    if context.rank == 0:
+        (work / "hf-files").mkdir()
+        (work / "hf-files" / "config.json").write_text(json.dumps({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": args.hidden, "intermediate_size": args.ffn,
+            "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
+            "num_key_value_heads": args.kv_heads, "vocab_size": args.vocab,
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "tie_word_embeddings": False, "hidden_act": "silu",
+            "torch_dtype": DTYPE_NAMES[dtype]}, indent=2))
+        io_dir.mkdir()
+    _, to_hf_s = timed(write_hf_folder, chunks, model, hf_dir, context,
+                       files=[work / "hf-files" / "config.json"], dtype=dtype)
+    del chunks, params
+    shards = sorted(hf_dir.glob("*.safetensors"))
+    hf_bytes = sum(path.stat().st_size for path in shards)
+
+    def read_write() -> None:
+        for path in shards[context.rank::WORLD]:
+            data = path.read_bytes()
+            with open(io_dir / path.name, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+    io_s = timed(read_write)[1]
+
+    # hf_to_megatron, phase by phase
+    hf, open_s = timed(HFCheckpoint.open, hf_dir, params_dtype=args.dtype)
+    chunks, build2_s = timed(build_model, hf.model, context.config, context)
+    load_s = timed(load_hf_weights, chunks, hf, context)[1]
+    save_s = timed(save_megatron_checkpoint, chunks, hf.model, megatron_dir, hf_dtype=hf.dtype,
+                   hf_files=non_weight_files(hf_dir))[1]
+    hf.close()
+    context.teardown()
+    if context.rank == 0:
+        Path(args.worker_out).write_text(json.dumps({
+            "model_bytes": model_bytes, "exported_bytes": exported_bytes, "hf_bytes": hf_bytes,
+            "build_s": build_s, "copy_s": min(copy_s), "warm_copy_s": min(warm_s),
+            "export_s": min(export_s), "export_all_s": export_s, "to_hf_s": to_hf_s,
+            "io_s": io_s, "open_s": open_s, "build2_s": build2_s, "load_s": load_s,
+            "save_s": save_s}))
+
+
+# ------------------------------------------------------------------------ driver
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(argv: list[str], args: argparse.Namespace, work: Path) -> dict:
+    port, out = free_port(), work / "result.json"
+    procs = []
+    for rank in range(WORLD):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "NUMBA_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": str(WORLD),
+               "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "PYTHONWARNINGS": "ignore"}
+        log = open(work / f"rank{rank}.log", "wb")
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, *argv, "--workdir", str(work), "--worker-out", str(out)],
+            env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + args.timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    if any(p.returncode != 0 for p in procs) or not out.exists():
+        logs = "\n".join(f"----- rank {r} -----\n" + (work / f"rank{r}.log").read_text(
+            errors="replace")[-4000:] for r in range(WORLD))
+        raise RuntimeError(f"benchmark workers failed:\n{logs}")
+    return json.loads(out.read_text())
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    if args.worker_out:
+        worker(args)
+        return
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        r = launch(argv, args, Path(tmp))
+    gb = 1e9
+    params = r["model_bytes"] // (2 if args.dtype == "bfloat16" else 4)
+    copy, warm = r["model_bytes"] / r["copy_s"] / gb, r["model_bytes"] / r["warm_copy_s"] / gb
+    export = r["exported_bytes"] / r["export_s"] / gb
+    print(f"model: {params / 1e9:.3f} B parameters, {r['model_bytes'] / gb:.2f} GB {args.dtype}, "
+          f"TP{TP}/PP{PP}; build (random init) {r['build_s']:.1f} s")
+    print(f"copy        {copy:7.2f} GB/s   (clone of every rank's shards, min of {args.repeats})")
+    print(f"warm copy   {warm:7.2f} GB/s   (into allocated tensors)")
+    print(f"export      {export:7.2f} GB/s   ({r['exported_bytes'] / gb:.2f} GB in "
+          f"{args.bucket_mib:g} MiB buckets; runs: "
+          f"{', '.join(f'{s:.2f}' for s in r['export_all_s'])} s)")
+    print(f"to HF       {r['to_hf_s']:7.2f} s      (export + safetensors shards)")
+    print(f"read+write  {r['io_s']:7.2f} s      ({r['hf_bytes'] / gb:.2f} GB of HF shards, fsync)")
+    to_megatron = r["open_s"] + r["build2_s"] + r["load_s"] + r["save_s"]
+    print(f"to Megatron {to_megatron:7.2f} s      (open {r['open_s']:.2f} + build with random init "
+          f"{r['build2_s']:.2f} + read slices {r['load_s']:.2f} + torch_dist save "
+          f"{r['save_s']:.2f})")
+    without_init = to_megatron - r["build2_s"]
+    report = {
+        "benchmark": "weights",
+        "config": {k: v for k, v in vars(args).items()
+                   if k not in ("worker_out", "workdir", "timeout")},
+        "parameters": params, "model_bytes": r["model_bytes"],
+        "copy_gbps": round(copy, 3), "warm_copy_gbps": round(warm, 3),
+        "export_gbps": round(export, 3), "export_over_copy": round(export / copy, 3),
+        "export_over_warm_copy": round(export / warm, 3),
+        "to_hf_s": round(r["to_hf_s"], 2), "read_write_s": round(r["io_s"], 2),
+        "hf_to_megatron_s": round(to_megatron, 2),
+        "hf_to_megatron_phases_s": {
+            "open_and_validate": round(r["open_s"], 2),
+            "build_with_random_init": round(r["build2_s"], 2),
+            "read_slices": round(r["load_s"], 2), "torch_dist_save": round(r["save_s"], 2)},
+        "hf_to_megatron_over_read_write": round(to_megatron / r["io_s"], 2),
+        "hf_to_megatron_without_init_over_read_write": round(without_init / r["io_s"], 2),
+        "targets": {"export_over_copy_at_least_0_5": export / copy >= 0.5},
+    }
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
