@@ -244,6 +244,8 @@ def test_live_export_at_tp1_is_bounded_versioned_and_converts_dtype(hf_folders, 
     assert list(exported) == list(name_map_for("llama").hf_shapes(model))  # HF order
     assert all(t.dtype == torch.bfloat16 and torch.equal(t, original[name].to(torch.bfloat16))
                for name, t in exported.items())
+    with pytest.raises(ValueError, match="transport must be 'auto', 'collective' or"):
+        list(export_weights(chunks, model, context, version=7, transport="tcp"))
     # the yielded tensors are copies: training the actor does not change an exported bucket
     before = exported["model.norm.weight"].clone()
     with torch.no_grad():

@@ -138,6 +138,23 @@ def test_live_export_at_tp2_pp2_equals_offline_conversion(launched, variant, tra
 
 @needs_cpu
 @pytest.mark.multiprocess
+def test_full_shared_memory_falls_back_to_the_collective_or_is_refused(launched):
+    _, reference, results = launched
+    variant = MP_VARIANTS[0]
+    original = reference[variant]["tensors"]
+    senders = exported_by_sender(results, ("export-shm-full", variant))
+    exported = {n: t for buckets in senders.values() for b in buckets
+                for n, t in b["tensors"].items()}
+    assert len(senders) == 2 and sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[name], original[name]) for name in original)
+    for result in results:  # every rank refuses, none hangs
+        assert "first TP rank could not allocate a bucket in /dev/shm" in \
+            result["refused-shm-full", variant]
+        assert "No space left on device" in result["refused-shm-full", variant]
+
+
+@needs_cpu
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("variant", MP_VARIANTS)
 def test_live_export_with_virtual_stages(launched, variant):
     """PP2 x VPP2 over 4 layers: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3."""

@@ -34,6 +34,7 @@ def main(argv: list[str]) -> None:
         os.environ[var] = "1"  # before torch loads
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import datetime
+    import errno
     from pathlib import Path
 
     import torch
@@ -79,6 +80,23 @@ def main(argv: list[str]) -> None:
         return [dict(version=b.version, stage=b.pipeline_rank, index=b.index, last=b.last,
                      nbytes=b.nbytes, tensors=b.tensors) for b in buckets]
 
+    def with_full_shm(fn):
+        """fn() while posix_fallocate fails as on a full /dev/shm."""
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real, os.posix_fallocate = os.posix_fallocate, full
+        try:
+            return fn()
+        finally:
+            os.posix_fallocate = real
+
+    def refusal(buckets) -> str | None:
+        try:
+            list(buckets)
+        except ValueError as err:
+            return str(err)
+        return None
+
     results: dict[tuple, object] = {}
     for layout, (tp, pp, vpp) in LAYOUTS.items():
         ctx = ParallelContext.initialize(ParallelConfig(
@@ -104,6 +122,13 @@ def main(argv: list[str]) -> None:
                     results["export-bf16", variant, transport] = records(export_weights(
                         chunks, model, ctx, version=VERSION + 1, bucket_bytes=BUCKET_BYTES // 2,
                         dtype=torch.bfloat16, to_all_tp_ranks=True, transport=transport))
+                if variant == VARIANTS[0]:  # /dev/shm full: auto falls back, shared_memory refuses
+                    results["export-shm-full", variant] = with_full_shm(lambda: records(
+                        export_weights(chunks, model, ctx, version=VERSION,
+                                       bucket_bytes=BUCKET_BYTES)))
+                    results["refused-shm-full", variant] = with_full_shm(lambda: refusal(
+                        export_weights(chunks, model, ctx, version=VERSION,
+                                       bucket_bytes=BUCKET_BYTES, transport="shared_memory")))
                 log(f"{layout} {variant}: exported")
             if layout == "pp2vpp2":
                 results["export-vpp", variant] = records(export_weights(

@@ -12,7 +12,8 @@ pieces ``split(shard)`` land at slice ``r`` of ``tp_dim``). Two transports:
 - :class:`SharedMemoryTransport` (TP ranks that are CPU processes on one host): the receiver
   allocates the bucket's output in a ``/dev/shm`` file that every TP rank maps; each rank places
   its own pieces straight into it, in parallel, so every byte is copied once. The yielded
-  tensors are ordinary CPU tensors backed by that (already unlinked) file, freed with them.
+  tensors are ordinary CPU tensors, views of that (already unlinked) file, which is freed with
+  the last of them: a consumer that keeps buckets keeps them in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -130,16 +131,42 @@ def shared_memory_possible(context: ParallelContext, device: torch.device) -> bo
 
 class SharedMemoryTransport:
     """TP ranks on one CPU host place their shards directly into the receiver's output, a
-    ``/dev/shm`` file mapped by all of them. Two TP barriers per bucket (three when every rank
-    receives: the others copy the bucket out of the shared mapping)."""
+    ``/dev/shm`` file mapped by all of them. Per bucket: one broadcast (the receiver could
+    allocate the file) and one barrier, plus one when every rank receives (the others copy the
+    bucket out of the shared mapping).
 
-    def __init__(self, context: ParallelContext, to_all: bool) -> None:
-        self.context, self.to_all = context, to_all
+    The file is allocated with ``posix_fallocate``, so a full ``/dev/shm`` (64 MiB by default in
+    Docker) is an error up front, not a SIGBUS on a write. Then the bucket goes through
+    ``fallback`` (the collective, under ``transport='auto'``), or ``ValueError`` on every rank.
+    """
+
+    def __init__(self, context: ParallelContext, to_all: bool,
+                 fallback: ShardTransport | None = None) -> None:
+        self.context, self.to_all, self.fallback = context, to_all, fallback
         group = context.tp_group
+        self.first = dist.get_global_rank(group, 0)
         token = [uuid.uuid4().hex if context.tp_rank == 0 else None]
-        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+        dist.broadcast_object_list(token, src=self.first, group=group)
         self.prefix = f"bapo-export-{token[0]}"
         self.buckets = 0
+
+    def _allocate(self, path: Path, nbytes: int) -> str | None:
+        """Create the bucket's file on the receiver; the error, or None (collective)."""
+        ctx = self.context
+        error = None
+        if ctx.tp_rank == 0:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)
+                finally:
+                    os.close(fd)
+            except OSError as err:
+                path.unlink(missing_ok=True)
+                error = f"{path}: {err}"
+        status = [error]
+        dist.broadcast_object_list(status, src=self.first, group=ctx.tp_group)
+        return status[0]
 
     def assemble(self, rules, params, model, dtype):
         ctx = self.context
@@ -147,13 +174,16 @@ class SharedMemoryTransport:
         self.buckets += 1
         shapes = [hf_tensor_shapes(rule, model) for rule in rules]
         total = sum(torch.Size(shape).numel() for group in shapes for shape in group)
+        error = self._allocate(path, total * torch.empty((), dtype=dtype).element_size())
+        if error is not None:
+            if self.fallback is not None:
+                return self.fallback.assemble(rules, params, model, dtype)
+            raise ValueError(f"transport='shared_memory': the first TP rank could not allocate a "
+                             f"bucket in {SHM_DIR} ({error}); use transport='collective' or a "
+                             "smaller bucket_bytes")
         receiver = ctx.tp_rank == 0
         try:
-            if receiver:  # creates the file
-                buffer = torch.from_file(str(path), shared=True, size=total, dtype=dtype)
-            dist.barrier(group=ctx.tp_group)
-            if not receiver:
-                buffer = torch.from_file(str(path), shared=True, size=total, dtype=dtype)
+            buffer = torch.from_file(str(path), shared=True, size=total, dtype=dtype)
             out: dict[str, torch.Tensor] = {}
             offset = 0
             for rule, group in zip(rules, shapes):
@@ -189,5 +219,6 @@ def make_transport(kind: TransportKind, context: ParallelContext, device: torch.
             raise ValueError("transport='shared_memory' needs every TP rank to be a CPU process "
                              "on this host with a writable /dev/shm")
         if possible:
-            return SharedMemoryTransport(context, to_all)
+            fallback = CollectiveTransport(context, to_all) if kind == "auto" else None
+            return SharedMemoryTransport(context, to_all, fallback)
     return CollectiveTransport(context, to_all)
