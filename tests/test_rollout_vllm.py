@@ -12,26 +12,37 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import socket
+import subprocess
 import sys
-import threading
+import time
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import tests.test_rollout_engines as suite
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.rollout.embedded import EmbeddedEngine
-from bapo_megatron.rollout.external import RoundRequest
+from bapo_megatron.rollout.external import EngineOutput, RoundRequest, http_transport
 from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams
 from bapo_megatron.rollout.vllm_engine import (
+    WORKER_EXTENSION,
     VLLMEngine,
     check_fused_groups,
     check_truncation,
     full_vocab_logprobs_hook,
     sampled_logprobs,
     vllm_sampling_kwargs,
+)
+from bapo_megatron.rollout.vllm_server import (
+    VLLMServerClient,
+    completion_request,
+    parse_completion_response,
 )
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -362,3 +373,224 @@ def test_vllm_logprobs_are_full_vocabulary_under_top_k(vllm_suite):
     for sample in engine.generate(suite.PROMPTS, params):
         torch.testing.assert_close(torch.tensor(sample.logprobs, dtype=torch.float64),
                                    suite.teacher_forced(weights, sample, 1.0), rtol=0, atol=2e-5)
+
+
+# ------------------------------------------------------------------ the server client (no vLLM)
+
+
+def vllm_choice(tokens, logprobs, finish="length", *, ids=True):
+    """One ``/v1/completions`` answer as vLLM 0.32 gives it (``return_token_ids``,
+    ``return_tokens_as_token_ids``, ``logprobs=0``, ``--skip-tokenizer-init``)."""
+    choice = {"index": 0, "text": "", "finish_reason": finish, "stop_reason": None,
+              "logprobs": {"text_offset": [11 * i for i in range(len(tokens))],
+                           "token_logprobs": list(logprobs),
+                           "tokens": [f"token_id:{t}" for t in tokens],
+                           "top_logprobs": [{f"token_id:{t}": lp} for t, lp in zip(tokens, logprobs)]},
+              "prompt_token_ids": [1, 2, 3]}
+    if ids:
+        choice["token_ids"] = list(tokens)
+    return {"id": "cmpl-1", "object": "text_completion", "model": "m", "choices": [choice],
+            "usage": {"prompt_tokens": 3, "completion_tokens": len(tokens), "total_tokens": 3 + len(tokens)}}
+
+
+def test_completion_requests_and_answers():
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=20, stop_token_ids=(2,))
+    body = completion_request(request(context=(4, 5), cap=6, seed=11), params, "m")
+    assert body == {"model": "m", "prompt": [4, 5], "max_tokens": 6, "n": 1, "temperature": 0.7,
+                    "top_p": 0.9, "top_k": 5, "stop_token_ids": [2], "ignore_eos": True,
+                    "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+                    "skip_special_tokens": False, "include_stop_str_in_output": True, "seed": 11}
+    assert "seed" not in completion_request(request(), SamplingParams(), "m")
+    parsed = parse_completion_response(vllm_choice([30, 31], [-4.5, -4.75], "stop"), "out")
+    assert parsed == EngineOutput(token_ids=[30, 31], logprobs=[-4.5, -4.75], finish="stop")
+    assert parse_completion_response(vllm_choice([30], [-1.0], ids=False), "out").token_ids == [30]
+
+    def broken(edit):
+        answer = vllm_choice([30, 31], [-4.5, -4.75])
+        edit(answer["choices"][0])
+        return answer
+
+    cases = [({"choices": []}, "expected one entry in 'choices'"),
+             (broken(lambda c: c.update(finish_reason=None)), "'choices\\[0\\].finish_reason' is None"),
+             (broken(lambda c: c.update(logprobs=None)), "missing 'choices\\[0\\].logprobs.token_logprobs'"),
+             (broken(lambda c: c.update(token_ids=[30])), "has 2 entries for 1 generated tokens"),
+             (broken(lambda c: c["logprobs"]["token_logprobs"].__setitem__(1, None)),
+              r"token_logprobs'\[1\] is None"),
+             (broken(lambda c: (c.pop("token_ids"), c["logprobs"]["tokens"].__setitem__(0, "hi"))),
+              r"'choices\[0\].logprobs.tokens'\[0\] is 'hi'")]
+    for answer, message in cases:
+        with pytest.raises(ValueError, match=message):
+            parse_completion_response(answer, "out")
+
+
+class FakeVLLMServer:
+    """Answers ``/v1/completions`` with ``min(max_tokens, cut_after)`` tokens ``100 + k``
+    (finish ``abort`` when cut), everything else with 200; records every call."""
+
+    def __init__(self):
+        self.calls = []
+        self.cut_after = None
+        self.on_complete = None
+        self.device = "cpu"
+
+    def __call__(self, method, path, body):
+        self.calls.append((method, path, body))
+        if path == "/v1/completions":
+            if self.on_complete:
+                self.on_complete()
+            count = body["max_tokens"] if self.cut_after is None else min(self.cut_after, body["max_tokens"])
+            tokens = [100 + k for k in range(count)]
+            finish = "abort" if self.cut_after is not None else "length"
+            return 200, vllm_choice(tokens, [-0.5] * count, finish)
+        if path == "/v1/models":
+            return 200, {"data": [{"id": "served"}]}
+        if path == "/collective_rpc" and body["method"] == "bapo_device":
+            return 200, {"results": [self.device]}
+        if path == "/collective_rpc" and body["method"] == "bapo_load_weights_from":
+            self.loaded = load_file(Path(body["args"][0]) / "model.safetensors")
+            return 200, {"results": [body["args"][0]]}
+        return 200, {"success": True}
+
+    def paths(self):
+        return [path for _, path, _ in self.calls]
+
+
+def test_server_client_rounds_control_and_weights(tmp_path, caplog):
+    server = FakeVLLMServer()
+    client = VLLMServerClient.connect("http://fake", suite.MODEL, transport=server,
+                                      weights_dir=tmp_path)
+    assert client.served_model == "served" and client.server_device == "cpu"
+    assert server.paths() == ["/health", "/v1/models", "/collective_rpc", "/collective_rpc"]
+    params = SamplingParams(n=3, max_new_tokens=5, seed=1)
+    samples = client.generate([[1, 2]], params, round_tokens=2)
+    completions = [body for _, path, body in server.calls if path == "/v1/completions"]
+    assert len(completions) == 3 and len({body["seed"] for body in completions}) == 3
+    assert all(s.finish_reason == "paused" and s.token_ids == [100, 101] for s in samples)
+
+    weights = suite.random_weights(0)
+    digest = client.update_weights(weights.items(), version=1, checksum=True)
+    assert digest == suite.checksum(weights.items())
+    assert sorted(server.loaded) == sorted(weights) and torch.equal(
+        server.loaded["model.norm.weight"], weights["model.norm.weight"])
+    first_folder = next(tmp_path.iterdir())
+    assert server.paths()[-1] == "/reset_prefix_cache"
+    client.update_weights(weights.items(), version=2)
+    assert [p.name for p in tmp_path.iterdir()] != [first_folder.name]  # the old folder is gone
+    assert len(list(tmp_path.iterdir())) == 1
+
+    client.continue_generation(samples, params)
+    assert all(s.versions == [0, 0, 2, 2, 2] and s.finish_reason == "length" for s in samples)
+
+    server.cut_after, server.on_complete = 1, client.pause
+    samples = client.generate([[1]], params)
+    assert samples[0].finish_reason == "paused" and ("POST", "/pause?mode=abort", None) in server.calls
+    client.resume()
+    server.on_complete = client.abort
+    assert client.generate([[1]], params)[0].finish_reason == "abort"
+    assert ("POST", "/abort_requests", {}) in server.calls
+
+    with caplog.at_level(logging.WARNING):
+        client.release_memory()
+        client.resume_memory()
+    assert "runs on CPU" in caplog.text and "/sleep?level=1" not in server.paths()
+    assert client.version == -1 and not client.health()
+    server.device = "cuda"
+    client.server_device = "cuda"
+    client.release_memory()
+    client.resume_memory()
+    assert server.paths()[-2:] == ["/sleep?level=1", "/wake_up"]
+
+
+def test_server_client_refuses_what_it_cannot_do(tmp_path):
+    server = FakeVLLMServer()
+    client = VLLMServerClient("http://fake", suite.MODEL, served_model="m", transport=server,
+                              full_vocab_logprobs=False)
+    with pytest.raises(ValueError, match="sampling.top_k/top_p truncate"):
+        client.generate([[1]], SamplingParams(top_k=3))
+    with pytest.raises(ValueError, match="update_weights needs weights_dir"):
+        client.update_weights([], version=1)
+    client.weights_dir = tmp_path
+    with pytest.raises(ValueError, match="'model.nope.weight' is not a parameter"):
+        client.update_weights([("model.nope.weight", torch.zeros(1))], version=1)
+    assert not list(tmp_path.iterdir()) and client.version == 0
+    server_error = lambda method, path, body: (400, {"error": "no such method"})  # noqa: E731
+    with pytest.raises(RuntimeError, match="could not install the full-vocabulary log-prob hook"):
+        VLLMServerClient.connect("http://fake", suite.MODEL, served_model="m",
+                                 transport=lambda m, p, b: (200, None) if p == "/health" else server_error(m, p, b))
+
+
+# ------------------------------------------------------------------ a real vLLM server (optional tier)
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    """A vLLM OpenAI-compatible server in a subprocess, on the conformance model."""
+    folder = tmp_path_factory.mktemp("vllm-server-model")
+    torch.manual_seed(0)
+    EmbeddedEngine(VLLM_MODEL).model.save_pretrained(folder)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    log_file = open(folder / "server.log", "w")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+         "--worker-extension-cls", WORKER_EXTENSION, "--logprobs-mode", "processed_logprobs",
+         "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1",
+         "--port", str(port), "--max-model-len", "131072"],
+        env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if http_transport(url, timeout=5)("GET", "/health", None)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM server did not start: {(folder / 'server.log').read_text()[-3000:]}")
+            time.sleep(1)
+        yield VLLMServerClient.connect(url, VLLM_MODEL, weights_dir=folder / "updates")
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        log_file.close()
+
+
+@pytest.fixture
+def server_suite(vllm_server, monkeypatch):
+    monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
+
+    def make_engine(weights):
+        vllm_server.resume()
+        vllm_server.resume_memory()
+        vllm_server.update_weights(weights.items(), version=0)
+        return vllm_server
+
+    return make_engine
+
+
+@needs_vllm
+def test_vllm_server_logprobs_match_a_teacher_forced_recompute(server_suite):
+    suite.test_logprobs_match_a_teacher_forced_recompute(server_suite)
+
+
+@needs_vllm
+def test_vllm_server_stop_tokens_seed_and_n(server_suite):
+    suite.test_stop_tokens_seed_and_n(server_suite)
+
+
+@needs_vllm
+def test_vllm_server_partial_rollout_keeps_each_tokens_version_and_logprob(server_suite):
+    suite.test_partial_rollout_keeps_each_tokens_version_and_logprob(server_suite)
+
+
+@needs_vllm
+def test_vllm_server_abort_and_pause_from_another_thread(server_suite):
+    suite.test_abort_and_pause_from_another_thread(server_suite)
+
+
+@needs_vllm
+def test_vllm_server_weight_updates_are_checked_and_memory_can_be_released(server_suite):
+    suite.test_weight_updates_are_checked_and_memory_can_be_released(server_suite)

@@ -13,17 +13,21 @@ Seeds. One request per sample (never the engine's own ``n``), each with a seed d
 call's seed, the sample's position and its length so far: the same call gives the same rollout
 whatever the batching, and a continued round does not replay the first round's random draws.
 
-Everything here is pure Python (plus torch for the tensor checks); it is tested without either
-engine installed.
+Everything here is pure Python (plus torch for the tensor checks and the standard library for
+HTTP); it is tested without either engine installed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
-from collections.abc import Iterable, Iterator
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -186,3 +190,142 @@ def checked_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], model: Mo
         if total is not None:
             total.add(name, tensor)
         yield name, tensor
+
+
+# ------------------------------------------------------------------ the shared engine skeleton
+
+
+class ResubmittingEngine:
+    """The protocol's bookkeeping for an engine that continues samples by re-submission.
+
+    Subclasses implement :meth:`_submit` (run one round's requests, return one
+    :class:`EngineOutput` each) and may override :meth:`_check_params`, :meth:`_on_abort`,
+    :meth:`_on_pause` and :meth:`_on_resume` (tell the engine). :meth:`abort` and :meth:`pause`
+    may be called from another thread while :meth:`_submit` runs: the engine then returns its
+    cut requests with finish `abort`, which become `abort` or `paused` samples. An `abort` the
+    adapter did not ask for is the engine's own error and raises ``RuntimeError``.
+    """
+
+    engine_name = "engine"
+
+    def __init__(self, model: ModelConfig, *, version: int) -> None:
+        self.model_config = model
+        self.version = version
+        self._abort = threading.Event()
+        self._pause = threading.Event()
+        self._released = False
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *,
+                 round_tokens: int | None = None) -> list[RolloutSample]:
+        """``params.n`` samples per prompt, prompt-major (see the protocol)."""
+        check_prompts(prompts, self.model_config.vocab_size)
+        self._check_params(params)
+        samples = new_samples(prompts, params.n)
+        self._round(samples, params, round_tokens)
+        return samples
+
+    def continue_generation(self, samples: list[RolloutSample], params: SamplingParams, *,
+                            round_tokens: int | None = None) -> list[RolloutSample]:
+        """Continue the `paused` samples in place by re-submission; returns ``samples``."""
+        self._check_params(params)
+        self._round(reopen(samples), params, round_tokens)
+        return samples
+
+    def _round(self, samples: list[RolloutSample], params: SamplingParams,
+               round_tokens: int | None) -> None:
+        if not samples:
+            return
+        requests = plan_round(samples, params, round_tokens)
+        self._check_ready()
+        self._abort.clear()
+        if self._pause.is_set():
+            for sample in samples:
+                sample.finish_reason = "paused"
+            return
+        outputs = self._submit(requests, params)
+        if len(outputs) != len(requests):
+            raise ValueError(f"{self.engine_name}: {len(outputs)} outputs for {len(requests)} requests")
+        asked = self._abort.is_set() or self._pause.is_set()
+        for index, (request, output) in enumerate(zip(requests, outputs)):
+            where = f"{self.engine_name} request {index}"
+            if output.finish == "abort" and not asked:
+                raise RuntimeError(f"{where} was aborted by the engine: {output.detail or '(no message)'}")
+            apply_output(request, output, version=self.version, pausing=self._pause.is_set(),
+                         where=where)
+
+    def _submit(self, requests: list[RoundRequest], params: SamplingParams) -> list[EngineOutput]:
+        raise NotImplementedError
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """Refuse sampling parameters this engine cannot honour (default: accept all)."""
+
+    def abort(self) -> None:
+        """Cut in-flight generation: unfinished samples come back `abort`."""
+        self._abort.set()
+        self._on_abort()
+
+    def pause(self) -> None:
+        """Cut in-flight generation (samples come back `paused`); later calls generate nothing
+        until :meth:`resume`."""
+        self._pause.set()
+        self._on_pause()
+
+    def resume(self) -> None:
+        self._on_resume()
+        self._pause.clear()
+
+    def _on_abort(self) -> None: ...
+    def _on_pause(self) -> None: ...
+    def _on_resume(self) -> None: ...
+
+    def _check_ready(self) -> None:
+        if self._released:
+            raise RuntimeError("generate after release_memory(): call resume_memory() and "
+                               "update_weights() first")
+        if self.version < 0:
+            raise RuntimeError("generate before any update_weights(): the engine holds no policy "
+                               "weights yet")
+
+    def _check_not_released(self) -> None:
+        if self._released:
+            raise RuntimeError("update_weights after release_memory(): call resume_memory() first")
+
+
+# ------------------------------------------------------------------ HTTP
+
+
+Transport = Callable[[str, str, "dict[str, Any] | None"], "tuple[int, Any]"]
+"""``(method, path with query, JSON body or None) -> (status, decoded answer)``: how the HTTP
+clients talk to a server. Tests pass a fake; :func:`http_transport` is the real one."""
+
+
+def http_transport(base_url: str, *, timeout: float = 3600.0) -> Transport:
+    """A :data:`Transport` on the standard library: JSON in, JSON (or text) out."""
+    root = base_url.rstrip("/")
+
+    def send(method: str, path: str, body: dict[str, Any] | None) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(root + path, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                status, raw = response.status, response.read()
+        except urllib.error.HTTPError as error:
+            status, raw = error.code, error.read()
+        text = raw.decode(errors="replace")
+        try:
+            return status, json.loads(text) if text else None
+        except json.JSONDecodeError:
+            return status, text
+
+    return send
+
+
+def call(transport: Transport, method: str, path: str, body: dict[str, Any] | None = None, *,
+         server: str) -> Any:
+    """Send one request; ``RuntimeError`` naming the server, path, status and answer unless the
+    status is 2xx. Returns the decoded answer."""
+    status, answer = transport(method, path, body)
+    if not 200 <= status < 300:
+        raise RuntimeError(f"{server} {method} {path} answered {status}: {answer!r}")
+    return answer

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,16 +49,12 @@ import torch
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.rollout.external import (
     EngineOutput,
+    ResubmittingEngine,
     RoundRequest,
-    apply_output,
-    check_prompts,
     checked_tensors,
     expected_shapes,
-    new_samples,
-    plan_round,
-    reopen,
 )
-from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams
+from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.weight_sync import Checksum
 
 log = logging.getLogger(__name__)
@@ -272,7 +267,7 @@ class InProcessBackend:
     def health(self) -> bool:
         try:
             self.engine.get_server_info()
-        except Exception:  # noqa: BLE001 - any failure means not healthy
+        except Exception:  # any failure means not healthy
             log.exception("SGLang engine health check failed")
             return False
         return True
@@ -286,7 +281,7 @@ def _spawn(result: Any) -> None:
 # ------------------------------------------------------------------ the adapter
 
 
-class SGLangEngine:
+class SGLangEngine(ResubmittingEngine):
     """A :class:`~bapo_megatron.rollout.protocol.RolloutEngine` over an :class:`SGLangBackend`.
 
     ``model`` describes the served model (vocabulary and HF tensor shapes, checked before any
@@ -295,22 +290,20 @@ class SGLangEngine:
     updates are wrapped in ``begin_weight_update`` / ``end_weight_update``.
     """
 
+    engine_name = "SGLang"
+
     def __init__(self, backend: SGLangBackend, model: ModelConfig, *, version: int = -1,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  weight_update_session: bool = False) -> None:
+        super().__init__(model, version=version)
         self.backend = backend
-        self.model_config = model
-        self.version = version
         self.bucket_bytes = bucket_bytes
         self.weight_update_session = weight_update_session
         self._shapes = expected_shapes(model)
-        self._abort = threading.Event()
-        self._pause = threading.Event()
-        self._released = False
 
     @classmethod
     def in_process(cls, model_path: str | Path, *, version: int = 0, **engine_kwargs: Any
-                   ) -> "SGLangEngine":
+                   ) -> SGLangEngine:
         """Start ``sglang.Engine(model_path=..., skip_tokenizer_init=True, **engine_kwargs)``
         holding the HF folder's weights as policy ``version``."""
         try:
@@ -321,58 +314,20 @@ class SGLangEngine:
         engine = sglang.Engine(model_path=str(model_path), skip_tokenizer_init=True, **engine_kwargs)
         return cls(InProcessBackend(engine), ModelConfig.from_hf_config(model_path), version=version)
 
-    # -------------------------------------------------------------- generation
+    # -------------------------------------------------------------- generation and control
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, *,
-                 round_tokens: int | None = None) -> list[RolloutSample]:
-        """``params.n`` samples per prompt, prompt-major (see the protocol)."""
-        check_prompts(prompts, self.model_config.vocab_size)
-        samples = new_samples(prompts, params.n)
-        self._round(samples, params, round_tokens)
-        return samples
-
-    def continue_generation(self, samples: list[RolloutSample], params: SamplingParams, *,
-                            round_tokens: int | None = None) -> list[RolloutSample]:
-        """Continue the `paused` samples in place by re-submission; returns ``samples``."""
-        self._round(reopen(samples), params, round_tokens)
-        return samples
-
-    def _round(self, samples: list[RolloutSample], params: SamplingParams,
-               round_tokens: int | None) -> None:
-        if not samples:
-            return
-        requests = plan_round(samples, params, round_tokens)
-        self._check_ready()
-        self._abort.clear()
-        if self._pause.is_set():
-            for sample in samples:
-                sample.finish_reason = "paused"
-            return
+    def _submit(self, requests: list[RoundRequest], params: SamplingParams) -> list[EngineOutput]:
         response = self.backend.generate(generate_request(requests, params))
-        outputs = parse_generate_response(response, len(requests))
-        asked = self._abort.is_set() or self._pause.is_set()
-        for index, (request, output) in enumerate(zip(requests, outputs)):
-            if output.finish == "abort" and not asked:
-                raise RuntimeError(f"SGLang aborted request {index} on its own: {output.detail}")
-            apply_output(request, output, version=self.version, pausing=self._pause.is_set(),
-                         where=f"SGLang /generate[{index}]")
+        return parse_generate_response(response, len(requests))
 
-    # -------------------------------------------------------------- control
-
-    def abort(self) -> None:
-        """Abort every in-flight request: unfinished samples come back `abort`."""
-        self._abort.set()
+    def _on_abort(self) -> None:
         self.backend.abort_all()
 
-    def pause(self) -> None:
-        """Abort in-flight requests (samples come back `paused`) and keep SGLang from scheduling
-        new ones until :meth:`resume`."""
-        self._pause.set()
+    def _on_pause(self) -> None:
         self.backend.pause()
 
-    def resume(self) -> None:
+    def _on_resume(self) -> None:
         self.backend.resume()
-        self._pause.clear()
 
     # -------------------------------------------------------------- weights and memory
 
@@ -380,8 +335,7 @@ class SGLangEngine:
                        checksum: bool = False) -> str | None:
         """Check HF names and shapes, send the tensors with ``update_weights_from_tensor`` in
         buckets, flush the cache, set the version (only when all of it succeeded)."""
-        if self._released:
-            raise RuntimeError("update_weights after release_memory(): call resume_memory() first")
+        self._check_not_released()
         total = Checksum() if checksum else None
         tensors = checked_tensors(named_tensors, self.model_config, self._shapes, total)
         if self.weight_update_session:
@@ -410,11 +364,3 @@ class SGLangEngine:
 
     def health(self) -> bool:
         return not self._released and self.version >= 0 and self.backend.health()
-
-    def _check_ready(self) -> None:
-        if self._released:
-            raise RuntimeError("generate after release_memory(): call resume_memory() and "
-                               "update_weights() first")
-        if self.version < 0:
-            raise RuntimeError("generate before any update_weights(): the engine holds no policy "
-                               "weights yet")

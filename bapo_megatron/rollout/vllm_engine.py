@@ -29,8 +29,10 @@ Mapping onto the protocol:
 - Partial rollout: re-submission of prompt + tokens so far, ``max_tokens`` the round's cap.
 - Weights: ``collective_rpc("bapo_load_weights", args=(tensors,))`` runs vLLM's in-place
   ``reload_weights(weights_iterator=...)`` in the worker (loading into the live model with
-  ``load_weights`` fails on CPU: its linear layers prepack and drop the original weights), then
-  the prefix cache is reset so no KV computed under the old weights is reused. Tensors travel as
+  ``load_weights`` fails on CPU: its linear layers prepack and drop the original weights),
+  re-ties a tied output layer, which that reload leaves on the old embedding
+  (:func:`retie_output_layer`), then resets the prefix cache so no KV computed under the old
+  weights is reused. Tensors travel as
   arguments by reference in process only (``distributed_executor_backend="uni"``).
   A partial update must carry whole fused groups (q/k/v, gate/up of a layer): vLLM's layerwise
   reload leaves the rest of a half-loaded fused tensor uninitialized, so the adapter refuses it.
@@ -45,7 +47,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -55,16 +56,12 @@ import torch
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.rollout.external import (
     EngineOutput,
+    ResubmittingEngine,
     RoundRequest,
-    apply_output,
-    check_prompts,
     checked_tensors,
     expected_shapes,
-    new_samples,
-    plan_round,
-    reopen,
 )
-from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams
+from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.weight_sync import Checksum
 
 log = logging.getLogger(__name__)
@@ -100,6 +97,24 @@ def full_vocab_logprobs_hook(sampler: Any) -> bool:
     return True
 
 
+def retie_output_layer(model: Any) -> bool:
+    """Tie the output layer to the input embedding again after an in-place reload.
+
+    vLLM 0.32's layerwise reload restores each layer's parameters separately: the embedding gets
+    the new tensor, while the tied ``lm_head`` (same parameter before the reload, and never
+    loaded itself: checkpoints of tied models have no ``lm_head.weight``) gets its old tensor
+    placed back, and on CPU keeps the GEMM handle prepacked from it. Logits then come from the
+    old embedding. This re-ties the parameter and re-runs the layer's post-loading step (which
+    rebuilds the CPU GEMM handle). Returns whether the model is tied."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return False
+    head, embedding = model.lm_head, model.model.embed_tokens
+    head.weight = embedding.weight
+    head.quant_method.process_weights_after_loading(head)
+    return True
+
+
 class BapoWorkerExtension:
     """Methods mixed into vLLM's worker (``worker_extension_cls``), called by name through
     ``collective_rpc``."""
@@ -112,11 +127,25 @@ class BapoWorkerExtension:
                                "the full-vocabulary log-prob hook is written for vLLM 0.32")
         return full_vocab_logprobs_hook(sampler) or True
 
+    def bapo_device(self) -> str:
+        """The worker's device type (``"cpu"``, ``"cuda"``, ...): a server client cannot see it."""
+        from vllm.platforms import current_platform
+
+        return current_platform.device_type
+
     def bapo_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Load HF-named tensors into the live model with vLLM's in-place reload; returns how
-        many were given."""
+        """Load HF-named tensors into the live model with vLLM's in-place reload (in process:
+        the tensors arrive by reference); returns how many were given."""
         self.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+        retie_output_layer(self.model_runner.get_model())
         return len(named_tensors)
+
+    def bapo_load_weights_from(self, folder: str) -> str:
+        """Load the safetensors files of ``folder`` with vLLM's in-place reload (a server's
+        path: only strings cross its ``/collective_rpc``); returns the folder."""
+        self.reload_weights(weights_path=folder, is_checkpoint_format=True)
+        retie_output_layer(self.model_runner.get_model())
+        return folder
 
 
 # ------------------------------------------------------------------ requests and outputs
@@ -169,7 +198,7 @@ def _finish(reason: str | None, where: str) -> str:
 # ------------------------------------------------------------------ the engine
 
 
-class VLLMEngine:
+class VLLMEngine(ResubmittingEngine):
     """A :class:`~bapo_megatron.rollout.protocol.RolloutEngine` on an in-process ``vllm.LLM``.
 
     Build it with :meth:`from_pretrained`. ``llm`` must have been started with
@@ -177,28 +206,26 @@ class VLLMEngine:
     says whether the hook is installed (see the module docstring).
     """
 
+    engine_name = "vLLM"
+
     def __init__(self, llm: Any, model: ModelConfig, *, version: int = 0,
                  full_vocab_logprobs: bool = True) -> None:
+        super().__init__(model, version=version)
         self.llm = llm
-        self.model_config = model
-        self.version = version
         self.full_vocab_logprobs = full_vocab_logprobs
         self._shapes = expected_shapes(model)
-        self._abort = threading.Event()
-        self._pause = threading.Event()
-        self._released = False
         self._calls = itertools.count()
         self._on_cpu = _on_cpu()
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, *, version: int = 0, dtype: str = "float32",
                         full_vocab_logprobs: bool = True, kv_cache_gib: int = 1,
-                        **llm_kwargs: Any) -> "VLLMEngine":
+                        **llm_kwargs: Any) -> VLLMEngine:
         """Start ``vllm.LLM`` on the HF folder ``folder`` in this process (its weights become
         policy ``version``), with the worker extension and, by default, the full-vocabulary
         log-prob hook. Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and, for CPU builds,
         ``VLLM_CPU_KVCACHE_SPACE`` (GiB) unless already set; other keyword arguments go to
-        ``vllm.LLM`` (e.g. ``max_model_len``, ``enable_prefix_caching``)."""
+        ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         try:
@@ -219,40 +246,12 @@ class VLLMEngine:
 
     # -------------------------------------------------------------- generation
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, *,
-                 round_tokens: int | None = None) -> list[RolloutSample]:
-        """``params.n`` samples per prompt, prompt-major (see the protocol)."""
-        check_prompts(prompts, self.model_config.vocab_size)
+    def _check_params(self, params: SamplingParams) -> None:
         check_truncation(params, self.full_vocab_logprobs)
-        samples = new_samples(prompts, params.n)
-        self._round(samples, params, round_tokens)
-        return samples
 
-    def continue_generation(self, samples: list[RolloutSample], params: SamplingParams, *,
-                            round_tokens: int | None = None) -> list[RolloutSample]:
-        """Continue the `paused` samples in place by re-submission; returns ``samples``."""
-        check_truncation(params, self.full_vocab_logprobs)
-        self._round(reopen(samples), params, round_tokens)
-        return samples
-
-    def _round(self, samples: list[RolloutSample], params: SamplingParams,
-               round_tokens: int | None) -> None:
-        if not samples:
-            return
-        requests = plan_round(samples, params, round_tokens)
-        self._check_ready()
-        self._abort.clear()
-        if self._pause.is_set():
-            for sample in samples:
-                sample.finish_reason = "paused"
-            return
-        outputs = self._run(requests, params)
-        for index, (request, output) in enumerate(zip(requests, outputs)):
-            apply_output(request, output, version=self.version, pausing=self._pause.is_set(),
-                         where=f"vLLM request {index}")
-
-    def _run(self, requests: list[RoundRequest], params: SamplingParams) -> list[EngineOutput]:
-        """Submit ``requests`` and step the engine until all finish or a flag cuts them."""
+    def _submit(self, requests: list[RoundRequest], params: SamplingParams) -> list[EngineOutput]:
+        """Add ``requests`` and step the engine until all finish or a flag cuts them (the cut
+        ones are aborted in vLLM and come back `abort` with what they generated)."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -287,28 +286,13 @@ class VLLMEngine:
         return [EngineOutput(token_ids=t, logprobs=lp, finish=f or "abort")
                 for t, lp, f in zip(tokens, logprobs, finish)]
 
-    # -------------------------------------------------------------- control
-
-    def abort(self) -> None:
-        """Cut in-flight generation before its next step: unfinished samples come back `abort`."""
-        self._abort.set()
-
-    def pause(self) -> None:
-        """Cut in-flight generation (samples come back `paused`); later calls generate nothing
-        until :meth:`resume`."""
-        self._pause.set()
-
-    def resume(self) -> None:
-        self._pause.clear()
-
     # -------------------------------------------------------------- weights and memory
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
                        checksum: bool = False) -> str | None:
         """Check HF names, shapes and fused groups, reload them in the worker, reset the prefix
         cache, set the version (only when all of it succeeded)."""
-        if self._released:
-            raise RuntimeError("update_weights after release_memory(): call resume_memory() first")
+        self._check_not_released()
         total = Checksum() if checksum else None
         tensors = list(checked_tensors(named_tensors, self.model_config, self._shapes, total))
         check_fused_groups([name for name, _ in tensors])
@@ -340,14 +324,6 @@ class VLLMEngine:
 
     def health(self) -> bool:
         return not self._released and self.version >= 0 and not self.llm.llm_engine.is_sleeping()
-
-    def _check_ready(self) -> None:
-        if self._released:
-            raise RuntimeError("generate after release_memory(): call resume_memory() and "
-                               "update_weights() first")
-        if self.version < 0:
-            raise RuntimeError("generate before any update_weights(): the engine holds no policy "
-                               "weights yet")
 
 
 def check_fused_groups(names: list[str]) -> None:
