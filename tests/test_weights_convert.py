@@ -36,6 +36,7 @@ from bapo_megatron.weights.name_maps import (  # noqa: E402
     megatron_shape,
     merge,
     name_map_for,
+    place_shard,
     split,
     tp_slice,
 )
@@ -125,13 +126,16 @@ def test_qkv_merge_split_and_tp_slices_follow_megatron_layout(heads, groups, tp)
         assert torch.equal(merge(rule, [q, k, v], model), whole)
         assert all(torch.equal(a, b) for a, b in zip(split(rule, whole, model), (q, k, v)))
         # Megatron's TP shard of the fused tensor is a contiguous block of whole groups; it is
-        # the merge of each rank's slices of q, k and v
+        # the merge of each rank's slices of q, k and v, and place_shard puts it back
+        placed = [torch.zeros_like(t) for t in (q, k, v)]
         for rank in range(tp):
             slices = [t[tp_slice(rule, t.shape[0], rank, tp)] for t in (q, k, v)]
             shard = merge(rule, slices, model)
             assert torch.equal(shard, whole.chunk(tp)[rank])
             assert tuple(shard.shape) == megatron_shape(rule, model, tp)
             assert all(torch.equal(a, b) for a, b in zip(split(rule, shard, model), slices))
+            place_shard(rule, placed, shard, rank, model)
+        assert all(torch.equal(a, b) for a, b in zip(placed, (q, k, v)))
 
 
 def test_gate_up_and_row_parallel_slices():
@@ -142,11 +146,15 @@ def test_gate_up_and_row_parallel_slices():
         rules["decoder.layers.0.mlp.linear_fc2.weight"]
     gate, up, down = torch.randn(6, 8), torch.randn(6, 8), torch.randn(8, 6)
     assert torch.equal(merge(fc1, [gate, up], model), torch.cat([gate, up]))
+    placed = [torch.zeros(6, 8), torch.zeros(6, 8), torch.zeros(8, 6)]
     for rank in range(2):  # rank r holds [gate_r; up_r] and the columns r of down
         shard = merge(fc1, [gate[tp_slice(fc1, 6, rank, 2)], up[tp_slice(fc1, 6, rank, 2)]], model)
         rows = slice(3 * rank, 3 * rank + 3)
         assert torch.equal(shard, torch.cat([gate[rows], up[rows]]))
         assert torch.equal(down[:, tp_slice(fc2, 6, rank, 2)], down[:, 3 * rank:3 * rank + 3])
+        place_shard(fc1, placed[:2], shard, rank, model)
+        place_shard(fc2, placed[2:], down[:, 3 * rank:3 * rank + 3], rank, model)
+    assert all(torch.equal(a, b) for a, b in zip(placed, (gate, up, down)))
     with pytest.raises(ValueError, match="not divisible by the tensor-parallel size 4"):
         tp_slice(fc1, 6, 0, 4)
 

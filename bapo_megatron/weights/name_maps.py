@@ -225,6 +225,31 @@ def split(rule: ParamRule, tensor: torch.Tensor, model: ModelConfig) -> tuple[to
             grouped[:, per_group + 1].reshape(-1, *rest))
 
 
+def place_shard(rule: ParamRule, wholes: Sequence[torch.Tensor], shard: torch.Tensor,
+                tp_rank: int, model: ModelConfig) -> None:
+    """Copy TP rank ``tp_rank``'s Megatron ``shard`` of ``rule`` into its place in the whole HF
+    tensors ``wholes``: the slice ``tp_rank`` of ``tp_dim`` (the whole tensor when replicated),
+    the inverse of :func:`tp_slice` + :func:`merge`. q/k/v are copied group by group through
+    views, without the intermediate copies :func:`split` makes of them."""
+    if rule.layout == "qkv":
+        d = model.head_dim
+        per_group = model.num_attention_heads // model.num_query_groups
+        rest = shard.shape[1:]
+        grouped = shard.view(-1, per_group + 2, d, *rest)  # [G_local, q heads + k + v, d, ...]
+        groups = grouped.shape[0]
+        sources = (grouped[:, :per_group], grouped[:, per_group], grouped[:, per_group + 1])
+        for target, source in zip(wholes, sources):  # tp_dim 0: a contiguous block of rows
+            rows = target.shape[0] * groups // model.num_query_groups
+            target.narrow(0, tp_rank * rows, rows).view(source.shape).copy_(source)
+        return
+    for target, part in zip(wholes, split(rule, shard, model)):
+        if rule.tp_dim is None:
+            target.copy_(part)
+        else:
+            step = part.shape[rule.tp_dim]
+            target.narrow(rule.tp_dim, tp_rank * step, step).copy_(part)
+
+
 def chunk_parameters(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """``(whole-model Megatron name, parameter)`` for every parameter of a model chunk (or a
     wrapper with ``.module``, such as DDP): decoder layers renumbered by their global

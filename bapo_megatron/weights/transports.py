@@ -3,8 +3,8 @@ HF tensors on the receiving rank(s): the transport seam of :mod:`bapo_megatron.w
 
 Every rank of the TP group calls :meth:`ShardTransport.assemble` with the bucket's rules; the
 receiving ranks get ``{HF name: whole tensor}``, the others None. Where TP rank ``r``'s piece of
-a tensor goes is one function, :func:`place_shard` (the inverse of the name map's slicing: the
-pieces ``split(shard)`` land at slice ``r`` of ``tp_dim``). Two transports:
+a tensor goes is the name map's :func:`~bapo_megatron.weights.name_maps.place_shard` (the pieces
+``split(shard)`` land at slice ``r`` of ``tp_dim``). Two transports:
 
 - :class:`CollectiveTransport`: each rank flattens its shards into one buffer (in the export
   dtype), one ``torch.distributed`` gather (or all-gather) per bucket, and the receiver places
@@ -30,10 +30,11 @@ import torch.distributed as dist
 
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.parallel import ParallelContext
-from bapo_megatron.weights.name_maps import ParamRule, hf_tensor_shapes, split
+from bapo_megatron.weights.name_maps import ParamRule, hf_tensor_shapes, place_shard
 
 TransportKind = Literal["auto", "collective", "shared_memory"]
 SHM_DIR = Path("/dev/shm")
+_PAGE = 4096
 
 
 class ShardTransport(Protocol):
@@ -43,18 +44,6 @@ class ShardTransport(Protocol):
                  model: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
         """``{HF name: whole tensor in dtype}`` of ``rules`` on receiving ranks, None elsewhere
         (collective over the TP group)."""
-
-
-def place_shard(rule: ParamRule, wholes: Sequence[torch.Tensor], shard: torch.Tensor,
-                tp_rank: int, model: ModelConfig) -> None:
-    """Copy TP rank ``tp_rank``'s Megatron ``shard`` of ``rule`` into its place in the whole HF
-    tensors ``wholes`` (all of a replicated tensor's place is the whole tensor)."""
-    for target, part in zip(wholes, split(rule, shard, model)):
-        if rule.tp_dim is None:
-            target.copy_(part)
-        else:
-            step = part.shape[rule.tp_dim]
-            target.narrow(rule.tp_dim, tp_rank * step, step).copy_(part)
 
 
 def _is_split(rule: ParamRule, context: ParallelContext) -> bool:
@@ -131,13 +120,14 @@ def shared_memory_possible(context: ParallelContext, device: torch.device) -> bo
 
 class SharedMemoryTransport:
     """TP ranks on one CPU host place their shards directly into the receiver's output, a
-    ``/dev/shm`` file mapped by all of them. Per bucket: one broadcast (the receiver could
-    allocate the file) and one barrier, plus one when every rank receives (the others copy the
-    bucket out of the shared mapping).
+    ``/dev/shm`` file mapped by all of them. Per bucket: a broadcast (the file exists), an
+    all-reduce (its pages are reserved) and a barrier (every piece is in place), plus a barrier
+    when every rank receives (the others copy the bucket out of the shared mapping).
 
-    The file is allocated with ``posix_fallocate``, so a full ``/dev/shm`` (64 MiB by default in
-    Docker) is an error up front, not a SIGBUS on a write. Then the bucket goes through
-    ``fallback`` (the collective, under ``transport='auto'``), or ``ValueError`` on every rank.
+    The pages are reserved with ``posix_fallocate`` (each rank an equal part, in parallel), so a
+    full ``/dev/shm`` (64 MiB by default in Docker) is an error up front, not a SIGBUS on a
+    write. Then the bucket goes through ``fallback`` (the collective, under
+    ``transport='auto'``), or ``ValueError`` on every rank.
     """
 
     def __init__(self, context: ParallelContext, to_all: bool,
@@ -151,22 +141,41 @@ class SharedMemoryTransport:
         self.buckets = 0
 
     def _allocate(self, path: Path, nbytes: int) -> str | None:
-        """Create the bucket's file on the receiver; the error, or None (collective)."""
-        ctx = self.context
+        """Create the bucket's file (the first rank) and reserve its pages, each rank an equal
+        part, in parallel; the first error, or None (collective over the TP group)."""
+        ctx, group = self.context, self.context.tp_group
+        failed = torch.zeros(1, dtype=torch.int32)
         error = None
         if ctx.tp_rank == 0:
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
-                    os.posix_fallocate(fd, 0, nbytes)
+                    os.ftruncate(fd, nbytes)
                 finally:
                     os.close(fd)
             except OSError as err:
-                path.unlink(missing_ok=True)
-                error = f"{path}: {err}"
-        status = [error]
-        dist.broadcast_object_list(status, src=self.first, group=ctx.tp_group)
-        return status[0]
+                error, failed[0] = f"{path}: {err}", 1
+        dist.broadcast(failed, src=self.first, group=group)
+        if not failed:
+            part = -(-nbytes // (ctx.tp_size * _PAGE)) * _PAGE
+            start = ctx.tp_rank * part
+            try:
+                if start < nbytes:
+                    fd = os.open(path, os.O_RDWR)
+                    try:
+                        os.posix_fallocate(fd, start, min(part, nbytes - start))
+                    finally:
+                        os.close(fd)
+            except OSError as err:
+                error, failed[0] = f"{path}: {err}", 1
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+        if not failed:
+            return None
+        errors: list = [None] * ctx.tp_size
+        dist.all_gather_object(errors, error, group=group)
+        if ctx.tp_rank == 0:
+            path.unlink(missing_ok=True)
+        return next(e for e in errors if e is not None)
 
     def assemble(self, rules, params, model, dtype):
         ctx = self.context
