@@ -1,0 +1,1 @@
+"""Training data: prompt sets read from JSONL/parquet (:mod:`.prompts`)."""

@@ -1,0 +1,104 @@
+"""Prompt sets: rows of (prompt, ground-truth answer, optional id) from JSONL or parquet files.
+
+Each row must have a non-empty string ``prompt`` and an ``answer`` (string or number; numbers
+are kept as their text); ``id`` is optional (the row's position otherwise). A malformed row
+raises ``ValueError`` naming the file, the line (JSONL) or row (parquet) and the field, or, with
+``skip_bad_rows``, is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One problem of the prompt set."""
+
+    id: str
+    prompt: str
+    answer: str
+
+
+@dataclass
+class PromptSet:
+    """The rows read from one file, and what was skipped."""
+
+    path: Path
+    rows: list[PromptRow]
+    skipped: list[str] = field(default_factory=list)
+    """One message per skipped row (``skip_bad_rows``), naming where and why."""
+
+
+def _row(record: Any, where: str, index: int) -> PromptRow:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected an object with 'prompt' and 'answer', got {type(record).__name__}")
+    prompt = record.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"{where}: field 'prompt' must be a non-empty string, got {prompt!r}")
+    answer = record.get("answer")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or str(answer).strip() == "":
+        raise ValueError(f"{where}: field 'answer' must be a non-empty string or a number, got {answer!r}")
+    row_id = record.get("id", index)
+    if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
+        raise ValueError(f"{where}: field 'id' must be a string or an integer, got {row_id!r}")
+    return PromptRow(id=str(row_id), prompt=prompt, answer=str(answer))
+
+
+def _records(path: Path) -> list[tuple[str, Any]]:
+    if path.suffix == ".jsonl":
+        records = []
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{number}"
+                try:
+                    records.append((where, json.loads(line)))
+                except json.JSONDecodeError as err:
+                    records.append((where, ValueError(f"{where}: not valid JSON ({err.msg})")))
+        return records
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as err:  # noqa: BLE001 - any reader failure is a bad file
+            raise ValueError(f"{path}: cannot be read as parquet ({err})") from None
+        return [(f"{path} row {i}", record) for i, record in enumerate(table.to_pylist())]
+    raise ValueError(f"{path}: unsupported prompt file type {path.suffix!r}; expected .jsonl or .parquet")
+
+
+def load_prompts(path: str | Path, *, skip_bad_rows: bool = False) -> PromptSet:
+    """Read a prompt set. Raises ``ValueError`` for a missing or unreadable file, an empty set,
+    and (unless ``skip_bad_rows``) the first malformed row."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"prompt file {path} does not exist")
+    result = PromptSet(path=path, rows=[])
+    for index, (where, record) in enumerate(_records(path)):
+        try:
+            if isinstance(record, ValueError):
+                raise record
+            result.rows.append(_row(record, where, index))
+        except ValueError as err:
+            if not skip_bad_rows:
+                raise
+            result.skipped.append(str(err))
+    if not result.rows:
+        raise ValueError(f"{path}: no usable rows ({len(result.skipped)} skipped)")
+    return result
+
+
+def prompt_token_ids(tokenizer, row: PromptRow, *, system: str | None = None) -> list[int]:
+    """The token ids of ``row``'s prompt as a user turn in the tokenizer's chat template, with
+    the assistant turn opened (generation starts right after)."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": row.prompt}]
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
