@@ -36,6 +36,7 @@ from bapo_megatron.rollout.vllm_engine import (
     check_fused_groups,
     check_truncation,
     full_vocab_logprobs_hook,
+    retie_output_layer,
     sampled_logprobs,
     vllm_sampling_kwargs,
 )
@@ -129,6 +130,20 @@ def test_partial_updates_must_hold_whole_fused_groups():
     with pytest.raises(ValueError, match="'model.layers.1.mlp.up_proj.weight' without "
                                          r"\['model.layers.1.mlp.gate_proj.weight'\]"):
         check_fused_groups([layer + "mlp.up_proj.weight"])
+
+
+def test_reload_reties_a_tied_output_layer():
+    processed = []
+    embedding = types.SimpleNamespace(weight=torch.nn.Parameter(torch.ones(2, 2)))
+    head = types.SimpleNamespace(weight=torch.nn.Parameter(torch.zeros(2, 2)),  # the stale tensor
+                                 quant_method=types.SimpleNamespace(
+                                     process_weights_after_loading=processed.append))
+    model = types.SimpleNamespace(config=types.SimpleNamespace(tie_word_embeddings=True),
+                                  lm_head=head, model=types.SimpleNamespace(embed_tokens=embedding))
+    assert retie_output_layer(model) is True
+    assert head.weight is embedding.weight and processed == [head]
+    model.config.tie_word_embeddings = False
+    assert retie_output_layer(model) is False
 
 
 # ------------------------------------------------------------------ the step loop, on a fake vLLM

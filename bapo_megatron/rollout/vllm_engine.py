@@ -271,7 +271,9 @@ class VLLMEngine(ResubmittingEngine):
                 if self._abort.is_set() or self._pause.is_set():
                     break
                 for output in engine.step():
-                    index = ids[output.request_id]
+                    index = ids.get(output.request_id)
+                    if index is None:  # a late output of a request an earlier call aborted
+                        continue
                     where = f"vLLM request {index}"
                     completion = output.outputs[0]
                     new = list(completion.token_ids)
