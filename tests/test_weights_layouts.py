@@ -155,6 +155,25 @@ def test_full_shared_memory_falls_back_to_the_collective_or_is_refused(launched)
 
 @needs_cpu
 @pytest.mark.multiprocess
+def test_reused_shared_memory_buffer_is_refilled_bucket_after_bucket(launched):
+    _, reference, results = launched
+    variant = MP_VARIANTS[0]
+    original = reference[variant]["tensors"]
+    for round_ in range(2):
+        exported, senders = {}, 0
+        for result in results:
+            kept, storages = result["export-reuse", variant, round_]
+            if kept:
+                senders += 1
+                exported.update((n, t) for bucket in kept for n, t in bucket.items())
+                if round_ == 1:  # the buffer has grown to the largest bucket: one storage
+                    assert len(kept) > 2 and len(set(storages)) == 1
+        assert senders == 2 and sorted(exported) == sorted(original)
+        assert all(torch.equal(exported[name], original[name]) for name in original)
+
+
+@needs_cpu
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("variant", MP_VARIANTS)
 def test_live_export_with_virtual_stages(launched, variant):
     """PP2 x VPP2 over 4 layers: stage 0 holds layers 0 and 2, stage 1 layers 1 and 3."""

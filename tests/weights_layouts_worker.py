@@ -49,6 +49,7 @@ def main(argv: list[str]) -> None:
     from bapo_megatron.weights.export import export_weights
     from bapo_megatron.weights.megatron_checkpoint import load_megatron_checkpoint
     from bapo_megatron.weights.name_maps import chunk_parameters
+    from bapo_megatron.weights.transports import make_transport
     from tests import gloo_launch, hf_models
 
     args = gloo_launch.worker_arguments(argv, workdir=str)
@@ -129,6 +130,18 @@ def main(argv: list[str]) -> None:
                     results["refused-shm-full", variant] = with_full_shm(lambda: refusal(
                         export_weights(chunks, model, ctx, version=VERSION,
                                        bucket_bytes=BUCKET_BYTES, transport="shared_memory")))
+                    # one kept buffer, refilled for every bucket of two exports
+                    mover = make_transport("shared_memory", ctx, torch.device("cpu"), False,
+                                           reuse=True)
+                    for round_ in range(2):
+                        kept, storages, alive = [], [], []
+                        for bucket in export_weights(chunks, model, ctx, version=round_,
+                                                     bucket_bytes=BUCKET_BYTES, transport=mover):
+                            first = next(iter(bucket.tensors.values()))
+                            alive.append(first)  # new mappings could not take its address
+                            storages.append(first.untyped_storage().data_ptr())
+                            kept.append({n: t.clone() for n, t in bucket.tensors.items()})
+                        results["export-reuse", variant, round_] = (kept, storages)
                 log(f"{layout} {variant}: exported")
             if layout == "pp2vpp2":
                 results["export-vpp", variant] = records(export_weights(

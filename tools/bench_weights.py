@@ -23,6 +23,7 @@ with the numbers and the ratios export/copy (target >= 0.5) and to-Megatron/read
 and without the model build).
 
 Usage: python3 tools/bench_weights.py [--dtype bfloat16] [--bucket-mib 512] [--repeats 3]
+       [--transport auto|collective|shared_memory]
        [--hidden 2048 --layers 18 --ffn 5632 --heads 16 --kv-heads 8 --vocab 32000]
 """
 
@@ -47,6 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--bucket-mib", type=float, default=512.0, help="export bucket bound")
     parser.add_argument("--repeats", type=int, default=3, help="timed copies and exports (min)")
+    parser.add_argument("--transport", choices=["auto", "collective", "shared_memory"],
+                        default="auto", help="how TP shards reach the receiving rank")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=18)
     parser.add_argument("--ffn", type=int, default=5632)
@@ -109,7 +112,8 @@ def worker(args: argparse.Namespace) -> None:
     def export(chunks) -> int:
         sent = 0
         for bucket in export_weights(chunks, model, context, version=1,
-                                     bucket_bytes=int(args.bucket_mib * 2**20), dtype=dtype):
+                                     bucket_bytes=int(args.bucket_mib * 2**20), dtype=dtype,
+                                     transport=args.transport):
             sent += bucket.nbytes  # the consumer drops the bucket
         return sent
 

@@ -35,7 +35,7 @@ from bapo_megatron.weights.name_maps import (
     hf_tensor_shapes,
     name_map_for,
 )
-from bapo_megatron.weights.transports import TransportKind, make_transport
+from bapo_megatron.weights.transports import ShardTransport, TransportKind, make_transport
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 
@@ -92,7 +92,7 @@ def export_weights(chunks: Sequence[torch.nn.Module], model: ModelConfig,
                    context: ParallelContext, *, version: int,
                    bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None,
                    to_all_tp_ranks: bool = False,
-                   transport: TransportKind = "auto") -> Iterator[WeightBucket]:
+                   transport: TransportKind | ShardTransport = "auto") -> Iterator[WeightBucket]:
     """Yield this stage's parameters as whole HF tensors in buckets of at most ``bucket_bytes``
     (a single larger tensor group, e.g. a big embedding, comes alone).
 
@@ -101,7 +101,10 @@ def export_weights(chunks: Sequence[torch.nn.Module], model: ModelConfig,
     every TP rank with ``to_all_tp_ranks``; other ranks yield nothing. ``dtype`` (default: the
     parameters') is the dtype of the yielded tensors. ``version`` is stamped on every bucket.
     ``transport`` moves the shards (:mod:`~bapo_megatron.weights.transports`): `auto` takes
-    shared memory for CPU ranks on one host, else the torch.distributed collective.
+    shared memory for CPU ranks on one host, else the torch.distributed collective; or a
+    transport built once with :func:`~bapo_megatron.weights.transports.make_transport` and
+    passed to every export, e.g. with ``reuse=True`` (then each bucket's tensors are valid only
+    until the next bucket is requested).
     """
     name_map = name_map_for(model.model_type)
     rules = name_map.rules(model)
@@ -118,8 +121,14 @@ def export_weights(chunks: Sequence[torch.nn.Module], model: ModelConfig,
     owned = [r for r in rules if r.megatron in params]
     element_size = torch.empty((), dtype=dtype).element_size()
     buckets = plan_buckets(owned, model, bucket_bytes, element_size)
-    mover = make_transport(transport, context, next(iter(params.values())).device,
-                           to_all_tp_ranks)
+    if isinstance(transport, str):
+        mover = make_transport(transport, context, next(iter(params.values())).device,
+                               to_all_tp_ranks)
+    elif transport.to_all != to_all_tp_ranks:
+        raise ValueError(f"export: the transport was built with to_all={transport.to_all}, "
+                         f"but to_all_tp_ranks={to_all_tp_ranks}")
+    else:
+        mover = transport
     for index, bucket in enumerate(buckets):
         tensors = mover.assemble(bucket, params, model, dtype)
         if tensors is not None:

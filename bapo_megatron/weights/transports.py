@@ -40,6 +40,11 @@ _PAGE = 4096
 class ShardTransport(Protocol):
     """The seam: one bucket of TP shards -> whole HF tensors on the receiving ranks."""
 
+    to_all: bool
+    """Every TP rank receives (else only the first)."""
+    reuse: bool
+    """The yielded tensors live in a buffer that the next bucket overwrites."""
+
     def assemble(self, rules: Sequence[ParamRule], params: Mapping[str, torch.Tensor],
                  model: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
         """``{HF name: whole tensor in dtype}`` of ``rules`` on receiving ranks, None elsewhere
@@ -55,6 +60,7 @@ class CollectiveTransport:
 
     def __init__(self, context: ParallelContext, to_all: bool) -> None:
         self.context, self.to_all = context, to_all
+        self.reuse = False
 
     def assemble(self, rules, params, model, dtype):
         ctx = self.context
@@ -128,11 +134,19 @@ class SharedMemoryTransport:
     full ``/dev/shm`` (64 MiB by default in Docker) is an error up front, not a SIGBUS on a
     write. Then the bucket goes through ``fallback`` (the collective, under
     ``transport='auto'``), or ``ValueError`` on every rank.
+
+    With ``reuse``, one mapping (grown when a bucket needs more) is kept and refilled for every
+    bucket, across exports too when the same transport is passed again: its pages are warm, so
+    a bucket costs a memory copy instead of page faults. The yielded tensors are then valid only
+    until the next bucket is requested (a consumer that copies them, such as an engine's weight
+    update or a file writer, is fine); one more barrier per bucket waits for the consumer.
     """
 
     def __init__(self, context: ParallelContext, to_all: bool,
-                 fallback: ShardTransport | None = None) -> None:
+                 fallback: ShardTransport | None = None, reuse: bool = False) -> None:
         self.context, self.to_all, self.fallback = context, to_all, fallback
+        self.reuse = reuse
+        self._kept: torch.Tensor | None = None  # the reused mapping, uint8
         group = context.tp_group
         self.first = dist.get_global_rank(group, 0)
         token = [uuid.uuid4().hex if context.tp_rank == 0 else None]
@@ -177,13 +191,28 @@ class SharedMemoryTransport:
             path.unlink(missing_ok=True)
         return next(e for e in errors if e is not None)
 
-    def assemble(self, rules, params, model, dtype):
-        ctx = self.context
+    def _mapping(self, nbytes: int) -> tuple[torch.Tensor | None, Path | None, str | None]:
+        """(uint8 mapping of at least ``nbytes``, its file if new, error) (collective)."""
+        group = self.context.tp_group
+        if self.reuse and self._kept is not None and self._kept.numel() >= nbytes:
+            dist.barrier(group=group)  # the consumer is done with the previous bucket
+            return self._kept, None, None
         path = SHM_DIR / f"{self.prefix}-{self.buckets}"
         self.buckets += 1
+        error = self._allocate(path, nbytes)
+        if error is not None:
+            return None, None, error
+        mapping = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+        if self.reuse:
+            self._kept = mapping
+        return mapping, path, None
+
+    def assemble(self, rules, params, model, dtype):
+        ctx = self.context
         shapes = [hf_tensor_shapes(rule, model) for rule in rules]
         total = sum(torch.Size(shape).numel() for group in shapes for shape in group)
-        error = self._allocate(path, total * torch.empty((), dtype=dtype).element_size())
+        nbytes = total * torch.empty((), dtype=dtype).element_size()
+        mapping, path, error = self._mapping(nbytes)
         if error is not None:
             if self.fallback is not None:
                 return self.fallback.assemble(rules, params, model, dtype)
@@ -192,7 +221,7 @@ class SharedMemoryTransport:
                              "smaller bucket_bytes")
         receiver = ctx.tp_rank == 0
         try:
-            buffer = torch.from_file(str(path), shared=True, size=total, dtype=dtype)
+            buffer = mapping[:nbytes].view(dtype)
             out: dict[str, torch.Tensor] = {}
             offset = 0
             for rule, group in zip(rules, shapes):
@@ -206,7 +235,7 @@ class SharedMemoryTransport:
                 out.update(zip(rule.hf, wholes))
             dist.barrier(group=ctx.tp_group)  # every piece is in place; all have mapped the file
         finally:
-            if receiver:
+            if receiver and path is not None:
                 path.unlink(missing_ok=True)
         if not self.to_all:
             return out if receiver else None
@@ -217,9 +246,11 @@ class SharedMemoryTransport:
 
 
 def make_transport(kind: TransportKind, context: ParallelContext, device: torch.device,
-                   to_all: bool) -> ShardTransport:
+                   to_all: bool, *, reuse: bool = False) -> ShardTransport:
     """The transport of ``kind`` (collective over the TP group). `auto`: shared memory when the
-    TP group is CPU processes on one host, else the collective."""
+    TP group is CPU processes on one host, else the collective. ``reuse``: the shared-memory
+    transport refills one kept buffer (see :class:`SharedMemoryTransport`); the collective
+    allocates new tensors every bucket either way."""
     if kind not in ("auto", "collective", "shared_memory"):
         raise ValueError(f"transport must be 'auto', 'collective' or 'shared_memory', got {kind!r}")
     if kind != "collective" and context.tp_size > 1:
@@ -229,5 +260,5 @@ def make_transport(kind: TransportKind, context: ParallelContext, device: torch.
                              "on this host with a writable /dev/shm")
         if possible:
             fallback = CollectiveTransport(context, to_all) if kind == "auto" else None
-            return SharedMemoryTransport(context, to_all, fallback)
+            return SharedMemoryTransport(context, to_all, fallback, reuse)
     return CollectiveTransport(context, to_all)
