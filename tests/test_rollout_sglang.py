@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
+import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from bapo_megatron.rollout.external import (
     apply_output,
     plan_round,
     sample_seed,
+    wait_cutting,
 )
 from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams
 from bapo_megatron.rollout.sglang_engine import (
@@ -99,6 +103,25 @@ def test_outputs_append_with_the_current_version_and_map_finish_reasons():
     for output, message in bad:
         with pytest.raises(ValueError, match=message):
             apply_output(request, output, version=0, pausing=False, where="out")
+
+
+def test_a_cut_round_keeps_aborting_until_every_request_is_back():
+    released = threading.Event()
+    aborts = []
+
+    def abort_all():  # the held request returns only after the second abort
+        aborts.append(time.monotonic())
+        if len(aborts) == 2:
+            released.set()
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        quick = pool.submit(lambda: "quick")
+        held = pool.submit(lambda: released.wait(10) and "held")
+        assert wait_cutting([quick, held], lambda: True, abort_all, interval=0.01) == ["quick", "held"]
+    assert len(aborts) == 2
+    with ThreadPoolExecutor(max_workers=1) as pool:  # not cut: never aborts
+        assert wait_cutting([pool.submit(lambda: 1)], lambda: False, abort_all, interval=0.01) == [1]
+    assert len(aborts) == 2
 
 
 # ------------------------------------------------------------------ requests and responses

@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 from dataclasses import dataclass, field
@@ -447,10 +448,16 @@ class FakeVLLMServer:
         self.cut_after = None
         self.on_complete = None
         self.device = "cpu"
+        self.hold = None
 
     def __call__(self, method, path, body):
         self.calls.append((method, path, body))
+        if path == "/abort_requests" and self.hold is not None:
+            self.hold.set()
         if path == "/v1/completions":
+            if self.hold is not None:  # held, as by a paused vLLM, until /abort_requests
+                self.hold.wait(10)
+                return 200, vllm_choice([], [], "abort")
             if self.on_complete:
                 self.on_complete()
             count = body["max_tokens"] if self.cut_after is None else min(self.cut_after, body["max_tokens"])
@@ -500,7 +507,16 @@ def test_server_client_rounds_control_and_weights(tmp_path, caplog):
     samples = client.generate([[1]], params)
     assert samples[0].finish_reason == "paused" and ("POST", "/pause?mode=abort", None) in server.calls
     client.resume()
-    server.on_complete = client.abort
+    # A request that reaches a paused server is held until an abort: the client keeps aborting.
+    server.cut_after, server.on_complete = None, None
+    server.hold = threading.Event()
+    threading.Timer(0.2, client.pause).start()
+    samples = client.generate([[1]], params)
+    assert samples[0].finish_reason == "paused" and samples[0].token_ids == []
+    assert server.paths().count("/abort_requests") >= 1
+    server.hold = None
+    client.resume()
+    server.cut_after, server.on_complete = 1, client.abort
     assert client.generate([[1]], params)[0].finish_reason == "abort"
     assert ("POST", "/abort_requests", {}) in server.calls
 
@@ -602,7 +618,11 @@ def test_vllm_server_partial_rollout_keeps_each_tokens_version_and_logprob(serve
 
 
 @needs_vllm
-def test_vllm_server_abort_and_pause_from_another_thread(server_suite):
+def test_vllm_server_abort_and_pause_from_another_thread(server_suite, monkeypatch):
+    # The suite cuts after 0.3 s and wants a token in every sample by then; six HTTP requests to
+    # a server on a loaded 2-core machine do not always get there, so the cut comes 2 s later.
+    later = types.SimpleNamespace(Timer=lambda delay, f: threading.Timer(delay + 2.0, f))
+    monkeypatch.setattr(suite, "threading", later)
     suite.test_abort_and_pause_from_another_thread(server_suite)
 
 

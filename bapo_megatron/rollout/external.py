@@ -26,6 +26,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -278,6 +279,10 @@ class ResubmittingEngine:
     def _on_pause(self) -> None: ...
     def _on_resume(self) -> None: ...
 
+    def _cut(self) -> bool:
+        """Whether :meth:`abort` or :meth:`pause` cut the current round."""
+        return self._abort.is_set() or self._pause.is_set()
+
     def _check_ready(self) -> None:
         if self._released:
             raise RuntimeError("generate after release_memory(): call resume_memory() and "
@@ -289,6 +294,20 @@ class ResubmittingEngine:
     def _check_not_released(self) -> None:
         if self._released:
             raise RuntimeError("update_weights after release_memory(): call resume_memory() first")
+
+
+def wait_cutting(futures: list[Future], cut: Callable[[], bool], abort_all: Callable[[], None], *,
+                 interval: float = 0.5) -> list[Any]:
+    """Wait for ``futures`` (requests in flight on other threads); while ``cut()`` holds and
+    some are pending, call ``abort_all()`` every ``interval`` seconds. A request that reached
+    the server just after a pause or abort was sent would otherwise wait for the resume (vLLM
+    and SGLang hold new requests while paused) or run to its end. Returns the results."""
+    pending = set(futures)
+    while pending:
+        _, pending = wait(pending, timeout=interval)
+        if pending and cut():
+            abort_all()
+    return [future.result() for future in futures]
 
 
 # ------------------------------------------------------------------ HTTP

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,6 +54,7 @@ from bapo_megatron.rollout.external import (
     RoundRequest,
     checked_tensors,
     expected_shapes,
+    wait_cutting,
 )
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.weight_sync import Checksum
@@ -317,7 +319,13 @@ class SGLangEngine(ResubmittingEngine):
     # -------------------------------------------------------------- generation and control
 
     def _submit(self, requests: list[RoundRequest], params: SamplingParams) -> list[EngineOutput]:
-        response = self.backend.generate(generate_request(requests, params))
+        # The call runs on a helper thread so that this one can keep aborting while a pause or
+        # abort is pending: a /generate that reaches SGLang just after pause_generation would
+        # otherwise wait for continue_generation.
+        body = generate_request(requests, params)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-generate") as pool:
+            [response] = wait_cutting([pool.submit(self.backend.generate, body)], self._cut,
+                                      self.backend.abort_all)
         return parse_generate_response(response, len(requests))
 
     def _on_abort(self) -> None:

@@ -18,7 +18,9 @@ environment needs ``bapo_megatron`` importable, e.g. ``pip install -e . --no-dep
   :mod:`bapo_megatron.rollout.vllm_engine` for why vLLM's own ``processed_logprobs`` are not).
 - Abort: ``POST /abort_requests`` with an empty body (every in-flight request); pause and
   resume: ``POST /pause?mode=abort`` and ``POST /resume``. Cut requests come back with finish
-  reason ``abort`` and the tokens generated so far.
+  reason ``abort`` and the tokens generated so far. Requests of the round that reach the server
+  after the cut (a paused vLLM holds new requests until resume) are aborted again every 0.5 s
+  until all are back; requests not yet sent are not sent.
 - Weights: the client writes the tensors as one safetensors file into ``weights_dir`` (a folder
   the server can read: same host or a shared filesystem), then
   ``/collective_rpc`` ``bapo_load_weights_from`` runs vLLM's in-place reload from it in every
@@ -51,6 +53,7 @@ from bapo_megatron.rollout.external import (
     checked_tensors,
     expected_shapes,
     http_transport,
+    wait_cutting,
 )
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.vllm_engine import check_fused_groups, check_truncation
@@ -180,13 +183,16 @@ class VLLMServerClient(ResubmittingEngine):
 
     def _submit(self, requests: list[RoundRequest], params: SamplingParams) -> list[EngineOutput]:
         def complete(index: int) -> EngineOutput:
+            if self._cut():  # cut before it was sent: nothing generated
+                return EngineOutput(token_ids=[], logprobs=[], finish="abort")
             body = completion_request(requests[index], params, self.served_model)
             answer = self._call("POST", "/v1/completions", body)
             return parse_completion_response(answer, f"vLLM server request {index}")
 
         workers = max(1, min(self.max_parallel, len(requests)))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vllm-client") as pool:
-            return list(pool.map(complete, range(len(requests))))
+            futures = [pool.submit(complete, index) for index in range(len(requests))]
+            return wait_cutting(futures, self._cut, self._on_abort)
 
     def _on_abort(self) -> None:
         self._call("POST", "/abort_requests", {})
