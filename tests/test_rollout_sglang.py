@@ -407,6 +407,7 @@ class FakeEngine:
         self.tokenizer_manager = manager
 
     def generate(self, **kwargs):
+        assert threading.current_thread() is threading.main_thread()  # the loop's thread
         self.calls.append(("generate", kwargs))
         return [sglang_output([9], [-0.5]) for _ in kwargs["input_ids"]]
 

@@ -544,7 +544,7 @@ def test_server_client_refuses_what_it_cannot_do(tmp_path):
     with pytest.raises(ValueError, match="'model.nope.weight' is not a parameter"):
         client.update_weights([("model.nope.weight", torch.zeros(1))], version=1)
     assert not list(tmp_path.iterdir()) and client.version == 0
-    server_error = lambda method, path, body: (400, {"error": "no such method"})  # noqa: E731
+    server_error = lambda method, path, body: (400, {"error": "no such method"})
     with pytest.raises(RuntimeError, match="could not install the full-vocabulary log-prob hook"):
         VLLMServerClient.connect("http://fake", suite.MODEL, served_model="m",
                                  transport=lambda m, p, b: (200, None) if p == "/health" else server_error(m, p, b))

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -212,6 +212,10 @@ class InProcessBackend:
     runs the engine's asyncio loop in the calling thread; :meth:`abort_all` and :meth:`pause`,
     called from another thread meanwhile, schedule their calls on that loop."""
 
+    runs_in_caller_thread = True
+    """``Engine.generate`` drives the engine's event loop, which stays on the caller's thread;
+    abort and pause reach it through that loop, after the request was submitted."""
+
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
@@ -319,13 +323,16 @@ class SGLangEngine(ResubmittingEngine):
     # -------------------------------------------------------------- generation and control
 
     def _submit(self, requests: list[RoundRequest], params: SamplingParams) -> list[EngineOutput]:
-        # The call runs on a helper thread so that this one can keep aborting while a pause or
-        # abort is pending: a /generate that reaches SGLang just after pause_generation would
-        # otherwise wait for continue_generation.
         body = generate_request(requests, params)
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-generate") as pool:
-            [response] = wait_cutting([pool.submit(self.backend.generate, body)], self._cut,
-                                      self.backend.abort_all)
+        if getattr(self.backend, "runs_in_caller_thread", False):
+            response = self.backend.generate(body)
+        else:
+            # Over HTTP the call runs on a helper thread so that this one can keep aborting while
+            # a pause or abort is pending: a /generate that reaches SGLang just after
+            # pause_generation would otherwise wait for continue_generation.
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-generate") as pool:
+                [response] = wait_cutting([pool.submit(self.backend.generate, body)], self._cut,
+                                          self.backend.abort_all)
         return parse_generate_response(response, len(requests))
 
     def _on_abort(self) -> None:
