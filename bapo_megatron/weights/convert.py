@@ -52,6 +52,7 @@ from bapo_megatron.weights.name_maps import (
     tp_slice,
 )
 from bapo_megatron.weights.staging import check_output, staged_folder
+from bapo_megatron.weights.transports import make_transport
 
 DEFAULT_SHARD_BYTES = 2 * 2**30
 _BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -129,8 +130,12 @@ def write_hf_folder(chunks: list[torch.nn.Module], model: ModelConfig, out_folde
     with staged_folder(out_folder, overwrite=overwrite) as staging:
         written: list[tuple[int, int, str, list[str], int]] = []
         if context.dp_rank == 0 and context.cp_rank == 0:
+            # each bucket is written before the next is asked for: one kept buffer will do
+            device = next(chunks[0].parameters()).device
             buckets = export_weights(chunks, model, context, version=0,
-                                     bucket_bytes=max_shard_bytes, dtype=dtype)
+                                     bucket_bytes=max_shard_bytes, dtype=dtype,
+                                     transport=make_transport("auto", context, device, False,
+                                                              reuse=True))
             for bucket in tqdm(buckets, desc=f"Megatron -> HF (stage {context.pp_rank})",
                                unit="shard", disable=not progress):
                 file = f"part-{bucket.pipeline_rank:05d}-{bucket.index:05d}.safetensors"

@@ -98,8 +98,9 @@ def export_weights(chunks: Sequence[torch.nn.Module], model: ModelConfig,
 
     Every rank of the TP group must iterate the generator to the end (each bucket is one
     exchange over the TP group). The buckets are yielded on the first TP rank of the stage, or on
-    every TP rank with ``to_all_tp_ranks``; other ranks yield nothing. ``dtype`` (default: the
-    parameters') is the dtype of the yielded tensors. ``version`` is stamped on every bucket.
+    every TP rank with ``to_all_tp_ranks``; other ranks yield nothing. ``dtype`` (default:
+    ``model.params_dtype``) is the dtype of the yielded tensors. ``version`` is stamped on every
+    bucket.
     ``transport`` moves the shards (:mod:`~bapo_megatron.weights.transports`): `auto` takes
     shared memory for CPU ranks on one host, else the torch.distributed collective; or a
     transport built once with :func:`~bapo_megatron.weights.transports.make_transport` and
@@ -117,7 +118,7 @@ def export_weights(chunks: Sequence[torch.nn.Module], model: ModelConfig,
                          f"{model.model_type!r} name map")
     if not params:
         return
-    dtype = dtype or next(iter(params.values())).dtype
+    dtype = dtype or getattr(torch, model.params_dtype)  # the same on every stage
     owned = [r for r in rules if r.megatron in params]
     element_size = torch.empty((), dtype=dtype).element_size()
     buckets = plan_buckets(owned, model, bucket_bytes, element_size)
