@@ -140,6 +140,9 @@ def test_weight_updates_are_checked_and_memory_can_be_released(make_engine):
     name = "model.layers.0.mlp.up_proj.weight"
     with pytest.raises(ValueError, match=f"'{name}' has shape \\(3, 3\\)"):
         engine.update_weights([(name, torch.zeros(3, 3))], version=1)
+    good = random_weights(9)
+    with pytest.raises(ValueError, match="'model.nope.weight' is not a parameter"):
+        engine.update_weights([*good.items(), ("model.nope.weight", torch.zeros(1))], version=1)
     assert engine.version == 0
     params = SamplingParams(max_new_tokens=5, seed=2)
     before = engine.generate(PROMPTS, params)

@@ -159,23 +159,27 @@ class EmbeddedEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
                        checksum: bool = False) -> str | None:
         """Copy HF-named tensors into the model (converted to its dtype) and set the version.
-        Raises ``ValueError`` naming an unknown tensor or a shape mismatch; the version only
-        changes when every tensor loaded."""
+        Raises ``ValueError`` naming an unknown tensor or a shape mismatch, before anything is
+        copied: a refused update leaves weights and version as they were."""
         if self._released:
             raise RuntimeError("update_weights after release_memory(): call resume_memory() first")
         params = dict(self.model.named_parameters())
         total = Checksum() if checksum else None
+        # Check every tensor before copying any, so a bad update leaves the weights untouched.
+        # (The tensors are the engine-side copies anyway; holding them briefly costs no more.)
+        named_tensors = list(named_tensors)
         for name, tensor in named_tensors:
             if name not in params:
                 if name == "lm_head.weight" and self.model_config.tie_word_embeddings:
                     continue  # tied: the embedding is the output layer
                 raise ValueError(f"update_weights: {name!r} is not a parameter of this "
                                  f"{self.model_config.model_type} model")
-            target = params[name]
-            if tuple(tensor.shape) != tuple(target.shape):
+            if tuple(tensor.shape) != tuple(params[name].shape):
                 raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model "
-                                 f"expects {tuple(target.shape)}")
-            target.copy_(tensor.to(target.dtype))
+                                 f"expects {tuple(params[name].shape)}")
+        for name, tensor in named_tensors:
+            if name in params:
+                params[name].copy_(tensor.to(params[name].dtype))
             if total is not None:
                 total.add(name, tensor)
         self.version = int(version)
