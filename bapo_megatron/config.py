@@ -307,6 +307,19 @@ class ModelConfig:
 
         if hf.get("rope_scaling") is not None:
             refuse("rope_scaling", "only plain RoPE with rope_theta is implemented")
+        # transformers >= 5 writes the RoPE base (and any scaling) inside rope_parameters.
+        rope = hf.get("rope_parameters")
+        rope_theta = hf.get("rope_theta")
+        if isinstance(rope, Mapping):
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type != "default":
+                raise ValueError(f"HF config {where}: rope_parameters.rope_type={rope_type!r} is not "
+                                 "supported (only plain RoPE with rope_theta is implemented)")
+            nested = rope.get("rope_theta")
+            if nested is not None and rope_theta is not None and nested != rope_theta:
+                raise ValueError(f"HF config {where}: rope_theta={rope_theta!r} and "
+                                 f"rope_parameters.rope_theta={nested!r} disagree")
+            rope_theta = nested if nested is not None else rope_theta
         if hf.get("hidden_act", "silu") != "silu":
             refuse("hidden_act", "both families use a SwiGLU MLP with SiLU")
         if hf.get("mlp_bias"):
@@ -332,7 +345,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_query_groups=hf.get("num_key_value_heads") or heads,  # absent in old MHA configs
             vocab_size=need("vocab_size"),
-            rope_theta=hf.get("rope_theta", 10000.0),
+            rope_theta=10000.0 if rope_theta is None else rope_theta,
             rms_norm_eps=need("rms_norm_eps"),
             qkv_bias=model_type == "qwen2",
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),

@@ -257,3 +257,19 @@ def test_transformer_config_conversion():
     assert (tc.pipeline_model_parallel_size, tc.virtual_pipeline_model_parallel_size) == (4, 2)
     assert (tc.fp8, tc.fp8_recipe, tc.fp8_amax_history_len, tc.fp8_amax_compute_algo) == (
         "hybrid", "tensorwise", 16, "max")
+
+
+def test_transformers5_rope_parameters_form():
+    """transformers 5 writes the RoPE base inside rope_parameters; reading only the top-level
+    key would silently give Qwen2 a base of 10000 instead of 1e6."""
+    base = {k: v for k, v in QWEN25_05B_STYLE.items() if k != "rope_theta"}
+    cfg = ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert cfg.rope_theta == 1e6
+    with pytest.raises(ValueError, match="rope_parameters.rope_type='yarn' is not supported"):
+        ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}})
+    with pytest.raises(ValueError, match="disagree"):
+        ModelConfig.from_hf_config({**base, "rope_theta": 1e4, "rope_parameters": {"rope_theta": 1e6}})
+    import transformers
+
+    hf = transformers.AutoConfig.for_model(**cfg.to_hf_config()).to_dict()
+    assert ModelConfig.from_hf_config(hf) == cfg  # what transformers itself writes reads back

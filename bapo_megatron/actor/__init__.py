@@ -1,4 +1,5 @@
 """The Megatron-Core actor: configuration conversion, CPU runtime patches, model construction.
 
-Modules here import ``megatron.core``; nothing outside ``actor/`` and ``parallel.py`` does.
+Modules here import ``megatron.core``; outside ``actor/`` only ``parallel.py`` and the
+checkpoint and export code of ``weights/`` do.
 """

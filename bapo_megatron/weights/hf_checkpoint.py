@@ -42,33 +42,10 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 def read_model_config(folder: str | Path, **overrides: Any) -> ModelConfig:
     """The :class:`ModelConfig` of the HF folder (or ``config.json``) ``folder``.
 
-    transformers >= 5 writes the RoPE base inside ``rope_parameters`` rather than as a top-level
-    ``rope_theta``; it is read from there, and a ``rope_type`` other than ``default`` (scaled
-    RoPE) is refused. ``overrides`` are passed to :meth:`ModelConfig.from_hf_config`.
+    ``overrides`` are passed to :meth:`ModelConfig.from_hf_config` (which also reads the
+    transformers 5 ``rope_parameters`` form).
     """
-    path = Path(folder)
-    if path.is_dir():
-        path = path / CONFIG_FILE
-    if not path.is_file():
-        raise ValueError(f"HF config {path} does not exist")
-    try:
-        hf = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"HF config {path} is not valid JSON: {err}") from None
-    rope = hf.get("rope_parameters") if isinstance(hf, dict) else None
-    if isinstance(rope, Mapping):
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"HF config {path}: rope_parameters.rope_type={rope_type!r} is not "
-                             "supported (only plain RoPE with rope_theta is implemented)")
-        theta = rope.get("rope_theta")
-        top = hf.get("rope_theta")
-        if theta is not None and top is not None and theta != top:
-            raise ValueError(f"HF config {path}: rope_theta={top!r} and "
-                             f"rope_parameters.rope_theta={theta!r} disagree")
-        if theta is not None:
-            overrides.setdefault("rope_theta", theta)
-    return ModelConfig.from_hf_config(path, **overrides)
+    return ModelConfig.from_hf_config(folder, **overrides)
 
 
 def _open_safetensors(path: Path, stack: contextlib.ExitStack) -> Any:
