@@ -101,15 +101,6 @@ def test_patch_table_lists_every_patch():
 # ------------------------------------------------------------------------ one process
 
 
-@pytest.fixture
-def single_process():
-    context = ParallelContext.initialize(ParallelConfig())
-    try:
-        yield context
-    finally:
-        context.teardown()
-
-
 @needs_cpu
 def test_single_process_context_is_the_degenerate_layout(single_process):
     ctx = single_process

@@ -189,15 +189,6 @@ def _param_error(params: dict, final: dict[str, torch.Tensor], context: Parallel
 # ------------------------------------------------------------------------ test
 
 
-@pytest.fixture
-def single_process():
-    context = ParallelContext.initialize(ParallelConfig())
-    try:
-        yield context
-    finally:
-        context.teardown()
-
-
 def _assert_metrics_match(got: list[dict], want: list[dict], what: str) -> None:
     assert len(got) == len(want) == STEPS
     for step, (g, w) in enumerate(zip(got, want)):

@@ -29,24 +29,13 @@ from bapo_megatron.config import (  # noqa: E402
     LossConfig,
     ModelConfig,
     OptimizerConfig,
-    ParallelConfig,
 )
-from bapo_megatron.parallel import ParallelContext  # noqa: E402
 from tests import bapo_reference  # noqa: E402
 
 MODEL = ModelConfig(model_type="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128,
                     num_attention_heads=4, num_query_groups=2, vocab_size=96,
                     max_position_embeddings=64)
 needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches are for CPU-only runs")
-
-
-@pytest.fixture
-def context():
-    ctx = ParallelContext.initialize(ParallelConfig())
-    try:
-        yield ctx
-    finally:
-        ctx.teardown()
 
 
 def make_actor(context, micro_batch_size=2, temperature=0.9, **optimizer):

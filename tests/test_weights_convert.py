@@ -24,8 +24,7 @@ pytest.importorskip("megatron.core")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from bapo_megatron.config import MODEL_TYPES, ModelConfig, ParallelConfig  # noqa: E402
-from bapo_megatron.parallel import ParallelContext  # noqa: E402
+from bapo_megatron.config import MODEL_TYPES, ModelConfig  # noqa: E402
 from bapo_megatron.weights import megatron_checkpoint  # noqa: E402
 from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
 from bapo_megatron.weights.export import export_weights, plan_buckets, rule_nbytes  # noqa: E402
@@ -56,15 +55,6 @@ def hf_folders(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
         model = hf_models.save_hf_folder(root / variant, variant, seed=seed)
         out[variant] = (root / variant, hf_models.hf_logits(model))
     return out
-
-
-@pytest.fixture
-def context():
-    ctx = ParallelContext.initialize(ParallelConfig())
-    try:
-        yield ctx
-    finally:
-        ctx.teardown()
 
 
 def megatron_logits(chunk: torch.nn.Module) -> torch.Tensor:
