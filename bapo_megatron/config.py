@@ -638,17 +638,309 @@ def validate_layout(model: ModelConfig, parallel: ParallelConfig, world_size: in
     return world_size // parallel.model_parallel_size
 
 
+def _positive_int(value: object, where: str, *, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{where} must be an integer >= {low}, got {value!r}")
+
+
+EngineKind = Literal["embedded", "vllm", "vllm-server", "sglang", "sglang-server"]
+ENGINE_KINDS: tuple[str, ...] = ("embedded", "vllm", "vllm-server", "sglang", "sglang-server")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """How responses are generated. Temperature is ``actor.temperature`` (the actor's log-probs
+    must be those of the distribution the engine sampled from)."""
+
+    engine: EngineKind = "embedded"
+    """`embedded`: transformers on the trainer's processes (CPU, the default); `vllm` / `sglang`:
+    the engine in-process on the first rank of each model replica, colocated with the actor;
+    `vllm-server` / `sglang-server`: a separately started server at ``server_urls``."""
+    prompts_per_step: int = 16
+    """Prompts drawn per rollout step, over all data-parallel ranks (must divide evenly)."""
+    samples_per_prompt: int = 8
+    """Responses per prompt (the GRPO group size n)."""
+    max_new_tokens: int = 256
+    """Response length cap; a response cut there ends with finish reason `length`."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold; 1 keeps the full distribution (the actor's ratio is then exact)."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
+    partial_tokens_per_round: int | None = None
+    """Partial rollout: each rollout step generates at most this many tokens per response;
+    unfinished responses are paused, carried to the next step and continued under the weights
+    of that step (their tokens keep the version they were sampled with). None: off."""
+    server_urls: tuple[str, ...] = ()
+    """Base URLs of the rollout servers (`vllm-server`, `sglang-server`), one per data-parallel
+    rank, or one shared by all."""
+    engine_tensor_parallel_size: int = 1
+    """Tensor parallelism inside an in-process vLLM/SGLang engine (GPUs it spans)."""
+    gpu_memory_utilization: float = 0.5
+    """Share of GPU memory an in-process vLLM/SGLang engine may take (colocated with the actor)."""
+    weight_bucket_mib: int = 512
+    """Size bound of a bucket of the live weight export to the engine."""
+
+    def __post_init__(self) -> None:
+        prefix = "rollout"
+        if self.engine not in ENGINE_KINDS:
+            raise ValueError(f"{prefix}.engine must be one of {list(ENGINE_KINDS)}, got {self.engine!r}")
+        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens",
+                     "engine_tensor_parallel_size", "weight_bucket_mib"):
+            _positive_int(getattr(self, name), f"{prefix}.{name}")
+        _positive_int(self.top_k, f"{prefix}.top_k", allow_zero=True)
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"{prefix}.top_p must lie in (0, 1], got {self.top_p!r}")
+        if self.partial_tokens_per_round is not None:
+            _positive_int(self.partial_tokens_per_round, f"{prefix}.partial_tokens_per_round")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"{prefix}.gpu_memory_utilization must lie in (0, 1], "
+                             f"got {self.gpu_memory_utilization!r}")
+        self.server_urls = tuple(self.server_urls)
+        if self.engine.endswith("-server") and not self.server_urls:
+            raise ValueError(f"{prefix}.engine={self.engine!r} needs {prefix}.server_urls")
+
+
+SyntheticTask = Literal["walk"]
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where prompts come from: a prompt file, or the built-in synthetic task."""
+
+    train_file: str | None = None
+    """JSONL or parquet prompt set (fields ``prompt``, ``answer``, optional ``id``)."""
+    synthetic_task: SyntheticTask | None = None
+    """Generate the prompts instead (:mod:`bapo_megatron.data.synthetic_task`): `walk`, whose
+    failures run to the length cap. It brings its own character tokenizer; the model must then
+    be given in the ``model`` section with ``vocab_size`` at least the tokenizer's."""
+    synthetic_size: int = 2000
+    """Prompts generated for the synthetic task."""
+    skip_bad_rows: bool = False
+    """Skip (and count) malformed rows of ``train_file`` instead of stopping at the first."""
+    system_prompt: str | None = None
+    """System turn put before every prompt in the chat template; None: none."""
+    shuffle: bool = True
+    """Visit the prompts in a seeded random order, reshuffled every epoch."""
+
+    def __post_init__(self) -> None:
+        prefix = "data"
+        if (self.train_file is None) == (self.synthetic_task is None):
+            raise ValueError(f"{prefix}: give exactly one of {prefix}.train_file and "
+                             f"{prefix}.synthetic_task")
+        if self.synthetic_task not in (None, "walk"):
+            raise ValueError(f"{prefix}.synthetic_task must be 'walk' or null, got {self.synthetic_task!r}")
+        _positive_int(self.synthetic_size, f"{prefix}.synthetic_size")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """How responses are scored: a reward from :mod:`bapo_megatron.rewards.registry`."""
+
+    name: str = "math"
+    """Registered reward (`math`, `math_lenient`, `exact_match`) or ``package.module:function``."""
+    workers: int = 2
+    """Processes scoring responses."""
+    timeout_s: float = 10.0
+    """Time limit of one check; an overrun scores 0 and is counted."""
+
+    def __post_init__(self) -> None:
+        _positive_int(self.workers, "reward.workers")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"reward.timeout_s must be a number > 0, got {self.timeout_s!r}")
+
+
+OldLogprobs = Literal["engine", "recompute"]
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    """Advantages and the off-policy data schedule (spec section 6)."""
+
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group's standard deviation (GRPO); false: Dr. GRPO."""
+    filter_equal_groups: bool = False
+    """Drop groups whose rewards are all equal (no signal under group normalisation)."""
+    old_logprobs: OldLogprobs = "engine"
+    """Denominator of the ratio: `engine` (behaviour log-probs the engine reported) or
+    `recompute` (the actor's log-probs at the start of the rollout step; with
+    ``loss.truncated_is_cap`` the capped exp(recomputed - behaviour) weights the loss)."""
+    optimizer_steps_per_rollout: int = 1
+    """Mini-batches each rollout batch is split into, one optimizer step each: the last one is
+    trained with data that many - 1 policy versions stale."""
+    epochs: int = 1
+    """Passes over the rollout batch's mini-batches (PPO epochs)."""
+    rollout_lag: int = 0
+    """Train on the rollout batch generated this many rollout steps earlier (a queue; the
+    first steps only generate): staleness by lag, as in asynchronous RL."""
+    replay_fraction: float = 0.0
+    """Share of each training batch's groups drawn from the replay buffer of earlier rollout
+    batches (0: no replay)."""
+    replay_capacity: int = 256
+    """Groups the replay buffer keeps (oldest evicted first)."""
+    replay_max_staleness: int = 8
+    """Groups older than this many policy versions are evicted and never replayed."""
+
+    def __post_init__(self) -> None:
+        prefix = "algorithm"
+        for name in ("normalize_std", "filter_equal_groups"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{prefix}.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.old_logprobs not in ("engine", "recompute"):
+            raise ValueError(f"{prefix}.old_logprobs must be 'engine' or 'recompute', got {self.old_logprobs!r}")
+        for name in ("optimizer_steps_per_rollout", "epochs", "replay_capacity", "replay_max_staleness"):
+            _positive_int(getattr(self, name), f"{prefix}.{name}")
+        _positive_int(self.rollout_lag, f"{prefix}.rollout_lag", allow_zero=True)
+        if isinstance(self.replay_fraction, bool) or not isinstance(self.replay_fraction, (int, float)) \
+                or not 0 <= self.replay_fraction < 1:
+            raise ValueError(f"{prefix}.replay_fraction must lie in [0, 1), got {self.replay_fraction!r}")
+        self.replay_fraction = float(self.replay_fraction)
+
+
+@dataclass(kw_only=True)
+class WarmupConfig:
+    """A supervised warm-up on the synthetic task's reference responses before RL, for runs that
+    start from random weights (nothing can be downloaded for the tiny run). Cross-entropy on the
+    response tokens, with its own Adam and learning rate."""
+
+    steps: int = 0
+    """Optimizer steps of the warm-up; 0: none."""
+    lr: float = 1e-3
+    """Constant learning rate of the warm-up."""
+    batch_size: int = 32
+    """Sequences per warm-up step, over all data-parallel ranks."""
+
+    def __post_init__(self) -> None:
+        _positive_int(self.steps, "warmup.steps", allow_zero=True)
+        _positive_int(self.batch_size, "warmup.batch_size")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not self.lr > 0:
+            raise ValueError(f"warmup.lr must be a number > 0, got {self.lr!r}")
+        self.lr = float(self.lr)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The run: how long, from which weights, and where its outputs go."""
+
+    steps: int = 100
+    """Rollout steps (each: generate, score, one or more optimizer steps, weight sync)."""
+    model_path: str | None = None
+    """HF folder (config.json, safetensors, tokenizer) the policy starts from; None: the
+    ``model`` section's architecture with random weights (and ``warmup``)."""
+    params_dtype: ParamsDtype | None = None
+    """Parameter dtype for a model read from ``model_path`` (`float32`, `bfloat16`); None: float32."""
+    output_dir: str = "runs/bapo"
+    """Run folder: ``tensorboard/``, ``metrics.jsonl`` and ``checkpoints/``."""
+    seed: int = 0
+    """Seed of the prompt order and the rollout sampling (each step and rank derive theirs)."""
+
+    def __post_init__(self) -> None:
+        _positive_int(self.steps, "train.steps")
+        _positive_int(self.seed, "train.seed", allow_zero=True)
+        if self.params_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"train.params_dtype must be 'float32', 'bfloat16' or null, got {self.params_dtype!r}")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Trainer checkpoints (model, optimizer, schedule, RNG, data position, replay buffer,
+    step, policy version), written aside and renamed into place."""
+
+    interval: int = 0
+    """Save every this many rollout steps (and after the last); 0: only after the last."""
+    keep_last: int | None = 2
+    """Complete checkpoints kept (older ones deleted); None keeps all."""
+    resume: bool = True
+    """Continue from the newest complete checkpoint in ``<output_dir>/checkpoints`` if one
+    exists (a run killed at any point resumes from its last complete checkpoint)."""
+
+    def __post_init__(self) -> None:
+        _positive_int(self.interval, "checkpoint.interval", allow_zero=True)
+        if self.keep_last is not None:
+            _positive_int(self.keep_last, "checkpoint.keep_last")
+        if not isinstance(self.resume, bool):
+            raise ValueError(f"checkpoint.resume must be true or false, got {self.resume!r}")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Monitoring output (written by rank 0)."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files to ``<output_dir>/tensorboard``."""
+    console: bool = True
+    """Print one progress line per rollout step."""
+    logprob_diff_interval: int = 10
+    """Every this many rollout steps, recompute the actor's log-probs of the fresh batch to log
+    the engine/actor gap (free, and every step, with ``algorithm.old_logprobs=recompute``);
+    0: never."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensorboard", "console"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"logging.{name} must be true or false, got {getattr(self, name)!r}")
+        _positive_int(self.logprob_diff_interval, "logging.logprob_diff_interval", allow_zero=True)
+
+
 @dataclass(kw_only=True)
 class Config:
-    """Root of a run's configuration. Later sections (rollout, data) join here."""
+    """Root of a run's configuration (``python -m bapo_megatron.train --config FILE.yaml``)."""
 
     loss: LossConfig = field(default_factory=LossConfig)
     """The policy loss."""
     model: ModelConfig | None = None
-    """The policy's architecture; None for runs without a model (the loss demo)."""
+    """The policy's architecture, for runs from random weights; None when it is read from
+    ``train.model_path`` (or for runs without a model, the loss demo)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """How the actor is split over ranks."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    """The actor's optimizer and learning-rate schedule."""
+    """The actor's optimizer and learning-rate schedule (in optimizer steps)."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     """How the actor runs its passes (micro-batch size, temperature, seed)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation."""
+    data: DataConfig | None = None
+    """Prompts; required for training."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Scoring of responses."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages and the off-policy schedule."""
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    """Supervised warm-up before RL (synthetic task only)."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Length, initial weights, outputs."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints and resume."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """TensorBoard and console output."""
+
+    def check_training(self) -> None:
+        """Raise ``ValueError`` naming the fields when this config cannot drive a training run
+        (the checks that span sections; each section checks itself when built)."""
+        if self.data is None:
+            raise ValueError("data: a training run needs a data section (data.train_file or "
+                             "data.synthetic_task)")
+        if (self.model is None) == (self.train.model_path is None):
+            raise ValueError("give exactly one of the model section (random initial weights) and "
+                             "train.model_path (an HF folder)")
+        if self.data.synthetic_task is not None and self.model is None:
+            raise ValueError("data.synthetic_task brings its own tokenizer, so the model must be "
+                             "given in the model section, not train.model_path")
+        if self.warmup.steps and self.data.synthetic_task is None:
+            raise ValueError("warmup.steps > 0 needs data.synthetic_task (the warm-up trains on "
+                             "its reference responses)")
+        if self.train.params_dtype is not None and self.train.model_path is None:
+            raise ValueError("train.params_dtype applies to train.model_path; with a model "
+                             "section set model.params_dtype")
+        if self.loss.truncated_is_cap is not None and self.algorithm.old_logprobs != "recompute":
+            raise ValueError("loss.truncated_is_cap needs algorithm.old_logprobs=recompute (the "
+                             "weight is exp(recomputed - behaviour))")
+        steps = self.algorithm.optimizer_steps_per_rollout
+        if self.rollout.prompts_per_step % steps:
+            raise ValueError(f"rollout.prompts_per_step ({self.rollout.prompts_per_step}) must be a "
+                             f"multiple of algorithm.optimizer_steps_per_rollout ({steps}): each "
+                             "mini-batch takes whole groups")
+        if self.rollout.partial_tokens_per_round is not None and (
+                self.algorithm.rollout_lag or self.algorithm.replay_fraction):
+            raise ValueError("rollout.partial_tokens_per_round cannot be combined with "
+                             "algorithm.rollout_lag or algorithm.replay_fraction in one run")

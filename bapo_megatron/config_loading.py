@@ -94,6 +94,13 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             except ValueError as err:
                 errors.append(str(err))
         raise ValueError("; ".join(errors))
+    if origin is tuple:
+        item, ellipsis = (typing.get_args(hint) + (None, None))[:2]
+        if ellipsis is not Ellipsis:
+            raise TypeError(f"{where}: only tuple[T, ...] fields are supported")  # internal
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            value = [value]  # a single item may be written without a list
+        return tuple(_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is Literal:
         choices = typing.get_args(hint)
         if value not in choices:

@@ -52,9 +52,10 @@ DEFAULT_CONSOLE_KEYS: tuple[str, ...] = (
     "bapo/rho_after",
     "bapo/c_low",
     "bapo/c_high",
-    "actor/entropy",
-    "actor/grad_norm",
-    "rollout/response_length",
+    "reward/accuracy",
+    "entropy",
+    "grad_norm",
+    "response_length/mean",
     "time/step",
 )
 # Short console labels; a key without one is shown under its full name.
@@ -63,9 +64,10 @@ CONSOLE_LABELS: dict[str, str] = {
     "bapo/rho_after": "rho",
     "bapo/c_low": "c",
     "bapo/c_high": "c",
-    "actor/entropy": "entropy",
-    "actor/grad_norm": "grad",
-    "rollout/response_length": "len",
+    "reward/accuracy": "acc",
+    "entropy": "entropy",
+    "grad_norm": "grad",
+    "response_length/mean": "len",
 }
 
 
@@ -185,11 +187,12 @@ class MetricsLogger:
             self._jsonl.write("\n")  # a killed run's partial last line stays on its own line
 
     def log(self, step: int, metrics: Mapping[str, float], *,
-            total_steps: int | None = None) -> None:
+            total_steps: int | None = None, console: bool = True) -> None:
         """Record `metrics` at `step` and flush, so a killed run loses at most the step being
         logged. Values: real numbers (numpy scalars and one-element tensors too; NaN and inf
         kept); anything else is refused with a ValueError naming its key, before anything is
-        written. `total_steps` only shapes the console line ("step 12/200")."""
+        written. `total_steps` only shapes the console line ("step 12/200"); `console=False`
+        keeps this record off the console (per-optimizer-step records of a rollout step)."""
         if not self.enabled:
             return
         if self._closed:
@@ -204,7 +207,7 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
             self._jsonl.flush()
-        if self.console:
+        if self.console and console:
             print(self.console_line(step, values, total_steps), flush=True)
 
     def console_line(self, step: int, metrics: Mapping[str, float],

@@ -140,13 +140,13 @@ def test_console_only_logger_prints_one_line_per_step(tmp_path, capsys, monkeypa
 def test_console_line_shows_the_values():
     logger = MetricsLogger(None, console=False)
     metrics = {"reward/mean": 0.41, "bapo/rho_after": 0.38, "bapo/c_low": 0.62,
-               "bapo/c_high": 1.35, "actor/entropy": 0.91, "actor/grad_norm": 0.12,
-               "rollout/response_length": 14.2, "bapo/clip_frac_positive": 0.5,
+               "bapo/c_high": 1.35, "entropy": 0.91, "grad_norm": 0.12,
+               "response_length/mean": 14.2, "bapo/clip_frac_positive": 0.5,
                "time/rollout": 1.2, "time/train": 1.5, "time/step": 3.1}
     assert logger.console_line(12, metrics, total_steps=200) == (
         "step 12/200 | reward 0.41 | rho 0.38 | c 0.62/1.35 | entropy 0.91 | grad 0.12 | "
         "len 14.2 | 3.1 s (rollout 1.2, train 1.5)")
-    assert logger.console_line(1, {"actor/grad_norm": 3e-4, "bapo/c_high": 2.0}) == (
+    assert logger.console_line(1, {"grad_norm": 3e-4, "bapo/c_high": 2.0}) == (
         "step 1 | c 2.00 | grad 3.00e-04")
     custom = MetricsLogger(None, console=False, console_keys=["bapo/clip_frac_positive"])
     assert custom.console_line(0, metrics) == "step 0 | bapo/clip_frac_positive 0.50"

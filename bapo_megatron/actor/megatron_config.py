@@ -60,6 +60,7 @@ def to_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
         context_parallel_size=parallel.context_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         use_cpu_initialization=use_cpu_initialization,
+        cuda_graph_scope=[],  # no CUDA graphs; the default "full" only triggers a deprecation warning
         # Batched p2p posts a send to the next and one to the previous stage together; at PP2
         # both are the same peer, and gloo (CPU) matches same-tag messages in posting order, so
         # the interleaved schedule received gradients as activations. Unbatched p2p posts them

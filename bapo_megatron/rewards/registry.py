@@ -13,7 +13,7 @@ from collections.abc import Callable
 RewardFn = Callable[[str, str], float]
 
 _REWARDS: dict[str, RewardFn] = {}
-_BUILTIN_MODULES = ("bapo_megatron.rewards.math_answer",)
+_BUILTIN_MODULES = ("bapo_megatron.rewards.math_answer", "bapo_megatron.rewards.exact_match")
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:

@@ -1,0 +1,118 @@
+"""Experience between the rollout and the actor: scored groups of samples, the order prompts
+are visited in, the replay buffer, and the conversion to the actor's token-aligned batch.
+
+A :class:`Group` is one prompt's ``n`` samples with their rewards and GRPO advantages; groups
+are the unit of every off-policy mechanism (mini-batches, lag, replay), since advantages are
+only defined within a whole group. Every token keeps the behaviour log-prob and the policy
+version it was sampled with.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from bapo_megatron.actor.batch import PolicyBatch
+from bapo_megatron.rollout.protocol import RolloutSample
+
+
+@dataclass
+class Group:
+    """One prompt's samples, scored."""
+
+    prompt_id: str
+    samples: list[RolloutSample]
+    rewards: list[float]
+    advantages: list[float]
+
+    @property
+    def oldest_version(self) -> int:
+        """Oldest policy version any of its tokens was sampled with."""
+        return min((min(s.versions) for s in self.samples if s.versions), default=0)
+
+
+def prompt_order(num_prompts: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """Indices of the prompt set in the order epoch ``epoch`` visits them."""
+    order = list(range(num_prompts))
+    if shuffle:
+        random.Random(f"{seed}/{epoch}").shuffle(order)
+    return order
+
+
+def prompts_at(position: int, count: int, num_prompts: int, seed: int, shuffle: bool) -> list[int]:
+    """The ``count`` prompt indices starting at global ``position`` of the endless stream of
+    epochs (each a fresh permutation): a pure function of its arguments, so the data position
+    of a checkpoint is a single integer."""
+    indices = []
+    while len(indices) < count:
+        epoch, offset = divmod(position + len(indices), num_prompts)
+        order = prompt_order(num_prompts, seed, epoch, shuffle)
+        indices.extend(order[offset: offset + count - len(indices)])
+    return indices
+
+
+def to_policy_batch(groups: list[Group], pad_token_id: int) -> tuple[PolicyBatch, torch.Tensor]:
+    """The actor's batch of ``groups`` (one row per sample, right-padded) with behaviour
+    log-probs as ``old_logprobs`` and each sample's advantage, and the [n, s] int64 tensor of
+    the policy version of every response token (-1 elsewhere)."""
+    samples = [(s, adv) for g in groups for s, adv in zip(g.samples, g.advantages)]
+    length = max((len(s.prompt_token_ids) + len(s.token_ids) for s, _ in samples), default=2)
+    rows = len(samples)
+    tokens = torch.full((rows, length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(rows, length, dtype=torch.bool)
+    old = torch.zeros(rows, length, dtype=torch.float32)
+    versions = torch.full((rows, length), -1, dtype=torch.long)
+    advantages = torch.zeros(rows, dtype=torch.float32)
+    for row, (sample, advantage) in enumerate(samples):
+        start, ids = len(sample.prompt_token_ids), sample.prompt_token_ids + sample.token_ids
+        end = len(ids)
+        tokens[row, :end] = torch.tensor(ids)
+        mask[row, start:end] = True
+        old[row, start:end] = torch.tensor(sample.logprobs, dtype=torch.float32)
+        versions[row, start:end] = torch.tensor(sample.versions)
+        advantages[row] = advantage
+    batch = PolicyBatch(tokens=tokens, response_mask=mask, old_logprobs=old, advantages=advantages)
+    return batch, versions
+
+
+def split_groups(groups: list[Group], parts: int) -> list[list[Group]]:
+    """``groups`` in ``parts`` contiguous mini-batches of near-equal size (some may be empty)."""
+    size, extra = divmod(len(groups), parts)
+    out, start = [], 0
+    for part in range(parts):
+        end = start + size + (part < extra)
+        out.append(groups[start:end])
+        start = end
+    return out
+
+
+class ReplayBuffer:
+    """Groups of earlier rollout steps, replayed into later training batches.
+
+    Holds at most ``capacity`` groups (the oldest evicted first) and never returns a group whose
+    oldest token is more than ``max_staleness`` policy versions behind the current one.
+    """
+
+    def __init__(self, capacity: int, max_staleness: int) -> None:
+        self.capacity, self.max_staleness = capacity, max_staleness
+        self.groups: list[Group] = []
+
+    def add(self, groups: list[Group]) -> None:
+        self.groups.extend(groups)
+        del self.groups[: max(0, len(self.groups) - self.capacity)]
+
+    def evict_stale(self, version: int) -> None:
+        self.groups = [g for g in self.groups if version - g.oldest_version <= self.max_staleness]
+
+    def sample(self, count: int, version: int, rng: random.Random) -> list[Group]:
+        """Up to ``count`` distinct groups not staler than allowed at policy ``version``."""
+        self.evict_stale(version)
+        return rng.sample(self.groups, min(count, len(self.groups)))
+
+    def state_dict(self) -> dict:
+        return {"groups": list(self.groups)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.groups = list(state["groups"])
