@@ -1,0 +1,134 @@
+"""End-to-end runs of the training loop on the tiny CPU example: the default path, every
+off-policy mode (mini-batch reuse, lag, replay, partial rollout, recomputed old log-probs with
+truncated importance weights), TensorBoard output, and bad configs and data."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from bapo_megatron.tracking import read_scalars  # noqa: E402
+from tests.train_runs import read_metrics, rollout_records, run_in_process, run_subprocess  # noqa: E402
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs")
+
+
+def optimizer_records(records):
+    return [r for r in records if "loss" in r and "reward/mean" not in r]
+
+
+def test_default_run_logs_every_step_to_tensorboard(tmp_path):
+    records = run_in_process(tmp_path, "train.steps=3", "logging.logprob_diff_interval=1")
+    rollouts = rollout_records(records)
+    steps = optimizer_records(records)
+    assert [r["rollout_step"] for r in rollouts] == [1, 2, 3]
+    # two mini-batches per rollout step (the example's optimizer_steps_per_rollout): 6 updates
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    for r in steps:
+        for key in ("loss", "entropy", "grad_norm", "bapo/c_low", "bapo/c_high", "bapo/rho_before",
+                    "bapo/rho_after", "bapo/search_steps", "bapo/ratio_min", "bapo/ratio_max",
+                    "staleness/mean", "staleness/max"):
+            assert math.isfinite(r[key]), key
+    # mini-batch reuse: the second update of each rollout batch trains one version stale data
+    assert [r["staleness/max"] for r in steps] == [0, 1, 0, 1, 0, 1]
+    for r in rollouts:
+        assert 0 <= r["reward/mean"] <= 1
+        assert r["rollout/generated_tokens"] > 0
+        assert r["time/step"] >= r["time/rollout"] > 0
+        # engine and actor agree on the same weights (fp32 on both sides)
+        assert r["logprob_diff/mean_abs"] < 1e-4 and r["logprob_diff/max_abs"] < 1e-3
+    warmup = [r for r in records if "warmup/cross_entropy" in r]
+    assert len(warmup) == 20 and warmup[-1]["warmup/cross_entropy"] < warmup[0]["warmup/cross_entropy"]
+    # TensorBoard's own reader sees the same values as the jsonl
+    scalars = read_scalars(tmp_path / "tensorboard")
+    assert [step for step, _ in scalars["bapo/rho_after"]] == [1, 2, 3, 4, 5, 6]
+    assert [v for _, v in scalars["reward/mean"]] == pytest.approx([r["reward/mean"] for r in rollouts])
+    assert (tmp_path / "checkpoints").is_dir()
+
+
+@pytest.mark.parametrize("mode, overrides", [
+    ("lag", ["algorithm.rollout_lag=2", "algorithm.optimizer_steps_per_rollout=1", "train.steps=5"]),
+    ("replay", ["algorithm.replay_fraction=0.5", "algorithm.optimizer_steps_per_rollout=1",
+                "algorithm.replay_max_staleness=2", "train.steps=5"]),
+    ("partial", ["rollout.partial_tokens_per_round=4", "algorithm.optimizer_steps_per_rollout=1",
+                 "train.steps=5"]),
+    ("recompute-tis", ["algorithm.old_logprobs=recompute", "loss.truncated_is_cap=2.0",
+                       "algorithm.epochs=2", "train.steps=1"]),
+])
+def test_off_policy_modes(tmp_path, mode, overrides):
+    records = run_in_process(tmp_path, *overrides)
+    steps = optimizer_records(records)
+    rollouts = rollout_records(records)
+    staleness = [r["staleness/max"] for r in steps]
+    if mode == "lag":
+        # steps 1-2 only fill the queue; step k >= 3 trains on step k-2's batch, sampled at
+        # version max(0, k-4) and trained at version k-3
+        assert [r["policy_version"] for r in rollouts] == [0, 0, 1, 2, 3]
+        assert staleness == [0, 1, 2]
+        assert [r["staleness/mean"] for r in steps] == staleness
+    elif mode == "replay":
+        assert len(steps) == 5
+        assert max(staleness) >= 1 and max(staleness) <= 2  # replayed groups, never past the cap
+    elif mode == "partial":
+        # 4 tokens per round: no response of the walk task (2 to 24 characters and the end token)
+        # is certain to finish in one round, and continued ones mix policy versions
+        assert all(r["rollout/generated_tokens"] <= 4 * 16 * 4 for r in rollouts)
+        assert max(staleness) >= 1
+        assert any(r["staleness/mean"] < r["staleness/max"] for r in steps)
+    else:
+        assert len(steps) == 4  # 2 rollout steps x 2 mini-batches x 2 epochs
+        assert staleness == [0, 1, 2, 3]
+        # ratios against recomputed log-probs start at 1 exactly
+        assert steps[0]["bapo/ratio_min"] == pytest.approx(1.0, abs=1e-5)
+        assert steps[0]["bapo/ratio_max"] == pytest.approx(1.0, abs=1e-5)
+        assert all("logprob_diff/mean_abs" in r for r in rollouts)
+
+
+def test_bad_config_is_refused_naming_the_key(tmp_path):
+    result = run_subprocess(tmp_path, "rollout.max_new_tokenz=8")
+    assert result.returncode != 0
+    assert "rollout" in result.stderr and "max_new_tokenz" in result.stderr
+    result = run_subprocess(tmp_path, "algorithm.old_logprobs=sometimes")
+    assert result.returncode != 0 and "algorithm.old_logprobs" in result.stderr
+    result = run_subprocess(tmp_path, "loss.truncated_is_cap=2.0")  # needs recompute
+    assert result.returncode != 0 and "loss.truncated_is_cap" in result.stderr
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def _walk_model_folder(folder):
+    """A real HF folder: a tiny random Llama and the walk task's tokenizer, saved by transformers."""
+    import transformers
+
+    from bapo_megatron.data.synthetic_task import walk_tokenizer
+
+    tokenizer = walk_tokenizer()
+    config = transformers.LlamaConfig(vocab_size=16, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=48, rms_norm_eps=1e-6,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def test_prompt_file_and_hf_model_with_bad_rows(tmp_path):
+    model = tmp_path / "model"
+    _walk_model_folder(model)
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": "7>12", "answer": "8 9 10 11 12"}, {"prompt": "", "answer": "1"},
+            {"prompt": "3>1", "answer": "2 1", "id": "q3"}]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
+    common = ["model=null", f"train.model_path={model}", "data.synthetic_task=null",
+              f"data.train_file={data}", "warmup.steps=0", "train.steps=2", "rollout.prompts_per_step=2",
+              "algorithm.optimizer_steps_per_rollout=1"]
+    result = run_subprocess(tmp_path / "strict", *common)
+    assert result.returncode != 0
+    assert f"{data}:2" in result.stderr and "'prompt'" in result.stderr
+    records = run_in_process(tmp_path / "skip", *common, "data.skip_bad_rows=true")
+    assert len(rollout_records(records)) == 2
+    assert read_metrics(tmp_path / "skip")[-1]["rollout_step"] == 2
