@@ -1,9 +1,10 @@
 """Prompt sets: rows of (prompt, ground-truth answer, optional id) from JSONL or parquet files.
 
-Each row must have a non-empty string ``prompt`` and an ``answer`` (string or number; numbers
-are kept as their text); ``id`` is optional (the row's position otherwise). A malformed row
-raises ``ValueError`` naming the file, the line (JSONL) or row (parquet) and the field, or, with
-``skip_bad_rows``, is skipped and counted.
+Each row must have a non-empty string ``prompt`` (or ``problem``, as benchmarks in the AIME
+format name it) and an ``answer`` (string or number; numbers are kept as their text); ``id`` is
+optional (the row's position otherwise). A malformed row raises ``ValueError`` naming the file,
+the line (JSONL) or row (parquet) and the field, or, with ``skip_bad_rows``, is skipped and
+counted.
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ class PromptSet:
 def _row(record: Any, where: str, index: int) -> PromptRow:
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected an object with 'prompt' and 'answer', got {type(record).__name__}")
-    prompt = record.get("prompt")
+    # `problem` is read only when there is no `prompt` (a parquet column of nulls counts as none).
+    key = "problem" if record.get("prompt") is None and "problem" in record else "prompt"
+    prompt = record.get(key)
     if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(f"{where}: field 'prompt' must be a non-empty string, got {prompt!r}")
+        raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {prompt!r}")
     answer = record.get("answer")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or str(answer).strip() == "":
         raise ValueError(f"{where}: field 'answer' must be a non-empty string or a number, got {answer!r}")
