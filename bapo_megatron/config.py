@@ -677,7 +677,13 @@ class RolloutConfig:
     engine_tensor_parallel_size: int = 1
     """Tensor parallelism inside an in-process vLLM/SGLang engine (GPUs it spans)."""
     gpu_memory_utilization: float = 0.5
-    """Share of GPU memory an in-process vLLM/SGLang engine may take (colocated with the actor)."""
+    """Memory share of an in-process engine, passed on as each engine defines it: vLLM's
+    ``gpu_memory_utilization`` (its own budget, which must fit in what the actor leaves free) or
+    SGLang's ``mem_fraction_static`` (a share of the whole GPU, the actor's memory included), so
+    the same number means more KV cache under SGLang."""
+    release_memory_during_training: bool = False
+    """Have the engine free its weights and KV cache while the actor trains and reload them for
+    the weight sync (colocated GPU runs; a logged no-op where the engine cannot)."""
     weight_bucket_mib: int = 512
     """Size bound of a bucket of the live weight export to the engine."""
 
@@ -693,6 +699,9 @@ class RolloutConfig:
             raise ValueError(f"{prefix}.top_p must lie in (0, 1], got {self.top_p!r}")
         if self.partial_tokens_per_round is not None:
             _positive_int(self.partial_tokens_per_round, f"{prefix}.partial_tokens_per_round")
+        if not isinstance(self.release_memory_during_training, bool):
+            raise ValueError(f"{prefix}.release_memory_during_training must be true or false, "
+                             f"got {self.release_memory_during_training!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"{prefix}.gpu_memory_utilization must lie in (0, 1], "
                              f"got {self.gpu_memory_utilization!r}")
@@ -829,6 +838,14 @@ class TrainConfig:
     ``model`` section's architecture with random weights (and ``warmup``)."""
     params_dtype: ParamsDtype | None = None
     """Parameter dtype for a model read from ``model_path`` (`float32`, `bfloat16`); None: float32."""
+    max_position_embeddings: int | None = None
+    """Longest prompt + response the run uses, for a model read from ``model_path`` (caps the
+    engines' context too); None: the checkpoint's ``max_position_embeddings``."""
+    load_checkpoint: str | None = None
+    """Megatron weights checkpoint the policy starts from, saved at any layout: one written by
+    ``tools/convert_checkpoint.py`` or a trainer checkpoint folder (``step_*``). Its model must
+    equal the ``model`` section. Only the weights are taken (a fresh optimizer, step 0); to
+    continue a run, use ``checkpoint.resume``."""
     output_dir: str = "runs/bapo"
     """Run folder: ``tensorboard/``, ``metrics.jsonl`` and ``checkpoints/``."""
     seed: int = 0
@@ -837,6 +854,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _positive_int(self.steps, "train.steps")
         _positive_int(self.seed, "train.seed", allow_zero=True)
+        if self.max_position_embeddings is not None:
+            _positive_int(self.max_position_embeddings, "train.max_position_embeddings")
         if self.params_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"train.params_dtype must be 'float32', 'bfloat16' or null, got {self.params_dtype!r}")
 
@@ -926,12 +945,23 @@ class Config:
         if self.data.synthetic_task is not None and self.model is None:
             raise ValueError("data.synthetic_task brings its own tokenizer, so the model must be "
                              "given in the model section, not train.model_path")
+        if self.train.load_checkpoint is not None and self.model is None:
+            raise ValueError("train.load_checkpoint needs the model section (the architecture the "
+                             "checkpoint's weights must match)")
+        if self.warmup.steps and self.train.load_checkpoint is not None:
+            raise ValueError("warmup.steps > 0 trains random initial weights; with "
+                             "train.load_checkpoint set warmup.steps=0")
         if self.warmup.steps and self.data.synthetic_task is None:
             raise ValueError("warmup.steps > 0 needs data.synthetic_task (the warm-up trains on "
                              "its reference responses)")
-        if self.train.params_dtype is not None and self.train.model_path is None:
-            raise ValueError("train.params_dtype applies to train.model_path; with a model "
-                             "section set model.params_dtype")
+        for name in ("params_dtype", "max_position_embeddings"):
+            if getattr(self.train, name) is not None and self.train.model_path is None:
+                raise ValueError(f"train.{name} applies to train.model_path; with a model "
+                                 f"section set model.{name}")
+        if self.rollout.engine == "vllm" and self.rollout.engine_tensor_parallel_size > 1:
+            raise ValueError("rollout.engine=vllm runs vLLM's single-process executor (one GPU); "
+                             "for rollout.engine_tensor_parallel_size > 1 start a vLLM server and "
+                             "use rollout.engine=vllm-server")
         if self.loss.truncated_is_cap is not None and self.algorithm.old_logprobs != "recompute":
             raise ValueError("loss.truncated_is_cap needs algorithm.old_logprobs=recompute (the "
                              "weight is exp(recomputed - behaviour))")

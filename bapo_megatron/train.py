@@ -101,29 +101,23 @@ def train(cfg: Config, context: ParallelContext) -> None:
 
     checkpoints = output / "checkpoints"
     resume_from = latest_checkpoint(checkpoints) if cfg.checkpoint.resume else None
-    logger = MetricsLogger(output / "tensorboard" if cfg.logging.tensorboard else None,
-                           enabled=context.rank == 0, console=cfg.logging.console,
-                           purge_step=None if resume_from is None else 0)
     if resume_from is not None:
         _, saved = load_checkpoint(resume_from, actor)
         state.update({k: saved[k] for k in state if k in saved})
         replay.load_state_dict(saved.get("replay", {"groups": []}))
-        logger = _reopen_after_resume(logger, cfg, context, state)
         log.info("resumed from %s (rollout step %d, policy version %d)", resume_from,
                  state["step"], state["version"])
-    elif cfg.train.model_path is not None:
-        from bapo_megatron.weights.convert import load_hf_weights
-        from bapo_megatron.weights.hf_checkpoint import HFCheckpoint
-
-        with HFCheckpoint.open(cfg.train.model_path, params_dtype=task.model.params_dtype) as hf:
-            load_hf_weights(actor.chunks, hf, context)
-        actor.optimizer.reload_model_params()
-    elif cfg.warmup.steps:
-        run_warmup(cfg, task, actor, lambda step, m: logger.log(-cfg.warmup.steps + step, m, console=False))
+    # After a resume, drop what the killed run logged past its checkpoint.
+    logger = MetricsLogger(output / "tensorboard" if cfg.logging.tensorboard else None,
+                           enabled=context.rank == 0, console=cfg.logging.console,
+                           purge_step=None if resume_from is None else state["version"] + 1)
+    if resume_from is None:
+        _initial_weights(cfg, task, actor, logger)
 
     bucket_bytes = rollout.weight_bucket_mib * 2**20
     push_weights(actor, engine, version=state["version"], bucket_bytes=bucket_bytes)
     timer = PhaseTimer()
+    rewards_seen: list[float] = []
     sampling = SamplingParams(n=rollout.samples_per_prompt, temperature=cfg.actor.temperature,
                               top_p=rollout.top_p, top_k=rollout.top_k,
                               max_new_tokens=rollout.max_new_tokens, stop_token_ids=(task.eos_token_id,))
@@ -168,7 +162,9 @@ def train(cfg: Config, context: ParallelContext) -> None:
                 minibatches = [(_recompute(actor, batch, cfg, metrics), versions)
                                for batch, versions in minibatches]
             _finish_gap(metrics, context)
-        # 5. train
+        # 5. train (a colocated engine may give its memory to the actor meanwhile)
+        if engine is not None and rollout.release_memory_during_training:
+            engine.release_memory()
         with timer.phase("train"):
             for epoch in range(algo.epochs if groups_everywhere else 0):
                 for batch, versions in minibatches:
@@ -178,27 +174,56 @@ def train(cfg: Config, context: ParallelContext) -> None:
                     step_metrics.update(rollout_step=step, epoch=epoch)
                     logger.log(state["version"], step_metrics, console=False)
         # 6. weight sync
-        if state["version"] != version:
+        if engine is not None and rollout.release_memory_during_training:
+            engine.resume_memory()
+        if state["version"] != version or rollout.release_memory_during_training:
             with timer.phase("weight_sync"):
                 push_weights(actor, engine, version=state["version"], bucket_bytes=bucket_bytes)
-        # 7. checkpoint, metrics
+        # 7. metrics, then checkpoint: a run killed in between redoes this step on resume and
+        # its records from this step on are dropped (purge), so each step is logged once
         state["step"] = step + 1
-        last = step + 1 == cfg.train.steps
-        interval = cfg.checkpoint.interval
-        if last or (interval and (step + 1) % interval == 0):
-            with timer.phase("checkpoint"):
-                saved = dict(state, replay=replay.state_dict())
-                save_checkpoint(checkpoints, step + 1, actor, saved, keep_last=cfg.checkpoint.keep_last)
         metrics.update(timer.metrics())
         metrics.update(_throughput(metrics, step_metrics if state["version"] != version else None))
         metrics.update(rollout_step=step + 1, policy_version=state["version"])
         logger.log(state["version"], metrics, console=False)
         if context.rank == 0 and cfg.logging.console:
             print(logger.console_line(step + 1, metrics, cfg.train.steps), flush=True)
+        interval = cfg.checkpoint.interval
+        if step + 1 == cfg.train.steps or (interval and (step + 1) % interval == 0):
+            saved = dict(state, replay=replay.state_dict())
+            save_checkpoint(checkpoints, step + 1, actor, saved, keep_last=cfg.checkpoint.keep_last)
+        rewards_seen.append(metrics["reward/mean"])
 
+    if context.rank == 0 and rewards_seen:
+        window = max(1, min(10, len(rewards_seen) // 2))
+        first, last = rewards_seen[:window], rewards_seen[-window:]
+        print(f"mean reward of the first {window} rollout steps {sum(first) / window:.3f}, "
+              f"of the last {window} {sum(last) / window:.3f} "
+              f"(TensorBoard: tensorboard --logdir {output / 'tensorboard'})", flush=True)
     logger.close()
     if rewards is not None:
         rewards.close()
+
+
+def _initial_weights(cfg: Config, task: Task, actor, logger: MetricsLogger) -> None:
+    """Weights of a run that does not resume: from the HF folder, a Megatron checkpoint, or
+    random ones (the model section's seed) followed by the supervised warm-up."""
+    if cfg.train.model_path is not None:
+        from bapo_megatron.weights.convert import load_hf_weights
+        from bapo_megatron.weights.hf_checkpoint import HFCheckpoint
+
+        with HFCheckpoint.open(cfg.train.model_path, params_dtype=task.model.params_dtype,
+                               max_position_embeddings=task.model.max_position_embeddings) as hf:
+            load_hf_weights(actor.chunks, hf, actor.context)
+        actor.optimizer.reload_model_params()
+    elif cfg.train.load_checkpoint is not None:
+        from bapo_megatron.weights.megatron_checkpoint import load_megatron_checkpoint
+
+        load_megatron_checkpoint(actor.chunks, task.model, cfg.train.load_checkpoint)
+        actor.optimizer.reload_model_params()
+    elif cfg.warmup.steps:
+        run_warmup(cfg, task, actor,
+                   lambda step, m: logger.log(step - cfg.warmup.steps, m, console=False))
 
 
 # ------------------------------------------------------------------ rollout and reward
@@ -337,16 +362,6 @@ def _throughput(metrics: dict[str, float], last_train: dict[str, float] | None) 
         if last_train is not None and key in last_train:
             out[key] = last_train[key]
     return out
-
-
-def _reopen_after_resume(logger: MetricsLogger, cfg: Config, context: ParallelContext,
-                         state: dict) -> MetricsLogger:
-    """A logger that drops what the killed run logged after the checkpoint it resumes from."""
-    logger.close()
-    output = Path(cfg.train.output_dir)
-    return MetricsLogger(output / "tensorboard" if cfg.logging.tensorboard else None,
-                         enabled=context.rank == 0, console=cfg.logging.console,
-                         purge_step=state["version"] + 1)
 
 
 if __name__ == "__main__":

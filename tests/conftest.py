@@ -22,3 +22,17 @@ def single_process():
 def context(single_process):
     """The same one-process context, under the name the train-step and weights tests use."""
     return single_process
+
+
+@pytest.fixture(scope="session")
+def warm_start(tmp_path_factory):
+    """The tiny example's model after its supervised warm-up (150 steps) and one RL step, as a
+    trainer checkpoint: the training-loop tests start from it (``train.load_checkpoint``), so
+    their rewards are not all zero and none of them pays for the warm-up again. Returns
+    ``(overrides that start from it, the warm-up run's metric records)``."""
+    from tests.train_runs import run_in_process
+
+    output = tmp_path_factory.mktemp("warm_start")
+    records = run_in_process(output, "warmup.steps=150", "warmup.batch_size=64", "train.steps=1")
+    checkpoint = output / "checkpoints" / "step_00000001"
+    return ["warmup.steps=0", f"train.load_checkpoint={checkpoint}"], records

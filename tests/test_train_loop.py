@@ -22,8 +22,17 @@ def optimizer_records(records):
     return [r for r in records if "loss" in r and "reward/mean" not in r]
 
 
-def test_default_run_logs_every_step_to_tensorboard(tmp_path):
-    records = run_in_process(tmp_path, "train.steps=3", "logging.logprob_diff_interval=1")
+def test_warmup_lowers_the_cross_entropy_and_leaves_room_for_rl(warm_start):
+    _, records = warm_start
+    warmup = [r["warmup/cross_entropy"] for r in records if "warmup/cross_entropy" in r]
+    assert len(warmup) == 150
+    assert sum(warmup[-10:]) < 0.3 * sum(warmup[:10])
+    first = rollout_records(records)[0]
+    assert 0.0 < first["reward/mean"] < 1.0
+
+
+def test_default_run_logs_every_step_to_tensorboard(tmp_path, warm_start):
+    records = run_in_process(tmp_path, *warm_start[0], "train.steps=3", "logging.logprob_diff_interval=1")
     rollouts = rollout_records(records)
     steps = optimizer_records(records)
     assert [r["rollout_step"] for r in rollouts] == [1, 2, 3]
@@ -42,8 +51,7 @@ def test_default_run_logs_every_step_to_tensorboard(tmp_path):
         assert r["time/step"] >= r["time/rollout"] > 0
         # engine and actor agree on the same weights (fp32 on both sides)
         assert r["logprob_diff/mean_abs"] < 1e-4 and r["logprob_diff/max_abs"] < 1e-3
-    warmup = [r for r in records if "warmup/cross_entropy" in r]
-    assert len(warmup) == 20 and warmup[-1]["warmup/cross_entropy"] < warmup[0]["warmup/cross_entropy"]
+    assert any(r["reward/mean"] > 0 for r in rollouts) and any(r["grad_norm"] > 0 for r in steps)
     # TensorBoard's own reader sees the same values as the jsonl
     scalars = read_scalars(tmp_path / "tensorboard")
     assert [step for step, _ in scalars["bapo/rho_after"]] == [1, 2, 3, 4, 5, 6]
@@ -60,8 +68,8 @@ def test_default_run_logs_every_step_to_tensorboard(tmp_path):
     ("recompute-tis", ["algorithm.old_logprobs=recompute", "loss.truncated_is_cap=2.0",
                        "algorithm.epochs=2", "train.steps=1"]),
 ])
-def test_off_policy_modes(tmp_path, mode, overrides):
-    records = run_in_process(tmp_path, *overrides)
+def test_off_policy_modes(tmp_path, warm_start, mode, overrides):
+    records = run_in_process(tmp_path, *warm_start[0], *overrides)
     steps = optimizer_records(records)
     rollouts = rollout_records(records)
     staleness = [r["staleness/max"] for r in steps]

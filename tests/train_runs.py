@@ -35,12 +35,19 @@ def run_in_process(output_dir: Path, *overrides: str, config: Path = TINY_CONFIG
     from bapo_megatron.parallel import ParallelContext
     from bapo_megatron.train import train
 
+    import torch
+
     cfg = load_config(config, [*FAST, f"train.output_dir={output_dir}", *overrides])
+    # One thread, as in the subprocess runs: results compared across them must not depend on
+    # how a reduction was split over threads.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     context = ParallelContext.initialize(cfg.parallel)
     try:
         train(cfg, context)
     finally:
         context.teardown()
+        torch.set_num_threads(threads)
     return read_metrics(output_dir)
 
 

@@ -48,8 +48,10 @@ def load_task(cfg: Config) -> Task:
     if prompts.skipped:
         log.warning("%s: skipped %d malformed rows; first: %s", data.train_file,
                     len(prompts.skipped), prompts.skipped[0])
-    model = ModelConfig.from_hf_config(cfg.train.model_path,
-                                       params_dtype=cfg.train.params_dtype or "float32")
+    overrides = {"params_dtype": cfg.train.params_dtype or "float32"}
+    if cfg.train.max_position_embeddings is not None:
+        overrides["max_position_embeddings"] = cfg.train.max_position_embeddings
+    model = ModelConfig.from_hf_config(cfg.train.model_path, **overrides)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.train.model_path)
     except (OSError, ValueError) as err:
