@@ -493,7 +493,8 @@ class OptimizerConfig:
     computed, logged, and checked for inf/nan)."""
     use_distributed_optimizer: bool = False
     """Shard the optimizer state over the data-parallel ranks (Megatron's distributed optimizer).
-    On the CPU it trains but its checkpoints cannot be saved (docs/megatron-cpu.md)."""
+    Its trainer checkpoints are saved in Megatron's ``dp_reshardable`` format (also on the CPU,
+    see :mod:`bapo_megatron.checkpoint`)."""
 
     def __post_init__(self) -> None:
         prefix = "optimizer"
