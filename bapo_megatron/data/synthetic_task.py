@@ -1,11 +1,12 @@
 """A synthetic verifiable task whose failures are long: walk from one number to another.
 
 Prompt ``"7>12"``; the one right response counts there one step at a time, ``"8 9 10 11 12"``,
-then ends. A policy that misses the target keeps counting until the length cap, so wrong
-responses are structurally longer than right ones, as in reasoning RL where failed attempts run
-long (the paper's explanation of why negative tokens dominate the loss). On a task of fixed
-length, the positive contribution sits near 0.5 by construction and clipping methods do not
-separate.
+then ends. A policy that walks past the target without stopping keeps counting until the length
+cap, so wrong responses tend to be longer than right ones, as in reasoning RL where failed
+attempts run long (the paper's explanation of why negative tokens dominate the loss). On a task
+of fixed length, the positive contribution sits near 0.5 by construction and clipping methods do
+not separate. How much longer is an empirical matter: in the tiny CPU run (after its warm-up)
+wrong responses averaged 11-16 tokens against 9-12 for right ones, and few reached the cap.
 
 The task brings its own character tokenizer (digits, space, ``>`` and the ``:`` that opens the
 response), built with the ``tokenizers`` library and wrapped as a transformers fast tokenizer,
