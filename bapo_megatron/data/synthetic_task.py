@@ -69,3 +69,55 @@ def longest_response_tokens() -> int:
     longest = max(len(walk_response(s, t)) for s in range(MAX_NUMBER + 1)
                   for t in range(max(0, s - MAX_DISTANCE), min(MAX_NUMBER, s + MAX_DISTANCE) + 1) if t != s)
     return longest + 1
+
+
+# ------------------------------------------------------------------ the `ring` variant
+# The numbers 0..RING_SIZE-1 stand on a ring (after RING_SIZE - 1 comes 0 again) and the walk
+# always goes up: "37>2" -> "38 39 0 1 2". The only place a response may stop is right after the
+# target (the end token is the stop marker, exact match the reward), and a policy that walks past
+# the target does not meet it again for a whole lap (RING_SIZE numbers, about 110 tokens), so a
+# miss that keeps counting runs to the length cap: failures are long by the task's structure, not
+# only by what the policy happens to learn. A policy can still stop at a wrong number (a short
+# wrong answer); how often it does is measured, not assumed. Same characters as `walk`, so the
+# same tokenizer serves both.
+
+RING_SIZE = MAX_NUMBER + 1
+
+
+def ring_response(start: int, target: int) -> str:
+    """The right response: the numbers after ``start`` going up around the ring, up to
+    ``target``, space separated."""
+    distance = (target - start) % RING_SIZE
+    if distance == 0:
+        raise ValueError("ring_response: start and target must differ")
+    return " ".join(str((start + k) % RING_SIZE) for k in range(1, distance + 1))
+
+
+def ring_rows(count: int, seed: int) -> list[PromptRow]:
+    """``count`` problems with start in [0, RING_SIZE) and target 1 to MAX_DISTANCE steps
+    further up the ring (wrapping past RING_SIZE - 1); the answer is the right response."""
+    rng = random.Random(seed)
+    rows = []
+    for index in range(count):
+        start = rng.randrange(RING_SIZE)
+        target = (start + rng.randint(1, MAX_DISTANCE)) % RING_SIZE
+        rows.append(PromptRow(id=f"ring-{index}", prompt=f"{start}>{target}",
+                              answer=ring_response(start, target)))
+    return rows
+
+
+def ring_longest_response_tokens() -> int:
+    """Tokens of the longest right `ring` response, its end token included (for length caps)."""
+    return max(len(ring_response(s, (s + d) % RING_SIZE)) for s in range(RING_SIZE)
+               for d in range(1, MAX_DISTANCE + 1)) + 1
+
+
+# Rows of each synthetic task (all of them use :func:`walk_tokenizer` and the `exact_match` reward).
+SYNTHETIC_TASKS = {"walk": walk_rows, "ring": ring_rows}
+
+
+def synthetic_rows(task: str, count: int, seed: int) -> list[PromptRow]:
+    """``count`` rows of the synthetic task named ``task`` (a key of :data:`SYNTHETIC_TASKS`)."""
+    if task not in SYNTHETIC_TASKS:
+        raise ValueError(f"unknown synthetic task {task!r}; known: {sorted(SYNTHETIC_TASKS)}")
+    return SYNTHETIC_TASKS[task](count, seed)
