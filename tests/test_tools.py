@@ -36,3 +36,25 @@ def test_actor_step_benchmark_smoke():
     assert report["benchmark"] == "actor_step" and tp1["processes"] == 1
     assert tp1["step_ms"] > 0 and tp1["tokens_per_s"] > 0
     assert 0 < tp1["search_share"] < 1 and tp1["step_vs_fixed_clip"] > 0
+
+
+def test_weights_benchmark_smoke(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_weights.py"), "--dtype", "float32",
+         "--hidden", "64", "--layers", "4", "--ffn", "128", "--heads", "4", "--kv-heads", "2",
+         "--vocab", "128", "--repeats", "1", "--bucket-mib", "0.05", "--workdir", str(tmp_path),
+         "--timeout", "240"],
+        check=True, capture_output=True, text=True, timeout=300,
+    ).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["benchmark"] == "weights"
+    # The bytes of every rank's shards (what the copy and the export move) at TP2/PP2: embedding
+    # and untied output 2 x 128 x 64, per layer q,k,v,o + 3 MLP matrices, and the norms (per layer
+    # 2 x 64, final 64), which every TP rank holds whole, hence twice.
+    layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
+    assert report["parameters"] == 2 * 128 * 64 + 4 * layer + 2 * (4 * 2 * 64 + 64)
+    assert report["model_bytes"] == 4 * report["parameters"]
+    for key in ("copy_gbps", "export_gbps", "export_kept_buffer_gbps", "hf_to_megatron_s",
+                "read_write_s"):
+        assert report[key] > 0, key
+    assert abs(report["export_over_copy"] - report["export_gbps"] / report["copy_gbps"]) < 0.01
