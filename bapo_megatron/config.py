@@ -711,7 +711,7 @@ class RolloutConfig:
             raise ValueError(f"{prefix}.engine={self.engine!r} needs {prefix}.server_urls")
 
 
-SyntheticTask = Literal["walk"]
+SyntheticTask = Literal["walk", "seek"]
 
 
 @dataclass(kw_only=True)
@@ -721,9 +721,10 @@ class DataConfig:
     train_file: str | None = None
     """JSONL or parquet prompt set (fields ``prompt``, ``answer``, optional ``id``)."""
     synthetic_task: SyntheticTask | None = None
-    """Generate the prompts instead (:mod:`bapo_megatron.data.synthetic_task`): `walk`, whose
-    failures run to the length cap. It brings its own character tokenizer; the model must then
-    be given in the ``model`` section with ``vocab_size`` at least the tokenizer's."""
+    """Generate the prompts instead (:mod:`bapo_megatron.data.synthetic_task`): `walk` ("7>12" ->
+    "8 9 10 11 12") or `seek` (count up a ring to the first number ending in a digit; a miss that
+    keeps counting runs to the length cap). Both bring their own character tokenizer; the model
+    must then be given in the ``model`` section with ``vocab_size`` at least the tokenizer's."""
     synthetic_size: int = 2000
     """Prompts generated for the synthetic task."""
     skip_bad_rows: bool = False
@@ -738,8 +739,9 @@ class DataConfig:
         if (self.train_file is None) == (self.synthetic_task is None):
             raise ValueError(f"{prefix}: give exactly one of {prefix}.train_file and "
                              f"{prefix}.synthetic_task")
-        if self.synthetic_task not in (None, "walk"):
-            raise ValueError(f"{prefix}.synthetic_task must be 'walk' or null, got {self.synthetic_task!r}")
+        if self.synthetic_task not in (None, "walk", "seek"):
+            raise ValueError(f"{prefix}.synthetic_task must be 'walk', 'seek' or null, "
+                             f"got {self.synthetic_task!r}")
         _positive_int(self.synthetic_size, f"{prefix}.synthetic_size")
 
 

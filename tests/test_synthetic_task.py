@@ -70,3 +70,16 @@ def test_a_response_that_misses_the_target_is_wrong(seed):
         overshoot = " ".join(numbers + [str(rng.randint(0, MAX_NUMBER))])
         assert reward(overshoot, row.answer) == 0.0
         assert reward(" ".join(numbers[:-1]), row.answer) == 0.0  # stopped short
+
+
+@pytest.mark.parametrize("name", ["walk", "seek"])
+def test_load_task_generates_the_named_task(name):
+    from bapo_megatron.config_loading import load_config
+    from bapo_megatron.data.synthetic_task import synthetic_rows
+    from bapo_megatron.data.task import load_task
+    from tests.train_runs import TINY_CONFIG
+
+    cfg = load_config(TINY_CONFIG, [f"data.synthetic_task={name}", "data.synthetic_size=30"])
+    task = load_task(cfg)
+    assert task.rows == synthetic_rows(name, 30, seed=cfg.train.seed)
+    assert task.model == cfg.model and task.eos_token_id == 1

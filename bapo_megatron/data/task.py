@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from bapo_megatron.config import Config, ModelConfig
 from bapo_megatron.data.prompts import PromptRow, load_prompts, prompt_token_ids
-from bapo_megatron.data.synthetic_task import walk_rows, walk_tokenizer
+from bapo_megatron.data.synthetic_task import synthetic_rows, walk_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,8 @@ def load_task(cfg: Config) -> Task:
         if cfg.model.vocab_size < len(tokenizer):
             raise ValueError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
                              f"{data.synthetic_task!r} task's tokenizer ({len(tokenizer)} tokens)")
-        return Task(rows=walk_rows(data.synthetic_size, seed=cfg.train.seed), tokenizer=tokenizer,
+        rows = synthetic_rows(data.synthetic_task, data.synthetic_size, seed=cfg.train.seed)
+        return Task(rows=rows, tokenizer=tokenizer,
                     model=cfg.model)
     import transformers
 
