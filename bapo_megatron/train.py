@@ -107,6 +107,10 @@ def train(cfg: Config, context: ParallelContext) -> None:
         replay.load_state_dict(saved.get("replay", {"groups": []}))
         log.info("resumed from %s (rollout step %d, policy version %d)", resume_from,
                  state["step"], state["version"])
+        if state["step"] >= cfg.train.steps and context.rank == 0:
+            print(f"{output} already holds a run finished at rollout step {state['step']} "
+                  f"(train.steps={cfg.train.steps}); raise train.steps to continue it, or give "
+                  "another train.output_dir (or checkpoint.resume=false) to start over", flush=True)
     # After a resume, drop what the killed run logged past its checkpoint.
     logger = MetricsLogger(output / "tensorboard" if cfg.logging.tensorboard else None,
                            enabled=context.rank == 0, console=cfg.logging.console,

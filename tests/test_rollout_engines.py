@@ -189,3 +189,16 @@ def test_sampling_follows_the_truncated_distribution_and_reports_the_full_one():
     assert (freq[expected == 0] == 0).all()
     assert (freq - expected).abs().max() < 4 * math.sqrt(0.25 / draws)
     torch.testing.assert_close(logprobs.double(), full.log()[tokens], rtol=0, atol=1e-6)
+
+
+def test_embedded_release_keeps_the_buffers_the_weight_stream_does_not_carry():
+    engine = EmbeddedEngine(MODEL)
+    weights = {name: p.detach().clone() for name, p in engine.model.named_parameters()}
+    engine.update_weights(weights.items(), version=0)
+    buffers = {name: b.clone() for name, b in engine.model.named_buffers()}
+    assert buffers  # the rotary frequencies
+    engine.release_memory()
+    engine.resume_memory()  # allocates uninitialized memory
+    engine.update_weights(weights.items(), version=1)
+    for name, value in engine.model.named_buffers():
+        assert torch.equal(value, buffers[name]), name

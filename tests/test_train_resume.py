@@ -75,11 +75,13 @@ def test_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, warm_start,
     assert folders == ["step_00000004", "step_00000005"]  # keep_last=2, no staging left behind
 
 
-def test_finished_run_does_not_train_again(tmp_path, warm_start):
+def test_finished_run_does_not_train_again(tmp_path, warm_start, capsys):
     common = [*warm_start[0], "train.steps=2", "algorithm.optimizer_steps_per_rollout=1"]
     first = run_in_process(tmp_path, *common)
+    capsys.readouterr()
     again = run_in_process(tmp_path, *common)
     assert comparable(again) == comparable(first)
+    assert "already holds a run finished at rollout step 2" in capsys.readouterr().out
     result = subprocess.run(training_command(tmp_path, *common, "train.steps=3"), cwd=REPO_ROOT,
                             env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

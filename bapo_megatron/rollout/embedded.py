@@ -45,6 +45,7 @@ class EmbeddedEngine:
         self._abort = threading.Event()
         self._pause = threading.Event()
         self._released = False
+        self._kept_buffers: dict[str, torch.Tensor] = {}
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, *, version: int = 0, **kwargs) -> "EmbeddedEngine":
@@ -187,7 +188,11 @@ class EmbeddedEngine:
 
     def release_memory(self) -> None:
         """Free the weights (and, between calls, there is no KV cache to free): the model moves
-        to the meta device until :meth:`resume_memory`, after which weights must be updated."""
+        to the meta device until :meth:`resume_memory`, after which weights must be updated.
+        Its small buffers (rotary frequencies) are kept aside and put back."""
+        # Buffers (the rotary inv_freq) are not in the weight stream: keep a copy to put back, or
+        # resume_memory would leave them uninitialized (garbage logits, now and then NaN).
+        self._kept_buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
         self.model.to("meta")
         self._released = True
 
@@ -195,6 +200,10 @@ class EmbeddedEngine:
         """Allocate uninitialized weights again; :meth:`update_weights` must follow."""
         if self._released:
             self.model.to_empty(device="cpu")
+            with torch.no_grad():
+                for name, kept in self._kept_buffers.items():
+                    self.model.get_buffer(name).copy_(kept)
+            self._kept_buffers = {}
             if self.model_config.tie_word_embeddings:
                 self.model.tie_weights()
             self._released = False
