@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -40,6 +39,7 @@ from tqdm import tqdm
 from bapo_megatron.data.prompts import PromptRow, load_prompts, prompt_token_ids
 from bapo_megatron.rewards.pool import RewardPool
 from bapo_megatron.rollout.protocol import RolloutEngine, SamplingParams
+from bapo_megatron.weights.staging import write_text_atomically
 
 ENGINES = ("embedded", "vllm", "sglang")
 TIMEOUT = -math.inf
@@ -469,16 +469,5 @@ def write_report(report: dict[str, Any], path: str | Path) -> None:
     """Write ``report`` as JSON at ``path`` atomically: aside in the same folder, then renamed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=2)
-            out.write("\n")
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    write_text_atomically(path, json.dumps(report, indent=2) + "\n")
 

@@ -31,7 +31,6 @@ import json
 import math
 import numbers
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -41,6 +40,8 @@ import numpy as np
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
+
+from bapo_megatron.weights.staging import write_text_atomically
 
 JSONL_NAME = "metrics.jsonl"
 _EVENTS_PREFIX = "events.out.tfevents."
@@ -273,17 +274,7 @@ def _purge_jsonl(path: Path, purge_step: int) -> None:
                 continue
             if keep:
                 kept.append(line if line.endswith("\n") else line + "\n")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    write_text_atomically(path, "".join(kept))
 
 
 def _wait_to_sort_last(log_dir: Path) -> None:

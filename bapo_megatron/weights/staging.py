@@ -75,3 +75,23 @@ def staged_folder(final: str | Path, *, overwrite: bool = False,
         else:
             staging.rename(final)
     _barrier(group)
+
+
+def write_text_atomically(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` (UTF-8) through a hidden temporary file in the same folder,
+    synced and renamed into place: readers see the old file or the new one, never a part."""
+    import os
+    import tempfile
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
