@@ -33,16 +33,15 @@ def push_weights(actor: Actor, engine: RolloutEngine | None, *, version: int, bu
     context = actor.context
     buckets = export_weights(actor.chunks, actor.model_config, context, version=version,
                              bucket_bytes=bucket_bytes)
-    if context.pp_size == 1:
-        tensors = [(name, t) for bucket in buckets for name, t in bucket.tensors.items()]
-    else:
-        # Every TP rank must drain the export (each bucket is a TP collective); only TP rank 0
-        # of each stage holds tensors, and those ranks form one pipeline group.
-        local = [(name, t) for bucket in buckets for name, t in bucket.tensors.items()]
+    # Every TP rank must drain the export (each bucket is a TP collective); only TP rank 0 of
+    # each stage receives tensors.
+    tensors = [(name, t) for bucket in buckets for name, t in bucket.tensors.items()]
+    if context.pp_size > 1:
         if context.tp_rank != 0 or context.cp_rank != 0:
             return None
+        # Those ranks form one pipeline group: the later stages send theirs to the first.
         gathered: list[Any] | None = [None] * context.pp_size if context.pp_rank == 0 else None
-        dist.gather_object(local, gathered, dst=dist.get_global_rank(context.pp_group, 0),
+        dist.gather_object(tensors, gathered, dst=dist.get_global_rank(context.pp_group, 0),
                            group=context.pp_group)
         if context.pp_rank != 0:
             return None

@@ -37,12 +37,18 @@ from bapo_megatron.checkpoint import latest_checkpoint, load_checkpoint, save_ch
 from bapo_megatron.colocated import holds_engine, push_weights, share_from_engine_rank
 from bapo_megatron.config import Config, validate_layout
 from bapo_megatron.config_loading import load_config
-from bapo_megatron.data.experience import Group, ReplayBuffer, prompts_at, split_groups, to_policy_batch
+from bapo_megatron.data.experience import (
+    Group,
+    ReplayBuffer,
+    prompts_at,
+    split_groups,
+    to_policy_batch,
+)
 from bapo_megatron.data.task import Task, encode_prompt, load_task
 from bapo_megatron.parallel import ParallelContext
 from bapo_megatron.rewards.pool import RewardPool
 from bapo_megatron.rollout.factory import build_engine
-from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams
+from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.tracking import MetricsLogger, PhaseTimer
 from bapo_megatron.warmup import run_warmup
 
@@ -169,10 +175,14 @@ def train(cfg: Config, context: ParallelContext) -> None:
         # 5. train (a colocated engine may give its memory to the actor meanwhile)
         if engine is not None and rollout.release_memory_during_training:
             engine.release_memory()
+        last_update: dict[str, float] = {}
+        trained_tokens = 0.0
         with timer.phase("train"):
             for epoch in range(algo.epochs if groups_everywhere else 0):
                 for batch, versions in minibatches:
                     step_metrics = train_step(actor, batch, cfg.loss, plan)
+                    trained_tokens += step_metrics["response_tokens"]
+                    last_update = step_metrics
                     step_metrics.update(_staleness(versions, state["version"], context))
                     state["version"] += 1
                     step_metrics.update(rollout_step=step, epoch=epoch)
@@ -187,11 +197,11 @@ def train(cfg: Config, context: ParallelContext) -> None:
         # its records from this step on are dropped (purge), so each step is logged once
         state["step"] = step + 1
         metrics.update(timer.metrics())
-        metrics.update(_throughput(metrics, step_metrics if state["version"] != version else None))
+        metrics.update(_throughput(metrics, trained_tokens))
         metrics.update(rollout_step=step + 1, policy_version=state["version"])
         logger.log(state["version"], metrics, console=False)
-        if context.rank == 0 and cfg.logging.console:
-            print(logger.console_line(step + 1, metrics, cfg.train.steps), flush=True)
+        if context.rank == 0 and cfg.logging.console:  # with the last update's loss, bounds...
+            print(logger.console_line(step + 1, {**last_update, **metrics}, cfg.train.steps), flush=True)
         interval = cfg.checkpoint.interval
         if step + 1 == cfg.train.steps or (interval and (step + 1) % interval == 0):
             saved = dict(state, replay=replay.state_dict())
@@ -353,18 +363,16 @@ def _staleness(versions: torch.Tensor, version: int, context: ParallelContext) -
     return {"staleness/mean": total / max(count, 1.0), "staleness/max": float(largest)}
 
 
-def _throughput(metrics: dict[str, float], last_train: dict[str, float] | None) -> dict[str, float]:
+def _throughput(metrics: dict[str, float], trained_tokens: float) -> dict[str, float]:
+    """Tokens per second of the rollout step: generated per rollout second, trained (response
+    tokens of every update, epochs counted) per train second, and generated per step second."""
     out = {}
     if metrics.get("time/rollout"):
         out["throughput/rollout_tokens_per_s"] = metrics["rollout/generated_tokens"] / metrics["time/rollout"]
-    if last_train is not None and metrics.get("time/train"):
-        out["throughput/train_tokens_per_s"] = last_train["response_tokens"] / metrics["time/train"] * 1.0
+    if trained_tokens and metrics.get("time/train"):
+        out["throughput/train_tokens_per_s"] = trained_tokens / metrics["time/train"]
     if metrics.get("time/step"):
         out["throughput/tokens_per_s"] = metrics["rollout/generated_tokens"] / metrics["time/step"]
-    for key in ("loss", "entropy", "grad_norm", "bapo/rho_before", "bapo/rho_after", "bapo/c_low",
-                "bapo/c_high"):
-        if last_train is not None and key in last_train:
-            out[key] = last_train[key]
     return out
 
 

@@ -46,6 +46,9 @@ def test_default_run_logs_every_step_to_tensorboard(tmp_path, warm_start):
     # mini-batch reuse: the second update of each rollout batch trains one version stale data
     assert [r["staleness/max"] for r in steps] == [0, 1, 0, 1, 0, 1]
     for r in rollouts:
+        # trained tokens of both updates of the step (not only the last one) per train second
+        trained = sum(u["response_tokens"] for u in steps if u["rollout_step"] == r["rollout_step"] - 1)
+        assert r["throughput/train_tokens_per_s"] * r["time/train"] == pytest.approx(trained)
         assert 0 <= r["reward/mean"] <= 1
         assert r["rollout/generated_tokens"] > 0
         assert r["time/step"] >= r["time/rollout"] > 0

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from bapo_megatron.config import ModelConfig
-from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams
+from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams, check_ready
 from bapo_megatron.rollout.sampling import next_tokens
 from bapo_megatron.rollout.weight_sync import Checksum
 
@@ -88,7 +88,7 @@ class EmbeddedEngine:
             return
         if round_tokens is not None and round_tokens < 1:
             raise ValueError(f"round_tokens must be a positive integer or None, got {round_tokens!r}")
-        self._check_ready()
+        check_ready(self._released, self.version)
         self._abort.clear()
         generator = torch.Generator()
         if params.seed is not None:
@@ -212,10 +212,3 @@ class EmbeddedEngine:
     def health(self) -> bool:
         return not self._released and self.version >= 0
 
-    def _check_ready(self) -> None:
-        if self._released:
-            raise RuntimeError("generate after release_memory(): call resume_memory() and "
-                               "update_weights() first")
-        if self.version < 0:
-            raise RuntimeError("generate before any update_weights(): the engine holds no policy "
-                               "weights yet")

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 
 from bapo_megatron.config import ModelConfig
-from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams
+from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams, check_ready
 from bapo_megatron.rollout.weight_sync import Checksum
 
 EngineFinish = Literal["stop", "length", "abort"]
@@ -237,7 +237,7 @@ class ResubmittingEngine:
         if not samples:
             return
         requests = plan_round(samples, params, round_tokens)
-        self._check_ready()
+        check_ready(self._released, self.version)
         self._abort.clear()
         if self._pause.is_set():
             for sample in samples:
@@ -283,13 +283,6 @@ class ResubmittingEngine:
         """Whether :meth:`abort` or :meth:`pause` cut the current round."""
         return self._abort.is_set() or self._pause.is_set()
 
-    def _check_ready(self) -> None:
-        if self._released:
-            raise RuntimeError("generate after release_memory(): call resume_memory() and "
-                               "update_weights() first")
-        if self.version < 0:
-            raise RuntimeError("generate before any update_weights(): the engine holds no policy "
-                               "weights yet")
 
     def _check_not_released(self) -> None:
         if self._released:

@@ -124,3 +124,13 @@ class RolloutEngine(Protocol):
 
     def health(self) -> bool:
         """Whether the engine can serve requests now."""
+
+
+def check_ready(released: bool, version: int) -> None:
+    """Refuse generation from an engine whose memory is released or that holds no weights yet."""
+    if released:
+        raise RuntimeError("generate after release_memory(): call resume_memory() and "
+                           "update_weights() first")
+    if version < 0:
+        raise RuntimeError("generate before any update_weights(): the engine holds no policy "
+                           "weights yet")
