@@ -221,6 +221,12 @@ def launch(argv: list[str], args: argparse.Namespace, work: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def _significant(value: float) -> float:
+    # Four significant digits, not fixed decimals: a tiny smoke-test model on a fast disk takes
+    # milliseconds, which two decimals would report as zero.
+    return float(f"{value:.4g}")
+
+
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     if args.worker_out:
@@ -254,20 +260,20 @@ def main(argv: list[str]) -> None:
         "config": {k: v for k, v in vars(args).items()
                    if k not in ("worker_out", "workdir", "timeout")},
         "parameters": params, "model_bytes": r["model_bytes"],
-        "copy_gbps": round(copy, 3), "warm_copy_gbps": round(warm, 3),
-        "export_gbps": round(export, 3), "export_over_copy": round(export / copy, 3),
-        "export_over_warm_copy": round(export / warm, 3),
-        "export_kept_buffer_gbps": round(reused, 3),
-        "export_kept_buffer_over_copy": round(reused / copy, 3),
-        "export_kept_buffer_over_warm_copy": round(reused / warm, 3),
-        "to_hf_s": round(r["to_hf_s"], 2), "read_write_s": round(r["io_s"], 2),
-        "hf_to_megatron_s": round(to_megatron, 2),
+        "copy_gbps": _significant(copy), "warm_copy_gbps": _significant(warm),
+        "export_gbps": _significant(export), "export_over_copy": _significant(export / copy),
+        "export_over_warm_copy": _significant(export / warm),
+        "export_kept_buffer_gbps": _significant(reused),
+        "export_kept_buffer_over_copy": _significant(reused / copy),
+        "export_kept_buffer_over_warm_copy": _significant(reused / warm),
+        "to_hf_s": _significant(r["to_hf_s"]), "read_write_s": _significant(r["io_s"]),
+        "hf_to_megatron_s": _significant(to_megatron),
         "hf_to_megatron_phases_s": {
-            "open_and_validate": round(r["open_s"], 2),
-            "build_with_random_init": round(r["build2_s"], 2),
-            "read_slices": round(r["load_s"], 2), "torch_dist_save": round(r["save_s"], 2)},
-        "hf_to_megatron_over_read_write": round(to_megatron / r["io_s"], 2),
-        "hf_to_megatron_without_init_over_read_write": round(without_init / r["io_s"], 2),
+            "open_and_validate": _significant(r["open_s"]),
+            "build_with_random_init": _significant(r["build2_s"]),
+            "read_slices": _significant(r["load_s"]), "torch_dist_save": _significant(r["save_s"])},
+        "hf_to_megatron_over_read_write": _significant(to_megatron / r["io_s"]),
+        "hf_to_megatron_without_init_over_read_write": _significant(without_init / r["io_s"]),
         "targets": {"export_over_copy_at_least_0_5": export / copy >= 0.5,
                     "export_kept_buffer_over_warm_copy_at_least_0_5": reused / warm >= 0.5},
     }
