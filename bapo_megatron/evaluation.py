@@ -377,7 +377,7 @@ def open_engine(source: CheckpointSource, kind: str, *, pad_token_id: int, work_
 
         with _one_process(context) as ctx:
             if kind == "embedded":
-                chunks = build_model(model, ctx.config, ctx)
+                chunks = build_model(model, ctx.config, ctx, initialize=False)
                 load_megatron_checkpoint(chunks, model, source.path)
                 engine = EmbeddedEngine(dataclasses.replace(model, params_dtype="float32"),
                                         pad_token_id=pad_token_id)

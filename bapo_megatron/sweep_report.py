@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import statistics
 from pathlib import Path
 
@@ -162,6 +163,26 @@ def claims(groups: dict[str, dict[str, list[dict[str, float]]]]) -> list[str]:
     return lines
 
 
+def _timing(runs, records: list[dict], jobs: int) -> str:
+    """The sweep's wall time, from the first run's start to the last one's end (each finished
+    run's ``run.json`` is written as it ends, after ``wall_s`` seconds), so a sweep continued
+    after an interruption counts the pause too."""
+    spans = []
+    for run, record in zip(runs, records):
+        path = run.output_dir / "run.json"
+        if record["returncode"] == 0 and path.is_file():
+            end = path.stat().st_mtime
+            spans.append((end - record["wall_s"], end))
+    if not spans:
+        return "No run finished; no timing."
+    total = sum(record["wall_s"] for record in records)
+    span = max(end for _, end in spans) - min(start for start, _ in spans)
+    return (f"The sweep took {span / 60:.1f} minutes from the first run's start to the last "
+            f"run's end ({len(spans)} finished runs, {jobs} at a time, {total / 60:.1f} "
+            f"run-minutes in all, on a machine with {os.cpu_count()} CPUs); the shared warm-up "
+            "start comes before that.")
+
+
 def write_report(settings, out: Path, runs, records: list[dict], config: Path) -> Path:
     """``<out>/report.md`` (and ``<out>/plots/<staleness>/*.png``); returns its path."""
     from bapo_megatron.run_plots import RunGroup, plot_runs
@@ -224,6 +245,7 @@ def write_report(settings, out: Path, runs, records: list[dict], config: Path) -
                                    if p.stem == "overview"),
                       "", "Panels: " + ", ".join(f"[{p.stem}]({p.relative_to(out)})" for p in result.files)]
         lines.append("")
+    lines += [_timing(runs, records, settings.jobs), ""]
     lines += ["## The paper's claims, as measured here", ""]
     lines += [f"- {line}" for line in claims(groups)] if groups else ["- No run finished."]
     report = out / "report.md"

@@ -94,7 +94,9 @@ def train(cfg: Config, context: ParallelContext) -> None:
         output.mkdir(parents=True, exist_ok=True)
     dist.barrier()
 
-    actor = build_actor(task.model, cfg.actor, cfg.optimizer, context)
+    # weights loaded from a folder or checkpoint replace every parameter: skip the random init
+    loads_weights = cfg.train.model_path is not None or cfg.train.load_checkpoint is not None
+    actor = build_actor(task.model, cfg.actor, cfg.optimizer, context, initialize=not loads_weights)
     plan = SearchPlan.from_config(cfg.loss.clip)
     on_engine = holds_engine(context)
     engine = rewards = None

@@ -41,10 +41,11 @@ class Actor:
 
 
 def build_actor(model: ModelConfig, actor: ActorConfig, optimizer: OptimizerConfig,
-                context: ParallelContext) -> Actor:
-    """Build the model for ``context``'s layout (weights from ``actor.seed``), wrap it in
+                context: ParallelContext, *, initialize: bool = True) -> Actor:
+    """Build the model for ``context``'s layout (weights from ``actor.seed``, or left as
+    allocated with ``initialize=False`` when the caller loads them all next), wrap it in
     Megatron's DDP and create the optimizer and schedule."""
-    chunks = build_model(model, context.config, context, seed=actor.seed)
+    chunks = build_model(model, context.config, context, seed=actor.seed, initialize=initialize)
     config = chunks[0].config
     wrapped = wrap_data_parallel(chunks, config, optimizer, context)
     megatron_optimizer, scheduler = build_optimizer(wrapped, optimizer, config.params_dtype, context)

@@ -18,7 +18,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def to_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
-                          use_cpu_initialization: bool | None = None) -> TransformerConfig:
+                          use_cpu_initialization: bool | None = None,
+                          initialize: bool = True) -> TransformerConfig:
     """Megatron's ``TransformerConfig`` for a Llama/Qwen2 decoder split as ``parallel`` says.
 
     Architecture: pre-norm RMSNorm (``layernorm_epsilon`` = rms_norm_eps), SwiGLU MLP
@@ -27,7 +28,9 @@ def to_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
     log-probs must not depend on which pass computed them.
 
     ``use_cpu_initialization`` (default: when no CUDA GPU is visible) makes every rank build the
-    full weight on the CPU and keep its slice; on CPU it is the only way. The fp8 fields of
+    full weight on the CPU and keep its slice; on CPU it is the only way. ``initialize=False``
+    leaves the weights as allocated (Megatron's ``perform_initialization``) for callers that
+    overwrite every parameter right after the build. The fp8 fields of
     ``parallel`` are passed through unchanged (Megatron hands them to Transformer Engine).
     """
     if use_cpu_initialization is None:
@@ -60,6 +63,7 @@ def to_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
         context_parallel_size=parallel.context_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         use_cpu_initialization=use_cpu_initialization,
+        perform_initialization=initialize,
         cuda_graph_scope=[],  # no CUDA graphs; the default "full" only triggers a deprecation warning
         # Batched p2p posts a send to the next and one to the previous stage together; at PP2
         # both are the same peer, and gloo (CPU) matches same-tag messages in posting order, so

@@ -44,7 +44,7 @@ def layer_spec() -> ModuleSpec:
 
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, context: ParallelContext, *,
-                seed: int = DEFAULT_SEED) -> list[GPTModel]:
+                seed: int = DEFAULT_SEED, initialize: bool = True) -> list[GPTModel]:
     """This rank's model chunks: one ``GPTModel``, or ``virtual_pipeline_model_parallel_size``
     of them (Megatron's interleaved schedule takes the list).
 
@@ -55,12 +55,17 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, context: ParallelC
     generator, offset per pipeline stage so that stages draw different layers; all
     tensor-parallel ranks of a stage share it, which ``use_cpu_initialization`` requires (each
     rank draws the full matrix and keeps its slice).
+
+    ``initialize=False`` skips the random init, for callers that load every parameter next (a
+    checkpoint or HF folder): on the CPU it is most of the build time of a large model, and
+    a loader that missed a parameter would leave it uninitialized, so loaders must cover them all
+    (the HF and Megatron loaders do: one rule per parameter, strict state-dict loading).
     """
     validate_layout(model, parallel, context.world_size)
     if parallel != context.config:
         raise ValueError("build_model: `parallel` differs from the layout the ParallelContext "
                          "was initialized with")
-    config = to_transformer_config(model, parallel)
+    config = to_transformer_config(model, parallel, initialize=initialize)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed + 100 * context.pp_rank)
     spec = layer_spec()

@@ -113,7 +113,7 @@ def hf_to_megatron(hf_folder: str | Path, out_folder: str | Path, context: Paral
             params_dtype = DTYPE_NAMES[hf.dtype] if hf.dtype in (torch.float32, torch.bfloat16) \
                 else "float32"
         model = dataclasses.replace(hf.model, params_dtype=params_dtype)
-        chunks = build_model(model, context.config, context)
+        chunks = build_model(model, context.config, context, initialize=False)
         load_hf_weights(chunks, hf, context, progress=progress and _is_rank0())
         save_megatron_checkpoint(chunks, model, out_folder, hf_dtype=hf.dtype,
                                  hf_files=non_weight_files(hf_folder), overwrite=overwrite)
@@ -192,7 +192,7 @@ def megatron_to_hf(checkpoint: str | Path, out_folder: str | Path, context: Para
     name = dtype or info.hf_dtype or info.model.params_dtype
     if name not in _BY_NAME:
         raise ValueError(f"dtype must be one of {sorted(_BY_NAME)}, got {name!r}")
-    chunks = build_model(info.model, context.config, context)
+    chunks = build_model(info.model, context.config, context, initialize=False)
     load_megatron_checkpoint(chunks, info.model, checkpoint)
     write_hf_folder(chunks, info.model, out_folder, context, files=non_weight_files(source),
                     dtype=_BY_NAME[name], max_shard_bytes=max_shard_bytes, overwrite=overwrite,
