@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from bapo_megatron.tracking import read_scalars
+from bapo_megatron.weights.staging import new_file_mode
 
 PANEL_SIZE = (6.0, 4.0)
 """Width and height of one panel's PNG, in inches (pixels: times ``dpi``)."""
@@ -196,6 +197,7 @@ def _save(figure, path: Path) -> None:
     os.close(fd)
     try:
         figure.savefig(tmp, format="png")
+        os.chmod(tmp, new_file_mode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -41,10 +41,14 @@ def summarize_run(output_dir: Path) -> dict[str, float]:
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rollouts = [r for r in records if "reward/mean" in r]
     updates = [r for r in records if "epoch" in r and "bapo/rho_after" in r]
+    # An update whose tokens all have advantage 0 (every group of its mini-batch all right or all
+    # wrong) has no positive or negative contribution: rho is undefined there (logged as 0) and
+    # the gradient is zero, so rho, target and grad-norm statistics leave such updates out.
+    signal = [r for r in updates if r["bapo/positive_tokens"] + r["bapo/negative_tokens"] > 0]
     rewards = [r["reward/mean"] for r in rollouts]
     entropy = [r["entropy"] for r in updates]
-    grad = [r["grad_norm"] for r in updates]
-    rho = [r["bapo/rho_after"] for r in updates]
+    grad = [r["grad_norm"] for r in signal]
+    rho = [r["bapo/rho_after"] for r in signal]
     w_r, w_u = window(len(rewards)), window(len(updates))
     early = rollouts[:window(len(rollouts))]
     return {
@@ -54,9 +58,12 @@ def summarize_run(output_dir: Path) -> dict[str, float]:
         "entropy_last": _mean(entropy[-w_u:]),
         "mean_rho": _mean(rho),
         "rho_at_target": _mean([float(v >= RHO0) for v in rho]),
+        "search_target_met": _mean(r["bapo/target_met"] for r in signal),
+        "rho_before_below_target": _mean([float(r["bapo/rho_before"] < RHO0) for r in signal]),
+        "updates_without_signal": 1 - len(signal) / len(updates) if updates else float("nan"),
         "clip_frac_positive": _mean(r.get("bapo/clip_frac_positive") for r in updates),
         "clip_frac_negative": _mean(r.get("bapo/clip_frac_negative") for r in updates),
-        "max_grad_norm": max(grad) if grad else float("nan"),
+        "max_grad_norm": max(grad) if grad else float("nan"),  # the same with or without zeros
         "median_grad_norm": statistics.median(grad) if grad else float("nan"),
         "optimizer_steps": float(len(updates)),
         "rollout_steps": float(len(rollouts)),
@@ -135,6 +142,12 @@ def claims(groups: dict[str, dict[str, list[dict[str, float]]]]) -> list[str]:
                 verdicts.append(f"{bapo} beat every fixed-clip method in {wins} of {total} settings")
         return "; ".join(verdicts) if verdicts else "no BAPO and fixed-clip pair to compare"
 
+    lines.append("**The premise** (paper: negative tokens dominate the clipped objective, so the "
+                 f"positive contribution before any adaptation sits below rho0). Share of optimizer "
+                 f"steps whose rho before the search was below {RHO0}: "
+                 + "; ".join(per_group("rho_before_below_target", 2))
+                 + ". Where that share is small, the bounds have little to correct on this task and "
+                 "the methods can only differ through the lower bound's clipping of negative tokens.")
     lines.append("**Entropy preserved** (paper: entropy falls with fixed clipping as staleness "
                  "grows, stays higher with BAPO). Last-window entropy, seed means: "
                  + "; ".join(per_group("entropy_last")) + ". Ending with higher entropy: "
@@ -142,8 +155,13 @@ def claims(groups: dict[str, dict[str, list[dict[str, float]]]]) -> list[str]:
     lines.append(f"**Positive contribution held near rho0** ({RHO0} for `paper`; `reference` aims "
                  "at P/N >= 1, a share of 0.5). Mean rho after the search: "
                  + "; ".join(per_group("mean_rho")) + ". Share of optimizer steps with "
-                 f"rho >= {RHO0}: " + "; ".join(per_group("rho_at_target", 2)) + ". Higher mean rho: "
-                 + compare("mean_rho", lambda a, b: a > b) + ".")
+                 f"rho >= {RHO0}: " + "; ".join(per_group("rho_at_target", 2))
+                 + ". Share of BAPO's searches that met their target (the rest stopped at the "
+                 "bounds' maxima): " + "; ".join(
+                     f"{st}: " + ", ".join(f"{m} {_fmt(_mean(s['search_target_met'] for s in runs), 2)}"
+                                           for m, runs in methods.items() if m in BAPO_METHODS)
+                     for st, methods in groups.items())
+                 + ". Higher mean rho: " + compare("mean_rho", lambda a, b: a > b) + ".")
     lines.append("**Grad norm without spikes** (paper: fixed clipping spikes under staleness). "
                  "Max / median grad norm, seed means: "
                  + "; ".join(f"{st}: " + ", ".join(
@@ -201,7 +219,10 @@ def write_report(settings, out: Path, runs, records: list[dict], config: Path) -
                                              for s in settings.staleness) + "."), "",
              ("Final reward: mean of the last window of rollout steps; entropy first -> last: means "
              "of the first and last window of optimizer steps (a window is a fifth of the records, "
-             "1 to 10); mean rho: `bapo/rho_after` over optimizer steps; clip fractions: "
+             "1 to 10); mean rho: `bapo/rho_after` over optimizer steps that had tokens with a "
+             "non-zero advantage (rho, the search's target and the grad-norm statistics leave out "
+             "updates whose groups were all right or all wrong: no contribution, zero gradient); "
+             "clip fractions: "
              "`bapo/clip_frac_positive`, `bapo/clip_frac_negative`."), ""]
     summaries: dict[str, dict] = {}
     failed = []
@@ -235,6 +256,10 @@ def write_report(settings, out: Path, runs, records: list[dict], config: Path) -
         for method, per_seed in groups.get(staleness, {}).items():
             walls = [rec["wall_s"] for run, rec in members if run.method == method and run.name in summaries]
             lines.append(_row([method, str(len(per_seed))], seed_means(per_seed), _mean(walls)))
+        if staleness in groups:
+            empty = _mean(s["updates_without_signal"] for runs in groups[staleness].values() for s in runs)
+            lines += ["", (f"Optimizer steps whose tokens all had advantage 0: {_fmt(100 * empty, 1)}% "
+                           "(left out of the rho and grad-norm statistics).")]
         plot_groups = [RunGroup(label=method, log_dirs=tuple(run.output_dir / "tensorboard" for run, _ in members
                                                         if run.method == method and run.name in summaries))
                        for method in settings.methods]

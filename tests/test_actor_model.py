@@ -151,6 +151,25 @@ def test_causal_attention(single_process):
 
 
 @needs_cpu
+def test_build_without_init_keeps_megatrons_tensor_parallel_attributes(single_process):
+    """Grad-norm and optimizer code read ``tensor_model_parallel`` / ``partition_dim`` from the
+    weights; Megatron sets them in its init functions, so skipping the random draws must not
+    skip those (``perform_initialization=False`` did, and TP2 grad norms came out wrong)."""
+    def attributes(initialize: bool) -> dict[str, tuple]:
+        [model] = build_model(tiny_model(), ParallelConfig(), single_process, initialize=initialize)
+        return {name: tuple(getattr(p, a, None) for a in ("tensor_model_parallel", "partition_dim",
+                                                           "partition_stride"))
+                for name, p in model.named_parameters()}
+
+    drawn, allocated = attributes(True), attributes(False)
+    assert allocated == drawn
+    assert sum(flags[0] is True for flags in drawn.values()) >= 4  # embedding, qkv, fc1, fc2...
+    # and the random draws were skipped: the seed no longer decides the weights
+    [again] = build_model(tiny_model(), ParallelConfig(), single_process, seed=3)
+    [other] = build_model(tiny_model(), ParallelConfig(), single_process, seed=3, initialize=False)
+    assert not torch.equal(again.embedding.word_embeddings.weight, other.embedding.word_embeddings.weight)
+
+
 def test_build_refuses_a_layout_that_does_not_fit(single_process):
     with pytest.raises(ValueError, match="world size 1 is not divisible"):
         build_model(tiny_model(), ParallelConfig(tensor_model_parallel_size=2), single_process)

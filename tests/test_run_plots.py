@@ -23,6 +23,7 @@ from bapo_megatron.run_plots import (
     smooth_ema,
 )
 from bapo_megatron.tracking import MetricsLogger
+from bapo_megatron.weights.staging import new_file_mode
 
 pytest.importorskip("matplotlib")  # drawing needs it (see bapo_megatron/run_plots.py)
 
@@ -62,8 +63,10 @@ def test_group_and_single_run_give_every_panel(tmp_path, capsys):
                           "--rho0", "0.4", "--smooth", "0.5"])
     names = [Path(p).name for p in written]
     assert names == [f"{panel.name}.png" for panel in PANELS] + ["overview.png"]
+    mode = new_file_mode()
     for path in map(Path, written):
         assert path.is_file() and path.stat().st_size > 0
+        assert path.stat().st_mode & 0o777 == mode  # not mkstemp's private 0o600
         with Image.open(path) as image:
             image.verify()
         with Image.open(path) as image:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 
 import numpy as np
@@ -186,3 +187,15 @@ def test_phase_timer_sums_phases_with_a_fake_clock():
         pass
     with pytest.raises(ValueError, match="already running"), timer.phase("a"), timer.phase("a"):
         pass
+
+
+def test_atomic_text_write_gives_the_umask_mode_not_mkstemps(tmp_path):
+    from bapo_megatron.weights.staging import write_text_atomically
+
+    previous = os.umask(0o027)
+    try:
+        write_text_atomically(tmp_path / "report.json", "{}\n")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "report.json").read_text() == "{}\n"
+    assert (tmp_path / "report.json").stat().st_mode & 0o777 == 0o640

@@ -17,6 +17,10 @@ from bapo_megatron.config import ModelConfig, ParallelConfig
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _leave_as_allocated(weight: torch.Tensor) -> None:
+    """The init method of a model whose weights are all loaded next: no random draw."""
+
+
 def to_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
                           use_cpu_initialization: bool | None = None,
                           initialize: bool = True) -> TransformerConfig:
@@ -29,8 +33,10 @@ def to_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
 
     ``use_cpu_initialization`` (default: when no CUDA GPU is visible) makes every rank build the
     full weight on the CPU and keep its slice; on CPU it is the only way. ``initialize=False``
-    leaves the weights as allocated (Megatron's ``perform_initialization``) for callers that
-    overwrite every parameter right after the build. The fp8 fields of
+    leaves the weights as allocated, for callers that overwrite every parameter right after the
+    build. (Not through ``perform_initialization=False``: Megatron sets the tensor-parallel
+    attributes of its weights, which grad-norm and optimizer code read, only in the init
+    functions that flag skips; a no-op init method keeps them.) The fp8 fields of
     ``parallel`` are passed through unchanged (Megatron hands them to Transformer Engine).
     """
     if use_cpu_initialization is None:
@@ -63,7 +69,9 @@ def to_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
         context_parallel_size=parallel.context_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         use_cpu_initialization=use_cpu_initialization,
-        perform_initialization=initialize,
+        **({} if initialize else {"init_method": _leave_as_allocated,
+                                  "output_layer_init_method": _leave_as_allocated,
+                                  "embedding_init_method": _leave_as_allocated}),
         cuda_graph_scope=[],  # no CUDA graphs; the default "full" only triggers a deprecation warning
         # Batched p2p posts a send to the next and one to the previous stage together; at PP2
         # both are the same peer, and gloo (CPU) matches same-tag messages in posting order, so

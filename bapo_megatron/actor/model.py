@@ -56,9 +56,9 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, context: ParallelC
     tensor-parallel ranks of a stage share it, which ``use_cpu_initialization`` requires (each
     rank draws the full matrix and keeps its slice).
 
-    ``initialize=False`` skips the random init, for callers that load every parameter next (a
-    checkpoint or HF folder): on the CPU it is most of the build time of a large model, and
-    a loader that missed a parameter would leave it uninitialized, so loaders must cover them all
+    ``initialize=False`` skips the random draws, for callers that load every parameter next (a
+    checkpoint or HF folder): on the CPU they are most of the build time of a large model. A
+    loader that missed a parameter would leave it as allocated, so loaders must cover them all
     (the HF and Megatron loaders do: one rule per parameter, strict state-dict loading).
     """
     validate_layout(model, parallel, context.world_size)

@@ -77,6 +77,20 @@ def staged_folder(final: str | Path, *, overwrite: bool = False,
     _barrier(group)
 
 
+def new_file_mode() -> int:
+    """The mode ``open()`` gives a new file (0o666 less the process umask). Files written through
+    ``tempfile.mkstemp`` start at 0o600; reports and plots get this mode before they are renamed
+    into place, so other users can read them as they could any other output."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o644
+
+
 def write_text_atomically(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` (UTF-8) through a hidden temporary file in the same folder,
     synced and renamed into place: readers see the old file or the new one, never a part."""
@@ -90,6 +104,7 @@ def write_text_atomically(path: str | Path, text: str) -> None:
             out.write(text)
             out.flush()
             os.fsync(out.fileno())
+        os.chmod(tmp, new_file_mode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
