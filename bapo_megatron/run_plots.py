@@ -17,10 +17,7 @@ object API (no pyplot state), at a fixed size: :data:`PANEL_SIZE` inches at ``dp
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from bapo_megatron.tracking import read_scalars
-from bapo_megatron.weights.staging import new_file_mode
+from bapo_megatron.weights.staging import replaced_atomically
 
 PANEL_SIZE = (6.0, 4.0)
 """Width and height of one panel's PNG, in inches (pixels: times ``dpi``)."""
@@ -192,17 +189,8 @@ def _draw_panel(axes, panel: Panel, curves: list[tuple[int, str, str | None, int
 
 
 def _save(figure, path: Path) -> None:
-    """Write the PNG aside and rename it into place."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    try:
+    with replaced_atomically(path) as tmp:
         figure.savefig(tmp, format="png")
-        os.chmod(tmp, new_file_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def plot_runs(groups: Sequence[RunGroup], out_dir: str | Path, *,

@@ -9,7 +9,9 @@ exception removes it. Nothing at the destination ever looks complete before it i
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,22 +93,27 @@ def new_file_mode() -> int:
     return 0o644
 
 
-def write_text_atomically(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` (UTF-8) through a hidden temporary file in the same folder,
-    synced and renamed into place: readers see the old file or the new one, never a part."""
-    import os
-    import tempfile
-
+@contextlib.contextmanager
+def replaced_atomically(path: str | Path) -> Iterator[Path]:
+    """A hidden temporary file next to ``path`` for the block to write; when the block ends, the
+    file gets the usual mode (:func:`new_file_mode`) and is renamed over ``path``, so readers see
+    the old file or the new one, never a part; when the block raises, it is removed."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
+        yield Path(tmp)
         os.chmod(tmp, new_file_mode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def write_text_atomically(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` (UTF-8), synced, through :func:`replaced_atomically`."""
+    with replaced_atomically(path) as tmp, open(tmp, "w", encoding="utf-8") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
