@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from bapo_megatron.data.synthetic_task import EOS, character_tokenizer
+
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyz ?"
-PAD, EOS = "<pad>", "<eos>"
 K = 4
 
 # (row as written to the benchmark file, correct count expected, or None for the coin flip)
@@ -106,18 +107,8 @@ def test_aime_format_parquet_is_read(tmp_path):
 
 
 def _tokenizer():
-    import transformers
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {PAD: 0, EOS: 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token=None))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD,
-                                                     eos_token=EOS)
     # The user turn alone, so the last prompt token is the problem's last character.
-    tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-    return tokenizer
+    return character_tokenizer(CHARS, "{% for message in messages %}{{ message['content'] }}{% endfor %}")
 
 
 def _known_answer_folder(folder: Path) -> None:

@@ -31,16 +31,22 @@ MAX_NUMBER = 39
 MAX_DISTANCE = 8
 
 
-def walk_tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """One token per character, ``<pad>`` = 0 and ``<eos>`` = 1."""
-    vocab = {PAD: 0, EOS: 1, **{c: i + 2 for i, c in enumerate(CHARACTERS)}}
+def character_tokenizer(characters: str, chat_template: str) -> transformers.PreTrainedTokenizerFast:
+    """One token per character of ``characters`` (in that order after ``<pad>`` = 0 and
+    ``<eos>`` = 1), as a transformers fast tokenizer with ``chat_template``."""
+    vocab = {PAD: 0, EOS: 1, **{c: i + 2 for i, c in enumerate(characters)}}
     backend = Tokenizer(models.WordLevel(vocab, unk_token=None))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD,
                                                      eos_token=EOS)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def walk_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """The synthetic tasks' tokenizer: digits, space, ``>`` and ``:``, one token each."""
+    return character_tokenizer(CHARACTERS, CHAT_TEMPLATE)
 
 
 def walk_response(start: int, target: int) -> str:
