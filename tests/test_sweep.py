@@ -48,3 +48,29 @@ def test_minimal_sweep_end_to_end(tmp_path):
                          tmp_path / "start" / "model" / "config.json")}
     run_sweep(settings, tmp_path, progress=lambda line: None)
     assert {path: path.stat().st_mtime_ns for path in kept} == kept
+
+
+def test_summary_leaves_updates_without_advantaged_tokens_out_of_rho_and_grad_norm(tmp_path):
+    from bapo_megatron.sweep_report import summarize_run
+
+    def update(step, rho, grad, positive, negative, met=1.0):
+        return {"step": step, "epoch": 0, "entropy": 0.5, "grad_norm": grad, "bapo/rho_after": rho,
+                "bapo/rho_before": rho, "bapo/target_met": met, "bapo/positive_tokens": positive,
+                "bapo/negative_tokens": negative, "bapo/clip_frac_positive": 0.0,
+                "bapo/clip_frac_negative": 0.0}
+
+    rollout = {"step": 1, "reward/mean": 0.5, "reward/accuracy": 0.5, "response_length/right": 3.0,
+               "response_length/wrong": 5.0, "rollout/truncated_fraction": 0.0}
+    records = [rollout, update(1, 0.5, 2.0, 3, 4), update(2, 0.0, 0.0, 0, 0),
+               update(3, 0.3, 4.0, 1, 6, met=0.0), update(4, 0.0, 0.0, 0, 0)]
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records))
+    summary = summarize_run(tmp_path)
+    assert summary["mean_rho"] == pytest.approx(0.4)  # (0.5 + 0.3) / 2, not / 4
+    assert summary["rho_at_target"] == pytest.approx(0.5)
+    assert summary["search_target_met"] == pytest.approx(0.5)
+    assert summary["rho_before_below_target"] == pytest.approx(0.5)
+    assert summary["median_grad_norm"] == pytest.approx(3.0)
+    assert summary["updates_without_signal"] == pytest.approx(0.5)
+    assert summary["optimizer_steps"] == 4
