@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from bapo_megatron.config import MODEL_TYPES, ModelConfig  # noqa: E402
 from bapo_megatron.weights import megatron_checkpoint  # noqa: E402
-from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
+from bapo_megatron.weights.convert import hf_to_megatron, load_hf_weights, megatron_to_hf  # noqa: E402
 from bapo_megatron.weights.export import export_weights, plan_buckets, rule_nbytes  # noqa: E402
 from bapo_megatron.weights.hf_checkpoint import HFCheckpoint, read_model_config  # noqa: E402
 from bapo_megatron.weights.name_maps import (  # noqa: E402
@@ -250,6 +250,45 @@ def test_live_export_at_tp1_is_bounded_versioned_and_converts_dtype(hf_folders, 
         for p in chunks[0].parameters():
             p.add_(1.0)
     assert torch.equal(exported["model.norm.weight"], before)
+
+
+def _with_transformer_engine_names(chunk: torch.nn.Module) -> None:
+    """Move each layer's pre-norm weights where Transformer Engine's spec keeps them (the fused
+    ``linear_qkv`` / ``linear_fc1`` own a ``layer_norm_weight``; Megatron's ModelOpt hooks map
+    the same pairs), as on a GPU run: TE itself is not installed here."""
+    for layer in chunk.decoder.layers:
+        for norm, fused in ((layer.input_layernorm, layer.self_attention.linear_qkv),
+                            (layer.pre_mlp_layernorm, layer.mlp.linear_fc1)):
+            fused.register_parameter("layer_norm_weight", norm._parameters.pop("weight"))
+
+
+@needs_cpu
+def test_transformer_engine_parameter_names_export_and_load_like_the_local_ones(
+        hf_folders, context, tmp_path):
+    source, _ = hf_folders["qwen2-tied"]
+    model, [chunk] = hf_to_megatron(source, tmp_path / "megatron", context)
+    local_names = [name for name, _ in chunk_parameters(chunk)]
+    _with_transformer_engine_names(chunk)
+    raw = [name for name, _ in chunk.named_parameters()]
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in raw
+    assert not any(name.endswith("layernorm.weight") for name in raw
+                   if name.startswith("decoder.layers."))
+    assert sorted(name for name, _ in chunk_parameters(chunk)) == sorted(local_names)
+
+    original = hf_models.read_hf_tensors(source)
+    exported = {n: t for b in export_weights([chunk], model, context, version=1)
+                for n, t in b.tensors.items()}
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(t, original[n]) for n, t in exported.items())
+
+    with torch.no_grad():
+        for p in chunk.parameters():
+            p.zero_()
+    with HFCheckpoint.open(source) as hf:
+        load_hf_weights([chunk], hf, context)
+    reloaded = {n: t for b in export_weights([chunk], model, context, version=2)
+                for n, t in b.tensors.items()}
+    assert all(torch.equal(t, original[n]) for n, t in reloaded.items())
 
 
 # ------------------------------------------------------------------------ refusals

@@ -138,6 +138,31 @@ def test_live_export_at_tp2_pp2_equals_offline_conversion(launched, variant, tra
 
 @needs_cpu
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", MP_VARIANTS)
+def test_push_weights_streams_every_stage_into_the_colocated_engine(launched, variant):
+    _, reference, results = launched
+    original = reference[variant]["tensors"]
+    places = [r["place", "tp2pp2"] for r in results]
+    engine_rank = next(rank for rank, p in enumerate(places)
+                       if p["tp_rank"] == 0 and p["pp_rank"] == 0)
+    for rank, result in enumerate(results):
+        if rank != engine_rank:  # nothing reached the other ranks, and none hung on the refusal
+            assert result["push", variant] is None and result["push-refused", variant] is None
+    refusal = results[engine_rank]["push-refused", variant]
+    assert isinstance(refusal, str) and refusal.startswith("refused ")
+    loaded, version = results[engine_rank]["push", variant]
+    assert version == VERSION
+    names = [name for name, _ in loaded]
+    assert len(names) == len(set(names)) and sorted(names) == sorted(original)
+    # stage 0's layers first, then stage 1's, each in HF order
+    layer_of = [int(n.split(".")[2]) for n in names if n.startswith("model.layers.")]
+    assert layer_of == sorted(layer_of) and layer_of[0] == 0 and layer_of[-1] == LAYERS - 1
+    for name, tensor in loaded:
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, original[name]), name
+
+
+@needs_cpu
+@pytest.mark.multiprocess
 def test_full_shared_memory_falls_back_to_the_collective_or_is_refused(launched):
     _, reference, results = launched
     variant = MP_VARIANTS[0]

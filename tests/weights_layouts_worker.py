@@ -35,6 +35,7 @@ def main(argv: list[str]) -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import datetime
     import errno
+    import types
     from pathlib import Path
 
     import torch
@@ -43,6 +44,7 @@ def main(argv: list[str]) -> None:
     from bapo_megatron.actor.batch import PolicyBatch
     from bapo_megatron.actor.model import build_model
     from bapo_megatron.actor.schedule import run_schedule
+    from bapo_megatron.colocated import holds_engine, push_weights
     from bapo_megatron.config import ParallelConfig
     from bapo_megatron.parallel import ParallelContext
     from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf
@@ -98,6 +100,19 @@ def main(argv: list[str]) -> None:
             return str(err)
         return None
 
+    class RecordingEngine:
+        """Keeps copies of what it loads, in order; refuses the ``refuse_at``-th tensor."""
+
+        def __init__(self, refuse_at):
+            self.refuse_at, self.loaded, self.version = refuse_at, [], -1
+
+        def update_weights(self, named_tensors, *, version, checksum=False):
+            for index, (name, tensor) in enumerate(named_tensors):
+                if index == self.refuse_at:
+                    raise ValueError(f"refused {name}")
+                self.loaded.append((name, tensor.clone()))
+            self.version = version
+
     results: dict[tuple, object] = {}
     for layout, (tp, pp, vpp) in LAYOUTS.items():
         ctx = ParallelContext.initialize(ParallelConfig(
@@ -142,6 +157,15 @@ def main(argv: list[str]) -> None:
                             storages.append(first.untyped_storage().data_ptr())
                             kept.append({n: t.clone() for n, t in bucket.tensors.items()})
                         results["export-reuse", variant, round_] = (kept, storages)
+                # into a colocated engine: stage 1 streams its buckets to the engine's rank
+                actor = types.SimpleNamespace(context=ctx, chunks=chunks, model_config=model)
+                for key, refuse_at in (("push-refused", 3), ("push", None)):
+                    engine = RecordingEngine(refuse_at) if holds_engine(ctx) else None
+                    try:
+                        push_weights(actor, engine, version=VERSION, bucket_bytes=BUCKET_BYTES)
+                        results[key, variant] = engine and (engine.loaded, engine.version)
+                    except ValueError as err:
+                        results[key, variant] = str(err)
                 log(f"{layout} {variant}: exported")
             if layout == "pp2vpp2":
                 results["export-vpp", variant] = records(export_weights(
