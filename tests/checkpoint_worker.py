@@ -147,7 +147,6 @@ def main(argv: list[str]) -> None:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
         os.environ[var] = "1"  # before torch loads
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import datetime
     import time
     from pathlib import Path
 
@@ -159,8 +158,7 @@ def main(argv: list[str]) -> None:
     from tests import gloo_launch
 
     args = gloo_launch.worker_arguments(argv, workdir=str)
-    dist.init_process_group("gloo", init_method=f"file://{args.init}", rank=args.rank,
-                            world_size=args.world_size, timeout=datetime.timedelta(seconds=120))
+    gloo_launch.join_group(args, timeout_s=120)
     results = {}
     start = time.monotonic()
     for name, (tp, pp, distributed) in LAYOUTS.items():

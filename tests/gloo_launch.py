@@ -87,6 +87,18 @@ def worker_arguments(argv: list[str], **extra: type) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def join_group(args: argparse.Namespace, timeout_s: float) -> None:
+    """Join the launch's gloo group (``args`` from :func:`worker_arguments`); a collective that
+    waits longer than ``timeout_s`` fails instead of hanging the worker."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{args.init}", rank=args.rank,
+                            world_size=args.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def save_result(results: object, out: str | Path) -> None:
     """Write a worker's results aside, then rename: a half-written file is never read."""
     out = Path(out)

@@ -20,7 +20,6 @@ if __name__ == "__main__":  # a worker: pin thread pools before torch loads
 
 import argparse
 import dataclasses
-import datetime
 from pathlib import Path
 
 import pytest
@@ -179,8 +178,7 @@ def test_build_refuses_a_layout_that_does_not_fit(single_process):
 
 
 def worker(args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{args.init}", rank=args.rank,
-                            world_size=args.world_size, timeout=datetime.timedelta(seconds=60))
+    gloo_launch.join_group(args, timeout_s=60)
     reference = torch.load(args.reference, weights_only=True)
     tokens, positions = batch()
     results: dict[str, object] = {}

@@ -25,7 +25,6 @@ if __name__ == "__main__":  # a worker: pin every thread pool before torch and n
         os.environ[_var] = "1"
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import datetime
 import itertools
 import math
 import time
@@ -312,10 +311,7 @@ def rank_part(data: dict, case: Case, rank: int) -> dict:
 def worker_main(argv: list[str]) -> None:
     args = gloo_launch.worker_arguments(argv, data=str, fail_rank=int)
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{args.init}", rank=args.rank, world_size=args.world_size,
-        timeout=datetime.timedelta(seconds=LAUNCH_TIMEOUT_S),
-    )
+    gloo_launch.join_group(args, timeout_s=LAUNCH_TIMEOUT_S)
     try:
         if args.rank == args.fail_rank:
             raise RuntimeError(f"injected failure on rank {args.rank}")

@@ -27,7 +27,6 @@ if __name__ == "__main__":  # a worker: pin thread pools before torch loads
 
 import argparse
 import dataclasses
-import datetime
 
 import pytest
 import torch
@@ -139,8 +138,7 @@ def train(context: ParallelContext, weights: dict[str, torch.Tensor], batch: Pol
 
 
 def worker(args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{args.init}", rank=args.rank,
-                            world_size=args.world_size, timeout=datetime.timedelta(seconds=300))
+    gloo_launch.join_group(args, timeout_s=300)
     data = torch.load(args.data, weights_only=False)
     weights, batch, finals = data["weights"], data["batch"], data["final_weights"]
     results: dict[str, object] = {}

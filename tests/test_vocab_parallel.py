@@ -20,7 +20,6 @@ if __name__ == "__main__":  # a worker: pin thread pools before torch loads
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import datetime
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -308,12 +307,10 @@ def rank_part(case: Case, data: dict, rank: int, group, counter: CollectiveCount
 
 def worker_main(argv: list[str]) -> None:
     args = gloo_launch.worker_arguments(argv, data=str, fail_rank=int)
-    rank, world_size, init, data_path = args.rank, args.world_size, args.init, args.data
+    rank, world_size, data_path = args.rank, args.world_size, args.data
     fail_rank = args.fail_rank
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank,
-                            world_size=world_size,
-                            timeout=datetime.timedelta(seconds=LAUNCH_TIMEOUT_S))
+    gloo_launch.join_group(args, timeout_s=LAUNCH_TIMEOUT_S)
     try:
         if rank == fail_rank:  # the others go on into the collectives and wait there
             raise RuntimeError(f"injected failure on rank {rank}")

@@ -33,7 +33,6 @@ def main(argv: list[str]) -> None:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
         os.environ[var] = "1"  # before torch loads
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import datetime
     import errno
     import types
     from pathlib import Path
@@ -55,8 +54,7 @@ def main(argv: list[str]) -> None:
     from tests import gloo_launch, hf_models
 
     args = gloo_launch.worker_arguments(argv, workdir=str)
-    dist.init_process_group("gloo", init_method=f"file://{args.init}", rank=args.rank,
-                            world_size=args.world_size, timeout=datetime.timedelta(seconds=120))
+    gloo_launch.join_group(args, timeout_s=120)
     work = Path(args.workdir)
     start = time.monotonic()
 
