@@ -13,7 +13,6 @@ those imports again in the Manager's process.
 
 from __future__ import annotations
 
-import os
 import sys
 
 STEPS_BEFORE = 2
@@ -144,9 +143,7 @@ def resume_run(context, root, trainer_state: dict, optimizer=None, model=None) -
 
 
 def main(argv: list[str]) -> None:
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-        os.environ[var] = "1"  # before torch loads
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # (gloo_launch.launch starts it with one thread per pool and the checkout on PYTHONPATH)
     import time
     from pathlib import Path
 

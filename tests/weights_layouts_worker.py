@@ -30,9 +30,7 @@ VERSION = 3
 
 
 def main(argv: list[str]) -> None:
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-        os.environ[var] = "1"  # before torch loads
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # (gloo_launch.launch starts it with one thread per pool and the checkout on PYTHONPATH)
     import errno
     import types
     from pathlib import Path
