@@ -7,6 +7,8 @@ pipeline and context rank 0), next to that rank's part of the actor.
   stage exports them. No rank collects a whole stage (only the engine keeps what it loads).
 - :func:`share_from_engine_rank`: what the engine rank produced (scored groups, rollout
   statistics) is broadcast to the replica's other ranks, which all need the batch.
+- :func:`stop_if_any_engine_failed`: an engine rank that failed tells every rank of the run, so
+  they all stop with its error instead of waiting in a collective for a rank that is gone.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.distributed as dist
 
 from bapo_megatron.actor.build import Actor
 from bapo_megatron.parallel import ParallelContext
+from bapo_megatron.rollout.guard import EngineFailure
 from bapo_megatron.rollout.protocol import RolloutEngine
 from bapo_megatron.weights.export import WeightBucket, export_weights
 
@@ -35,24 +38,43 @@ def push_weights(actor: Actor, engine: RolloutEngine | None, *, version: int, bu
     engine's checksum of what it loaded (engine rank, with ``checksum``), else None.
 
     If the engine refuses the update, the engine rank still drains the stream (every other rank
-    is in the middle of it) before the error propagates."""
+    is in the middle of it), then every rank raises :class:`EngineFailure`."""
     context = actor.context
     buckets = export_weights(actor.chunks, actor.model_config, context, version=version,
                              bucket_bytes=bucket_bytes)
     # Ranks other than TP rank 0 only take part in the export's TP exchanges; with context
     # parallelism, CP rank 0's stages are the ones that send.
     sends = context.pp_size > 1 and context.tp_rank == 0 and context.cp_rank == 0
+    loaded = failure = None
     if engine is None:
         if sends and context.pp_rank > 0:
             _send_stage(buckets, context)
         else:
             _drain(buckets)
-        return None
-    stream = _engine_stream(buckets, context)
-    try:
-        return engine.update_weights(stream, version=version, checksum=checksum)
-    finally:
+    else:
+        stream = _engine_stream(buckets, context)
+        try:
+            loaded = engine.update_weights(stream, version=version, checksum=checksum)
+        except Exception as error:
+            failure = error
         _drain(stream)  # after a refusal, the other ranks still wait in the stream's exchanges
+    stop_if_any_engine_failed(failure, context, during=f"the weight update to version {version}")
+    return loaded
+
+
+def stop_if_any_engine_failed(failure: BaseException | None, context: ParallelContext, *,
+                              during: str) -> None:
+    """Collective over the world: raise :class:`EngineFailure` on every rank if any rank passes
+    a ``failure`` (its engine's error; None elsewhere). One small all-gather."""
+    message = None if failure is None else f"{type(failure).__name__}: {failure}"
+    messages = [message]
+    if dist.get_world_size() > 1:
+        messages = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, message)
+    failed = [(rank, text) for rank, text in enumerate(messages) if text is not None]
+    if failed:
+        report = "; ".join(f"rank {rank}: {text}" for rank, text in failed)
+        raise EngineFailure(f"stopped during {during}: {report}") from failure
 
 
 def _drain(items: Iterable) -> None:

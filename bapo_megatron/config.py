@@ -687,9 +687,18 @@ class RolloutConfig:
     the weight sync (colocated GPU runs; a logged no-op where the engine cannot)."""
     weight_bucket_mib: int = 512
     """Size bound of a bucket of the live weight export to the engine."""
+    timeout_s: float | None = None
+    """Seconds one generation call may take: past it the engine is aborted and the run stops
+    with an error naming the engine (None: no limit). Server clients also give up on a request
+    that gets no answer for this long (one hour when None)."""
 
     def __post_init__(self) -> None:
         prefix = "rollout"
+        if self.timeout_s is not None and (isinstance(self.timeout_s, bool)
+                                           or not isinstance(self.timeout_s, (int, float))
+                                           or not self.timeout_s > 0):
+            raise ValueError(f"{prefix}.timeout_s must be a positive number of seconds or null, "
+                             f"got {self.timeout_s!r}")
         if self.engine not in ENGINE_KINDS:
             raise ValueError(f"{prefix}.engine must be one of {list(ENGINE_KINDS)}, got {self.engine!r}")
         for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens",
@@ -791,7 +800,10 @@ class AlgorithmConfig:
     replay_capacity: int = 256
     """Groups the replay buffer keeps (oldest evicted first)."""
     replay_max_staleness: int = 8
-    """Groups older than this many policy versions are evicted and never replayed."""
+    """Groups older than this many policy versions are evicted and never replayed. Counted when
+    the training batch is put together: its later mini-batches and epochs train the replayed
+    groups up to ``optimizer_steps_per_rollout * epochs - 1`` versions later still (the
+    ``staleness/*`` metrics report what was trained)."""
 
     def __post_init__(self) -> None:
         prefix = "algorithm"
@@ -893,9 +905,9 @@ class LoggingConfig:
     console: bool = True
     """Print one progress line per rollout step."""
     logprob_diff_interval: int = 10
-    """Every this many rollout steps, recompute the actor's log-probs of the fresh batch to log
-    the engine/actor gap (free, and every step, with ``algorithm.old_logprobs=recompute``);
-    0: never."""
+    """Every this many rollout steps, recompute the actor's log-probs of the training batch to
+    log the engine/actor gap over its tokens sampled with the current weights (free, and every
+    step, with ``algorithm.old_logprobs=recompute``); 0: never."""
 
     def __post_init__(self) -> None:
         for name in ("tensorboard", "console"):

@@ -34,7 +34,8 @@ from bapo_megatron.actor.train_step import train_step
 from bapo_megatron.algo.advantages import grpo_advantages, informative_groups
 from bapo_megatron.algo.search_plan import SearchPlan
 from bapo_megatron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from bapo_megatron.colocated import holds_engine, push_weights, share_from_engine_rank
+from bapo_megatron.colocated import (holds_engine, push_weights, share_from_engine_rank,
+                                     stop_if_any_engine_failed)
 from bapo_megatron.config import Config, validate_layout
 from bapo_megatron.config_loading import load_config
 from bapo_megatron.data.experience import (
@@ -119,10 +120,11 @@ def train(cfg: Config, context: ParallelContext) -> None:
             print(f"{output} already holds a run finished at rollout step {state['step']} "
                   f"(train.steps={cfg.train.steps}); raise train.steps to continue it, or give "
                   "another train.output_dir (or checkpoint.resume=false) to start over", flush=True)
-    # After a resume, drop what the killed run logged past its checkpoint.
+    # After a resume, drop what the killed run logged past its checkpoint; a run that starts
+    # afresh drops every record an earlier run left in the folder (warm-up steps are negative).
     logger = MetricsLogger(output / "tensorboard" if cfg.logging.tensorboard else None,
                            enabled=context.rank == 0, console=cfg.logging.console,
-                           purge_step=None if resume_from is None else state["version"] + 1)
+                           purge_step=-2**31 if resume_from is None else state["version"] + 1)
     if resume_from is None:
         _initial_weights(cfg, task, actor, logger)
 
@@ -137,41 +139,49 @@ def train(cfg: Config, context: ParallelContext) -> None:
     for step in range(state["step"], cfg.train.steps):
         timer.reset()
         version = state["version"]
-        payload = None
+        payload = failure = None
         if on_engine:
-            # 1. rollout
-            with timer.phase("rollout"):
-                indices = prompts_at(state["position"] + context.dp_rank * per_replica, per_replica,
-                                     len(task.rows), cfg.train.seed, cfg.data.shuffle)
-                finished, state["carry"], generated = _generate(
-                    engine, task, cfg, [task.rows[i] for i in indices], state["carry"], sampling,
-                    seed=_seed(cfg.train.seed, step, context.dp_rank))
-            # 2. reward
-            with timer.phase("reward"):
-                fresh, stats = _score(finished, task, rewards, algo)
-            stats["generated_tokens"] = generated
-            # 3. off-policy selection
-            chosen = fresh
-            if algo.rollout_lag:
-                state["lag_queue"].append(fresh)
-                chosen = state["lag_queue"].pop(0) if len(state["lag_queue"]) > algo.rollout_lag else []
-            if algo.replay_fraction:
-                count = round(len(chosen) * algo.replay_fraction / (1 - algo.replay_fraction))
-                replayed = replay.sample(count, version, random.Random(_seed(cfg.train.seed, step, context.dp_rank)))
-                replay.add(chosen)
-                chosen = chosen + replayed
-            payload = (chosen, stats)
+            try:
+                # 1. rollout
+                with timer.phase("rollout"):
+                    indices = prompts_at(state["position"] + context.dp_rank * per_replica, per_replica,
+                                         len(task.rows), cfg.train.seed, cfg.data.shuffle)
+                    finished, state["carry"], generated = _generate(
+                        engine, task, cfg, [task.rows[i] for i in indices], state["carry"], sampling,
+                        seed=_seed(cfg.train.seed, step, context.dp_rank))
+                # 2. reward
+                with timer.phase("reward"):
+                    fresh, stats = _score(finished, task, rewards, algo)
+                stats["generated_tokens"] = generated
+                # 3. off-policy selection
+                chosen = fresh
+                if algo.rollout_lag:
+                    state["lag_queue"].append(fresh)
+                    chosen = state["lag_queue"].pop(0) if len(state["lag_queue"]) > algo.rollout_lag else []
+                if algo.replay_fraction:
+                    count = round(len(chosen) * algo.replay_fraction / (1 - algo.replay_fraction))
+                    draw = random.Random(_seed(cfg.train.seed, step, context.dp_rank))
+                    replayed = replay.sample(count, version, draw)
+                    replay.add(chosen)
+                    chosen = chosen + replayed
+                payload = (chosen, stats)
+            except Exception as error:  # every rank stops with it, none waits for this one
+                failure = error
+        stop_if_any_engine_failed(failure, context, during=f"rollout step {step} (generation, rewards)")
         state["position"] += rollout.prompts_per_step
         # 4. share with the replica; old log-probs
         chosen, stats = share_from_engine_rank(payload, context)
         metrics = _rollout_metrics(stats, context)
-        groups_everywhere = _sum_over_replicas([float(len(chosen))], context)[0]
+        # a mini-batch without a group on any replica (filtered groups, partial rollouts that
+        # did not finish) is skipped; one empty on some replicas only still trains on the others
+        parts = split_groups(chosen, algo.optimizer_steps_per_rollout)
+        groups_per_part = _sum_over_replicas([float(len(part)) for part in parts], context)
         minibatches = [to_policy_batch(part, task.pad_token_id)
-                       for part in split_groups(chosen, algo.optimizer_steps_per_rollout)]
+                       for part, everywhere in zip(parts, groups_per_part) if everywhere]
         measure_gap = cfg.logging.logprob_diff_interval and step % cfg.logging.logprob_diff_interval == 0
-        if groups_everywhere and (algo.old_logprobs == "recompute" or measure_gap):
+        if minibatches and (algo.old_logprobs == "recompute" or measure_gap):
             with timer.phase("old_logprobs"):
-                minibatches = [(_recompute(actor, batch, cfg, metrics), versions)
+                minibatches = [(_recompute(actor, batch, versions == version, cfg, metrics), versions)
                                for batch, versions in minibatches]
             _finish_gap(metrics, context)
         # 5. train (a colocated engine may give its memory to the actor meanwhile)
@@ -180,7 +190,7 @@ def train(cfg: Config, context: ParallelContext) -> None:
         last_update: dict[str, float] = {}
         trained_tokens = 0.0
         with timer.phase("train"):
-            for epoch in range(algo.epochs if groups_everywhere else 0):
+            for epoch in range(algo.epochs):
                 for batch, versions in minibatches:
                     step_metrics = train_step(actor, batch, cfg.loss, plan)
                     trained_tokens += step_metrics["response_tokens"]
@@ -324,24 +334,31 @@ def _rollout_metrics(stats: dict[str, float], context: ParallelContext) -> dict[
     }
 
 
-def _recompute(actor, batch, cfg: Config, metrics: dict[str, float]):
+def _recompute(actor, batch, current: torch.Tensor, cfg: Config, metrics: dict[str, float]):
     """``batch`` with the actor's log-probs as old log-probs (``recompute``; with
-    ``loss.truncated_is_cap``, capped importance weights) or unchanged (``engine``); the
-    actor/engine gap is accumulated into ``metrics`` either way."""
+    ``loss.truncated_is_cap``, capped importance weights) or unchanged (``engine``). The
+    actor/engine gap is accumulated into ``metrics`` either way, over the tokens sampled with
+    the actor's current weights (``current``): on older tokens it would also hold the policy's
+    own drift since they were sampled."""
     recomputed, _ = compute_logprobs(actor.chunks, batch, actor.context,
                                      micro_batch_size=cfg.actor.micro_batch_size,
                                      temperature=cfg.actor.temperature, with_entropy=False)
     mask = batch.response_mask
-    gap = (recomputed - batch.old_logprobs)[mask]
+    same_policy = mask & current
+    gap = (recomputed - batch.old_logprobs)[same_policy]
     metrics["_gap_sum"] = metrics.get("_gap_sum", 0.0) + float(gap.abs().sum())
     metrics["_gap_max"] = max(metrics.get("_gap_max", 0.0), float(gap.abs().max()) if gap.numel() else 0.0)
-    metrics["_gap_tokens"] = metrics.get("_gap_tokens", 0.0) + float(mask.sum())
+    metrics["_gap_tokens"] = metrics.get("_gap_tokens", 0.0) + float(same_policy.sum())
     if cfg.algorithm.old_logprobs == "engine":
         return batch
     weights = None
     if cfg.loss.truncated_is_cap is not None:
-        weights = torch.exp(recomputed - batch.old_logprobs).clamp(max=cfg.loss.truncated_is_cap)
-        weights = torch.where(mask, weights, 0.0)
+        cap = cfg.loss.truncated_is_cap
+        uncapped = torch.exp(recomputed - batch.old_logprobs)
+        weights = torch.where(mask, uncapped.clamp(max=cap), 0.0)
+        for key, value in (("_is_sum", weights.sum()), ("_is_capped", (uncapped[mask] > cap).sum()),
+                           ("_is_tokens", mask.sum())):
+            metrics[key] = metrics.get(key, 0.0) + float(value)
     return dataclasses.replace(batch, old_logprobs=torch.where(mask, recomputed, 0.0), is_weights=weights)
 
 
@@ -350,8 +367,15 @@ def _finish_gap(metrics: dict[str, float], context: ParallelContext) -> None:
     largest = torch.tensor([metrics.pop("_gap_max", 0.0)], dtype=torch.float64, device=context.device)
     if context.dp_size > 1:
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=context.dp_group)
-    metrics["logprob_diff/mean_abs"] = total / max(tokens, 1.0)
-    metrics["logprob_diff/max_abs"] = float(largest)
+    if "_is_tokens" in metrics:  # truncated importance weights (recompute with a cap)
+        weighted, capped, count = _sum_over_replicas(
+            [metrics.pop("_is_sum"), metrics.pop("_is_capped"), metrics.pop("_is_tokens")], context)
+        metrics["is_weights/mean"] = weighted / max(count, 1.0)
+        metrics["is_weights/capped_fraction"] = capped / max(count, 1.0)
+    metrics["logprob_diff/tokens"] = tokens
+    if tokens:
+        metrics["logprob_diff/mean_abs"] = total / tokens
+        metrics["logprob_diff/max_abs"] = float(largest)
 
 
 def _staleness(versions: torch.Tensor, version: int, context: ParallelContext) -> dict[str, float]:

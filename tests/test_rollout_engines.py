@@ -166,9 +166,22 @@ def test_bad_requests_are_refused():
         engine.generate([[1], []], SamplingParams())
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 128\)"):
         engine.generate([[1, 500]], SamplingParams())
+    context = MODEL.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"prompts\[0\] has {context} tokens; the model's context "
+                                         rf"\(max_position_embeddings\) is {context}"):
+        engine.generate([[3] * context], SamplingParams())
     for bad in (dict(temperature=0.0), dict(top_p=0.0), dict(top_k=-1), dict(n=0), dict(max_new_tokens=0)):
         with pytest.raises(ValueError, match="sampling."):
             SamplingParams(**bad)
+
+
+def test_a_response_ends_with_length_where_the_context_ends():
+    engine = embedded_engine(random_weights(6))
+    context = MODEL.max_position_embeddings
+    samples = engine.generate([[3] * (context - 5), [4, 5]], SamplingParams(n=2, max_new_tokens=9, seed=3))
+    assert [len(s.token_ids) for s in samples] == [5, 5, 9, 9]
+    assert {s.finish_reason for s in samples} == {"length"}
+    assert all(len(s.logprobs) == len(s.versions) == len(s.token_ids) for s in samples)
 
 
 def test_sampling_follows_the_truncated_distribution_and_reports_the_full_one():

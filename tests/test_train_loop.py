@@ -70,6 +70,11 @@ def test_default_run_logs_every_step_to_tensorboard(tmp_path, warm_start):
                  "train.steps=5"]),
     ("recompute-tis", ["algorithm.old_logprobs=recompute", "loss.truncated_is_cap=2.0",
                        "algorithm.epochs=2", "train.steps=1"]),
+    # mini-batches left empty on every rank: groups filtered out, or responses not finished yet
+    ("filter-k4", ["algorithm.filter_equal_groups=true", "algorithm.optimizer_steps_per_rollout=4",
+                   "train.steps=4"]),
+    ("partial-k4", ["rollout.partial_tokens_per_round=6", "algorithm.optimizer_steps_per_rollout=4",
+                    "train.steps=4"]),
 ])
 def test_off_policy_modes(tmp_path, warm_start, mode, overrides):
     records = run_in_process(tmp_path, *warm_start[0], *overrides)
@@ -91,13 +96,41 @@ def test_off_policy_modes(tmp_path, warm_start, mode, overrides):
         assert all(r["rollout/generated_tokens"] <= 4 * 16 * 4 for r in rollouts)
         assert max(staleness) >= 1
         assert any(r["staleness/mean"] < r["staleness/max"] for r in steps)
-    else:
+    elif mode == "recompute-tis":
         assert len(steps) == 4  # 2 rollout steps x 2 mini-batches x 2 epochs
         assert staleness == [0, 1, 2, 3]
         # ratios against recomputed log-probs start at 1 exactly
         assert steps[0]["bapo/ratio_min"] == pytest.approx(1.0, abs=1e-5)
         assert steps[0]["bapo/ratio_max"] == pytest.approx(1.0, abs=1e-5)
         assert all("logprob_diff/mean_abs" in r for r in rollouts)
+        # the capped weights reach the loss: behaviour and actor log-probs agree to float error
+        # on these fresh samples, so every weight is 1 (a dropped weight would not be logged)
+        for r in rollouts:
+            assert r["is_weights/mean"] == pytest.approx(1.0, abs=1e-4)
+            assert r["is_weights/capped_fraction"] == 0.0
+    else:
+        # the updates of each rollout step: one per mini-batch holding a group on some rank
+        per_step = [sum(1 for u in steps if u["rollout_step"] == k) for k in range(4)]
+        assert sum(per_step) == len(steps) > 0
+        assert any(0 < n < 4 for n in per_step), per_step  # some mini-batch was empty everywhere
+        assert all(r["policy_version"] == sum(per_step[:k + 1]) for k, r in enumerate(rollouts))
+        if mode == "filter-k4":
+            kept = [r["rollout/informative_groups"] for r in rollouts]
+            assert per_step == [min(4, int(n)) for n in kept] and min(kept) < 4
+
+
+def test_console_line_per_step_and_a_fresh_start_replaces_the_old_records(tmp_path, warm_start, capsys):
+    run_in_process(tmp_path, *warm_start[0], "train.steps=2", "algorithm.optimizer_steps_per_rollout=1")
+    capsys.readouterr()
+    records = run_in_process(tmp_path, *warm_start[0], "train.steps=1", "checkpoint.resume=false",
+                             "logging.console=true", "algorithm.optimizer_steps_per_rollout=1")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 1 and lines[0].startswith("step 1/1 | reward ") and " rho " in lines[0]
+    # only the second run's records: one update, one rollout step
+    assert [r["step"] for r in records if "warmup/cross_entropy" not in r] == [1, 1]
+    scalars = read_scalars(tmp_path / "tensorboard")
+    assert [step for step, _ in scalars["reward/mean"]] == [1]
+    assert [v for _, v in scalars["reward/mean"]] == pytest.approx([records[-1]["reward/mean"]])
 
 
 def test_bad_config_is_refused_naming_the_key(tmp_path):
@@ -109,6 +142,17 @@ def test_bad_config_is_refused_naming_the_key(tmp_path):
     result = run_subprocess(tmp_path, "loss.truncated_is_cap=2.0")  # needs recompute
     assert result.returncode != 0 and "loss.truncated_is_cap" in result.stderr
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_an_engine_past_its_deadline_stops_the_run_naming_it(tmp_path):
+    from bapo_megatron.rollout.guard import EngineFailure
+
+    with pytest.raises(EngineFailure, match=r"stopped during rollout step 0 \(generation, rewards\): "
+                                            r"rank 0: EngineFailure: rollout engine 'embedded' of "
+                                            r"data-parallel replica 0: generate gave no result within "
+                                            r"0.001 s"):
+        run_in_process(tmp_path, "warmup.steps=0", "rollout.timeout_s=0.001")
+    assert read_metrics(tmp_path) == []  # nothing was logged for the step that failed
 
 
 def _walk_model_folder(folder):

@@ -42,6 +42,7 @@ def main(argv: list[str]) -> None:
     from bapo_megatron.actor.model import build_model
     from bapo_megatron.actor.schedule import run_schedule
     from bapo_megatron.colocated import holds_engine, push_weights
+    from bapo_megatron.rollout.guard import EngineFailure
     from bapo_megatron.config import ParallelConfig
     from bapo_megatron.parallel import ParallelContext
     from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf
@@ -160,7 +161,7 @@ def main(argv: list[str]) -> None:
                     try:
                         push_weights(actor, engine, version=VERSION, bucket_bytes=BUCKET_BYTES)
                         results[key, variant] = engine and (engine.loaded, engine.version)
-                    except ValueError as err:
+                    except EngineFailure as err:
                         results[key, variant] = str(err)
                 log(f"{layout} {variant}: exported")
             if layout == "pp2vpp2":

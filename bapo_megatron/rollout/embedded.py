@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from bapo_megatron.config import ModelConfig
-from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams, check_ready
+from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams, check_prompts, check_ready
 from bapo_megatron.rollout.sampling import next_tokens
 from bapo_megatron.rollout.weight_sync import Checksum
 
@@ -60,13 +60,7 @@ class EmbeddedEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
                  round_tokens: int | None = None) -> list[RolloutSample]:
         """``params.n`` samples per prompt, prompt-major (see the protocol)."""
-        for index, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompts[{index}] is empty; a prompt needs at least one token")
-            bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"prompts[{index}] holds token ids outside the vocabulary "
-                                 f"[0, {self.model_config.vocab_size}): {bad[:5]}")
+        check_prompts(prompts, self.model_config)
         samples = [RolloutSample(prompt_index=p, sample_index=i, prompt_token_ids=list(prompt))
                    for p, prompt in enumerate(prompts) for i in range(params.n)]
         self._decode(samples, params, round_tokens)
@@ -103,9 +97,12 @@ class EmbeddedEngine:
         for row, ids in enumerate(contexts):
             input_ids[row, width - len(ids):] = torch.tensor(ids)
             attention[row, width - len(ids):] = 1
-        remaining = torch.tensor([params.max_new_tokens - len(s.token_ids) for s in samples])
-        if bool((remaining <= 0).any()):
+        if any(len(s.token_ids) >= params.max_new_tokens for s in samples):
             raise ValueError("a sample to continue has already generated max_new_tokens tokens")
+        # a response ends (`length`) at max_new_tokens or where the model's context ends
+        context_end = self.model_config.max_position_embeddings
+        remaining = torch.tensor([min(params.max_new_tokens - len(s.token_ids), context_end - len(ids))
+                                  for s, ids in zip(samples, contexts)])
         budget = int(remaining.max()) if round_tokens is None else min(round_tokens, int(remaining.max()))
         alive = torch.ones(len(samples), dtype=torch.bool)
         cache = transformers.DynamicCache()

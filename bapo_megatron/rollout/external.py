@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 
 from bapo_megatron.config import ModelConfig
-from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams, check_ready
+from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams, check_prompts, check_ready
 from bapo_megatron.rollout.weight_sync import Checksum
 
 EngineFinish = Literal["stop", "length", "abort"]
@@ -41,19 +41,6 @@ EngineFinish = Literal["stop", "length", "abort"]
 
 LOGPROB_TOLERANCE = 1e-4
 """How far above 0 a reported log-prob may be (rounding) before it is refused."""
-
-
-def check_prompts(prompts: list[list[int]], vocab_size: int | None) -> None:
-    """Refuse empty prompts and token ids outside ``[0, vocab_size)`` (same messages as the
-    embedded engine)."""
-    for index, prompt in enumerate(prompts):
-        if not prompt:
-            raise ValueError(f"prompts[{index}] is empty; a prompt needs at least one token")
-        if vocab_size is not None:
-            bad = [t for t in prompt if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(f"prompts[{index}] holds token ids outside the vocabulary "
-                                 f"[0, {vocab_size}): {bad[:5]}")
 
 
 def new_samples(prompts: list[list[int]], n: int) -> list[RolloutSample]:
@@ -219,7 +206,7 @@ class ResubmittingEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
                  round_tokens: int | None = None) -> list[RolloutSample]:
         """``params.n`` samples per prompt, prompt-major (see the protocol)."""
-        check_prompts(prompts, self.model_config.vocab_size)
+        check_prompts(prompts, self.model_config)
         self._check_params(params)
         samples = new_samples(prompts, params.n)
         self._round(samples, params, round_tokens)
@@ -311,8 +298,13 @@ Transport = Callable[[str, str, "dict[str, Any] | None"], "tuple[int, Any]"]
 clients talk to a server. Tests pass a fake; :func:`http_transport` is the real one."""
 
 
-def http_transport(base_url: str, *, timeout: float = 3600.0) -> Transport:
-    """A :data:`Transport` on the standard library: JSON in, JSON (or text) out."""
+class ServerUnreachable(ConnectionError):
+    """A server did not answer: refused, reset, unknown host, or no answer within the timeout."""
+
+
+def http_transport(base_url: str, *, timeout: float = 3600.0, server: str = "server") -> Transport:
+    """A :data:`Transport` on the standard library: JSON in, JSON (or text) out. A request that
+    gets no answer raises :class:`ServerUnreachable` naming ``server``, its URL and the route."""
     root = base_url.rstrip("/")
 
     def send(method: str, path: str, body: dict[str, Any] | None) -> tuple[int, Any]:
@@ -324,6 +316,13 @@ def http_transport(base_url: str, *, timeout: float = 3600.0) -> Transport:
                 status, raw = response.status, response.read()
         except urllib.error.HTTPError as error:
             status, raw = error.code, error.read()
+        except OSError as error:  # URLError, ConnectionError and TimeoutError are all OSErrors
+            reason = getattr(error, "reason", error)
+            if isinstance(reason, TimeoutError):
+                raise ServerUnreachable(f"{server} at {root}: {method} {path} got no answer within "
+                                        f"{timeout:g} s") from error
+            raise ServerUnreachable(f"{server} at {root}: {method} {path} failed ({reason}); is the "
+                                    "server running?") from error
         text = raw.decode(errors="replace")
         try:
             return status, json.loads(text) if text else None

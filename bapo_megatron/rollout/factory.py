@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bapo_megatron.config import ModelConfig, RolloutConfig
+from bapo_megatron.rollout.guard import EngineFailure, GuardedEngine
 from bapo_megatron.rollout.protocol import RolloutEngine
 
 
@@ -17,26 +18,44 @@ def build_engine(rollout: RolloutConfig, model: ModelConfig, *, model_path: str 
     """The engine of data-parallel replica ``dp_rank``. ``model_path`` is the HF folder the run
     started from (vLLM and SGLang load their first weights, and their tokenizer-free config,
     from it; the trainer pushes its own weights before the first rollout anyway).
-    ``work_dir`` is where engines that take weights from disk (the vLLM server) get them."""
+    ``work_dir`` is where engines that take weights from disk (the vLLM server) get them.
+    The engine comes guarded: its failures name it, and generation has ``rollout.timeout_s``."""
+    name = f"rollout engine {rollout.engine!r} of data-parallel replica {dp_rank}"
+    if rollout.engine.endswith("-server"):
+        urls = rollout.server_urls
+        if len(urls) > 1 and len(urls) <= dp_rank:
+            raise ValueError(f"rollout.server_urls has {len(urls)} entries; data-parallel rank "
+                             f"{dp_rank} has none (give one per data-parallel rank, or one)")
+        name += f" at {urls[dp_rank] if len(urls) > 1 else urls[0]}"
+    try:
+        engine = _start_engine(rollout, model, model_path=model_path, dp_rank=dp_rank,
+                               work_dir=work_dir, pad_token_id=pad_token_id)
+    except Exception as error:
+        raise EngineFailure(f"{name} could not start: {type(error).__name__}: {error}") from error
+    return GuardedEngine(engine, name=name, timeout_s=rollout.timeout_s)
+
+
+def _start_engine(rollout: RolloutConfig, model: ModelConfig, *, model_path: str | None,
+                  dp_rank: int, work_dir: Path, pad_token_id: int) -> RolloutEngine:
     kind = rollout.engine
+    http_timeout = rollout.timeout_s or 3600.0
     if kind == "embedded":
         from bapo_megatron.rollout.embedded import EmbeddedEngine
 
         return EmbeddedEngine(model, pad_token_id=pad_token_id)
     if kind in ("vllm-server", "sglang-server"):
         urls = rollout.server_urls
-        if len(urls) > 1 and len(urls) <= dp_rank:
-            raise ValueError(f"rollout.server_urls has {len(urls)} entries; data-parallel rank "
-                             f"{dp_rank} has none (give one per data-parallel rank, or one)")
         url = urls[dp_rank] if len(urls) > 1 else urls[0]
         if kind == "vllm-server":
             from bapo_megatron.rollout.vllm_server import VLLMServerClient
 
-            return VLLMServerClient.connect(url, model, weights_dir=work_dir / f"vllm_weights_dp{dp_rank}")
+            return VLLMServerClient.connect(url, model, weights_dir=work_dir / f"vllm_weights_dp{dp_rank}",
+                                          timeout=http_timeout)
         from bapo_megatron.rollout.sglang_engine import SGLangEngine
         from bapo_megatron.rollout.sglang_server import SGLangHTTPClient
 
-        return SGLangEngine(SGLangHTTPClient(url, tp_size=rollout.engine_tensor_parallel_size), model,
+        return SGLangEngine(SGLangHTTPClient(url, tp_size=rollout.engine_tensor_parallel_size,
+                                             timeout=http_timeout), model,
                             bucket_bytes=rollout.weight_bucket_mib * 2**20)
     if model_path is None:
         raise ValueError(f"rollout.engine={kind!r} starts from an HF folder: set train.model_path")

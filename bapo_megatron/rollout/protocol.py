@@ -17,8 +17,11 @@ from typing import Literal, Protocol
 
 import torch
 
+from bapo_megatron.config import ModelConfig
+
 FinishReason = Literal["stop", "length", "abort", "paused"]
-"""`stop`: a stop token was sampled (it is kept); `length`: ``max_new_tokens`` reached;
+"""`stop`: a stop token was sampled (it is kept); `length`: ``max_new_tokens`` or the end of the
+model's context reached;
 `abort`: cut by :meth:`RolloutEngine.abort` (final); `paused`: cut by a round's token budget or
 :meth:`RolloutEngine.pause`, to be continued with :meth:`RolloutEngine.continue_generation`."""
 
@@ -134,3 +137,19 @@ def check_ready(released: bool, version: int) -> None:
     if version < 0:
         raise RuntimeError("generate before any update_weights(): the engine holds no policy "
                            "weights yet")
+
+
+def check_prompts(prompts: list[list[int]], model: ModelConfig) -> None:
+    """Refuse empty prompts, token ids outside the vocabulary and prompts that fill the model's
+    context (``max_position_embeddings``), leaving no position to generate into."""
+    for index, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompts[{index}] is empty; a prompt needs at least one token")
+        bad = [t for t in prompt if not 0 <= t < model.vocab_size]
+        if bad:
+            raise ValueError(f"prompts[{index}] holds token ids outside the vocabulary "
+                             f"[0, {model.vocab_size}): {bad[:5]}")
+        if len(prompt) >= model.max_position_embeddings:
+            raise ValueError(f"prompts[{index}] has {len(prompt)} tokens; the model's context "
+                             f"(max_position_embeddings) is {model.max_position_embeddings}, "
+                             "which leaves no room for a response")

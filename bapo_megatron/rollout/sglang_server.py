@@ -103,7 +103,7 @@ class SGLangHTTPClient:
     def __init__(self, base_url: str, *, transport: Transport | None = None, tp_size: int = 1,
                  serialize: Serializer | None = None, timeout: float = 3600.0) -> None:
         self.base_url = base_url
-        self.transport = transport or http_transport(base_url, timeout=timeout)
+        self.transport = transport or http_transport(base_url, timeout=timeout, server="SGLang server")
         self.tp_size = tp_size
         self.serialize = serialize or sglang_serializer
 

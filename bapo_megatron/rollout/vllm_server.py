@@ -139,7 +139,7 @@ class VLLMServerClient(ResubmittingEngine):
         self.base_url = base_url
         self.served_model = served_model
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
-        self.transport = transport or http_transport(base_url, timeout=timeout)
+        self.transport = transport or http_transport(base_url, timeout=timeout, server="vLLM server")
         self.max_parallel = max_parallel
         self.full_vocab_logprobs = full_vocab_logprobs
         self._shapes = expected_shapes(model)
