@@ -161,7 +161,7 @@ def _describe(value: Any) -> str:
     """``value`` as YAML would show it, and what YAML read it as."""
     if value is None:
         return "null"
-    shown = repr(value)
+    shown = str(value).lower() if isinstance(value, bool) else repr(value)
     if len(shown) > 60:
         shown = shown[:57] + "..."
     kind = _YAML_KINDS.get(type(value), type(value).__name__)
