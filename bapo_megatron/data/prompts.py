@@ -2,9 +2,11 @@
 
 Each row must have a non-empty string ``prompt`` (or ``problem``, as benchmarks in the AIME
 format name it) and an ``answer`` (string or number; numbers are kept as their text); ``id`` is
-optional (the row's position otherwise). A malformed row raises ``ValueError`` naming the file,
-the line (JSONL) or row (parquet) and the field, or, with ``skip_bad_rows``, is skipped and
-counted.
+optional (missing or null: the row's 0-based position among the rows). A malformed row raises
+``ValueError`` naming the file, where in it, and the field, or, with ``skip_bad_rows``, is
+skipped and counted. Where in the file is ``path:N`` for JSONL, N the 1-based line number as
+editors show it (blank lines counted), and ``path 0-based row N`` for parquet, N the index
+pyarrow and pandas use.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,9 @@ def _row(record: Any, where: str, index: int) -> PromptRow:
     answer = record.get("answer")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or str(answer).strip() == "":
         raise ValueError(f"{where}: field 'answer' must be a non-empty string or a number, got {answer!r}")
-    row_id = record.get("id", index)
+    row_id = record.get("id")
+    if row_id is None:  # a parquet file with ids on some rows only stores null on the others
+        row_id = index
     if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
         raise ValueError(f"{where}: field 'id' must be a string or an integer, got {row_id!r}")
     return PromptRow(id=str(row_id), prompt=prompt, answer=str(answer))
@@ -71,13 +75,16 @@ def _records(path: Path) -> list[tuple[str, Any]]:
             table = pq.read_table(path)
         except Exception as err:  # noqa: BLE001 - any reader failure is a bad file
             raise ValueError(f"{path}: cannot be read as parquet ({err})") from None
-        return [(f"{path} row {i}", record) for i, record in enumerate(table.to_pylist())]
+        return [(f"{path} 0-based row {i}", record) for i, record in enumerate(table.to_pylist())]
     raise ValueError(f"{path}: unsupported prompt file type {path.suffix!r}; expected .jsonl or .parquet")
 
 
-def load_prompts(path: str | Path, *, skip_bad_rows: bool = False) -> PromptSet:
+def load_prompts(path: str | Path, *, skip_bad_rows: bool = False,
+                 check_row: Callable[[PromptRow], None] | None = None) -> PromptSet:
     """Read a prompt set. Raises ``ValueError`` for a missing or unreadable file, an empty set,
-    and (unless ``skip_bad_rows``) the first malformed row."""
+    and (unless ``skip_bad_rows``) the first malformed row. ``check_row`` adds a condition of
+    the caller's (a prompt that fits the model): its ``ValueError`` makes the row malformed, with
+    the row's place in the file put before its message."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"prompt file {path} does not exist")
@@ -86,7 +93,13 @@ def load_prompts(path: str | Path, *, skip_bad_rows: bool = False) -> PromptSet:
         try:
             if isinstance(record, ValueError):
                 raise record
-            result.rows.append(_row(record, where, index))
+            row = _row(record, where, index)
+            if check_row is not None:
+                try:
+                    check_row(row)
+                except ValueError as err:
+                    raise ValueError(f"{where}: {err}") from None
+            result.rows.append(row)
         except ValueError as err:
             if not skip_bad_rows:
                 raise

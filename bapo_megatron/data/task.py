@@ -16,11 +16,15 @@ log = logging.getLogger(__name__)
 @dataclass
 class Task:
     rows: list[PromptRow]
+    """The prompts the run draws from; each fits the model with a full-length response."""
     tokenizer: object
     """A transformers tokenizer with a chat template."""
     model: ModelConfig
+    """The policy's architecture; its ``max_position_embeddings`` bounds prompt + response."""
     skipped_rows: int = 0
-    """Malformed rows of the prompt file that were skipped (``data.skip_bad_rows``)."""
+    """Rows of ``data.train_file`` left out under ``data.skip_bad_rows``: malformed ones and those
+    whose prompt does not fit the model (see :func:`encode_prompt`). Always 0 for a synthetic
+    task, and without ``skip_bad_rows`` (the first such row is an error instead)."""
 
     @property
     def eos_token_id(self) -> int:
@@ -33,22 +37,29 @@ class Task:
 
 
 def load_task(cfg: Config) -> Task:
-    """Rows, tokenizer and model of the run; ``ValueError`` naming the field or file."""
+    """Rows, tokenizer and model of the run; ``ValueError`` naming the field or file.
+
+    Every row's prompt is encoded here once, so that one too long for the model is a bad row of
+    the file (an error naming its line, or skipped and counted) rather than a failure at the
+    rollout step that draws it."""
     data = cfg.data
+    max_new_tokens = cfg.rollout.max_new_tokens
     if data.synthetic_task is not None:
         tokenizer = walk_tokenizer()
         if cfg.model.vocab_size < len(tokenizer):
             raise ValueError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
                              f"{data.synthetic_task!r} task's tokenizer ({len(tokenizer)} tokens)")
         rows = synthetic_rows(data.synthetic_task, data.synthetic_size, seed=cfg.train.seed)
-        return Task(rows=rows, tokenizer=tokenizer,
-                    model=cfg.model)
+        task = Task(rows=rows, tokenizer=tokenizer, model=cfg.model)
+        # generated rows are never skipped: one that does not fit is a configuration error
+        try:
+            for row in rows:
+                encode_prompt(task, row, data.system_prompt, max_new_tokens)
+        except ValueError as err:
+            raise ValueError(f"data.synthetic_task {data.synthetic_task!r}: {err}") from None
+        return task
     import transformers
 
-    prompts = load_prompts(data.train_file, skip_bad_rows=data.skip_bad_rows)
-    if prompts.skipped:
-        log.warning("%s: skipped %d malformed rows; first: %s", data.train_file,
-                    len(prompts.skipped), prompts.skipped[0])
     overrides = {"params_dtype": cfg.train.params_dtype or "float32"}
     if cfg.train.max_position_embeddings is not None:
         overrides["max_position_embeddings"] = cfg.train.max_position_embeddings
@@ -60,15 +71,37 @@ def load_task(cfg: Config) -> Task:
                          f"({err})") from None
     if tokenizer.eos_token_id is None:
         raise ValueError(f"train.model_path {cfg.train.model_path}: the tokenizer has no eos token")
+
+    def check_fits(row: PromptRow) -> None:
+        ids = prompt_token_ids(tokenizer, row, system=data.system_prompt)
+        problem = _fit_problem(len(ids), max_new_tokens, model.max_position_embeddings)
+        if problem is not None:
+            raise ValueError(problem)
+
+    prompts = load_prompts(data.train_file, skip_bad_rows=data.skip_bad_rows, check_row=check_fits)
+    if prompts.skipped:
+        log.warning("%s: skipped %d bad rows; first: %s", data.train_file,
+                    len(prompts.skipped), prompts.skipped[0])
     return Task(rows=prompts.rows, tokenizer=tokenizer, model=model, skipped_rows=len(prompts.skipped))
+
+
+def _fit_problem(prompt_tokens: int, max_new_tokens: int, max_positions: int) -> str | None:
+    """Why a prompt of ``prompt_tokens`` leaves too little room for a response, or None.
+
+    The whole ``max_new_tokens`` must fit, not just one token: any sample may run to the cap,
+    and prompt plus response is what the engines' context and the actor's passes must hold."""
+    if prompt_tokens + max_new_tokens <= max_positions:
+        return None
+    return (f"the prompt is {prompt_tokens} tokens in the chat template; with rollout.max_new_tokens "
+            f"({max_new_tokens}) that is {prompt_tokens + max_new_tokens}, more than the model's "
+            f"max_position_embeddings ({max_positions})")
 
 
 def encode_prompt(task: Task, row: PromptRow, system: str | None, max_new_tokens: int) -> list[int]:
     """The row's prompt ids in the chat template; ``ValueError`` when prompt plus response cap
-    would not fit the model's positions."""
+    would not fit the model's positions (:func:`load_task` has already left such rows out)."""
     ids = prompt_token_ids(task.tokenizer, row, system=system)
-    if len(ids) + max_new_tokens > task.model.max_position_embeddings:
-        raise ValueError(f"prompt {row.id!r}: {len(ids)} prompt tokens + rollout.max_new_tokens "
-                         f"({max_new_tokens}) exceed model.max_position_embeddings "
-                         f"({task.model.max_position_embeddings})")
+    problem = _fit_problem(len(ids), max_new_tokens, task.model.max_position_embeddings)
+    if problem is not None:
+        raise ValueError(f"prompt {row.id!r}: {problem}")
     return ids
