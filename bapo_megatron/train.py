@@ -210,7 +210,8 @@ def train(cfg: Config, context: ParallelContext) -> None:
         state["step"] = step + 1
         metrics.update(timer.metrics())
         metrics.update(_throughput(metrics, trained_tokens))
-        metrics.update(rollout_step=step + 1, policy_version=state["version"])
+        metrics.update(rollout_step=step + 1, policy_version=state["version"],
+                       **{"data/skipped_rows": task.skipped_rows})
         logger.log(state["version"], metrics, console=False)
         if context.rank == 0 and cfg.logging.console:  # with the last update's loss, bounds...
             print(logger.console_line(step + 1, {**last_update, **metrics}, cfg.train.steps), flush=True)

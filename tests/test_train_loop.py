@@ -186,4 +186,5 @@ def test_prompt_file_and_hf_model_with_bad_rows(tmp_path):
     assert f"{data}:2" in result.stderr and "'prompt'" in result.stderr
     records = run_in_process(tmp_path / "skip", *common, "data.skip_bad_rows=true")
     assert len(rollout_records(records)) == 2
+    assert [r["data/skipped_rows"] for r in rollout_records(records)] == [2, 2]  # "" and "not json"
     assert read_metrics(tmp_path / "skip")[-1]["rollout_step"] == 2

@@ -34,20 +34,23 @@ def comparable(records):
             if "warmup/cross_entropy" not in r]
 
 
-def kill_after(output, overrides, checkpoint_step: int, extra_delay: float) -> None:
+def kill_after(output, overrides, checkpoint_step: int, extra_delay: float, *,
+               while_writing: bool = False) -> None:
     """Start the trainer as a process, SIGKILL it ``extra_delay`` s after checkpoint
-    ``checkpoint_step`` appears."""
+    ``checkpoint_step`` appears, or (``while_writing``) as soon as its staging folder appears,
+    in the middle of writing it."""
     proc = subprocess.Popen(training_command(output, *overrides), cwd=REPO_ROOT, env=subprocess_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    target = output / "checkpoints" / f"step_{checkpoint_step:08d}"
+    name = f"step_{checkpoint_step:08d}"
+    target = output / "checkpoints" / (f".{name}.incomplete" if while_writing else name)
     deadline = time.monotonic() + 300
     try:
         while not target.exists():
             if proc.poll() is not None:
-                raise AssertionError(f"the run ended (exit {proc.returncode}) before checkpoint "
-                                     f"{checkpoint_step}: {proc.stderr.read()[-3000:]}")
-            assert time.monotonic() < deadline, "no checkpoint within 300 s"
-            time.sleep(0.02)
+                raise AssertionError(f"the run ended (exit {proc.returncode}) before {target.name}: "
+                                     f"{proc.stderr.read()[-3000:]}")
+            assert time.monotonic() < deadline, f"no {target.name} within 300 s"
+            time.sleep(0.002 if while_writing else 0.02)
         time.sleep(extra_delay)
     finally:
         proc.send_signal(signal.SIGKILL)
@@ -55,7 +58,9 @@ def kill_after(output, overrides, checkpoint_step: int, extra_delay: float) -> N
 
 
 @pytest.mark.parametrize("mode, overrides, delay", [
-    ("replay", ["algorithm.replay_fraction=0.5", "algorithm.optimizer_steps_per_rollout=1"], 0.0),
+    # replay with the example's two mini-batches per rollout step, killed while checkpoint 3
+    # is being written (delay None)
+    ("replay", ["algorithm.replay_fraction=0.5"], None),
     ("partial", ["rollout.partial_tokens_per_round=6", "algorithm.optimizer_steps_per_rollout=1"], 0.3),
 ])
 def test_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, warm_start, mode, overrides, delay):
@@ -64,7 +69,13 @@ def test_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, warm_start,
     uninterrupted = run_in_process(tmp_path / "whole", *common)
 
     killed = tmp_path / "killed"
-    kill_after(killed, common, checkpoint_step=2, extra_delay=delay)
+    if delay is None:
+        kill_after(killed, common, checkpoint_step=3, extra_delay=0.0, while_writing=True)
+        staged = sorted(p.name for p in (killed / "checkpoints").iterdir())
+        assert ".step_00000003.incomplete" in staged, staged  # the kill hit the write
+        assert latest_checkpoint(killed / "checkpoints").name == "step_00000002"
+    else:
+        kill_after(killed, common, checkpoint_step=2, extra_delay=delay)
     survivor = latest_checkpoint(killed / "checkpoints")
     assert survivor is not None and survivor.name >= "step_00000002"
     resumed = run_in_process(killed, *common)
