@@ -63,6 +63,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, MegatronOptimizer
 
+from bapo_megatron.child_processes import checkpoint_writer_queue_ends_with_us
 from bapo_megatron.actor.build import Actor
 from bapo_megatron.actor.cpu_patches import cuda_sites_on_cpu
 from bapo_megatron.config import ModelConfig
@@ -140,6 +141,7 @@ def save_checkpoint(root: str | Path, step: int, actor: Actor, trainer_state: di
     with staged_folder(folder, overwrite=True) as staging:
         state = _sharded_state(actor, is_loading=False)
         with cuda_sites_on_cpu():  # the optimizer's pieces and the save exchange ask for CUDA
+            checkpoint_writer_queue_ends_with_us()
             dist_checkpointing.save(state, str(staging))
         _on_every_rank(lambda: _write_rank_file(staging, step, context.rank, trainer_state),
                        f"checkpoint {folder}")

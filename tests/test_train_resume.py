@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,8 +54,23 @@ def kill_after(output, overrides, checkpoint_step: int, extra_delay: float, *,
             time.sleep(0.002 if while_writing else 0.02)
         time.sleep(extra_delay)
     finally:
+        children = [int(pid) for path in Path(f"/proc/{proc.pid}/task").glob("*/children")
+                    for pid in path.read_text().split()]
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+    # what the trainer started (its reward workers) ends with it
+    deadline = time.monotonic() + 30
+    while any(running(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(running(pid) for pid in children), f"the killed trainer's {children} live on"
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has ended; it only waits to be reaped
 
 
 @pytest.mark.parametrize("mode, overrides, delay", [

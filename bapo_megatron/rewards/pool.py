@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 from dataclasses import dataclass, field
 
+from bapo_megatron.child_processes import exit_with_parent
 from bapo_megatron.rewards.registry import get_reward
 
 
@@ -51,7 +52,7 @@ class RewardPool:
         self._pool = self._start()
 
     def _start(self):
-        pool = self._context.Pool(self.workers)
+        pool = self._context.Pool(self.workers, initializer=exit_with_parent)
         # Import the reward in the workers now, so start-up is not charged to the first checks.
         pool.map(_load, [self.name] * self.workers, chunksize=1)
         return pool

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from bapo_megatron.child_processes import checkpoint_writer_queue_ends_with_us
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.weights.hf_checkpoint import DTYPE_NAMES, copy_files
 from bapo_megatron.weights.staging import staged_folder
@@ -69,6 +70,7 @@ def save_megatron_checkpoint(chunks: Sequence[torch.nn.Module], model: ModelConf
     with staged_folder(folder, overwrite=overwrite) as staging:
         state = {key: _unwrap(chunk).sharded_state_dict()
                  for key, chunk in zip(state_keys(len(chunks)), chunks)}
+        checkpoint_writer_queue_ends_with_us()
         dist_checkpointing.save(state, str(staging))
         if not dist.is_initialized() or dist.get_rank() == 0:
             info = {"format_version": FORMAT_VERSION, "model": dataclasses.asdict(model),
