@@ -58,3 +58,38 @@ def test_weights_benchmark_smoke(tmp_path):
                 "read_write_s"):
         assert report[key] > 0, key
     assert abs(report["export_over_copy"] - report["export_gbps"] / report["copy_gbps"]) < 0.01
+
+
+def test_rollout_benchmark_smoke():
+    import importlib.util
+
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_rollout.py"), "--quick"],
+        check=True, capture_output=True, text=True, timeout=300,
+    ).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["benchmark"] == "rollout"
+    cfg, emb = report["config"], report["embedded"]
+    # no stop tokens: every sample runs to max_new_tokens (4 prompts x n=2 x 8 tokens)
+    assert cfg["prompts"] * cfg["n"] * cfg["max_new_tokens"] == 64
+    assert emb["generated_tokens"] == report["generation"]["expected_tokens"] == 64
+    assert emb["finish_reasons"] == {"length": 8} and emb["samples"] == 8
+    assert report["embedded_tokens_per_s"] > 0
+    assert abs(emb["tokens_per_s"] - 64 / emb["generate_s"]) <= 0.01 * emb["tokens_per_s"]
+    # the quick update model: qwen2, tied, hidden 64, 2 layers, 2 heads of 32 in 1 group, MLP
+    # 128, vocab 256: embedding + per layer q,k,v (with biases), o, MLP, 2 norms + final norm
+    layer = (64 * 64 + 64) + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64
+    update = report["weight_update"]
+    assert update["parameters"] == update["megatron_parameters"] == 256 * 64 + 2 * layer + 64
+    assert update["model_bytes"] == 4 * update["parameters"]
+    assert update["export_plus_update_measured"] is True  # export in this process (megatron-core)
+    assert update["embedded_weights_match_export"] is True  # the engine holds the exported weights
+    assert report["export_s"] > 0 and report["weight_update_s"]["embedded"] > 0
+    assert report["export_plus_update_s"]["embedded"] > 0
+    if importlib.util.find_spec("vllm") is None:
+        assert report["vllm"] is None and report["vllm_tokens_per_s"] is None
+        assert report["vllm_over_embedded"] is None and "not importable" in report["vllm_reason"]
+        assert set(report["weight_update_s"]) == {"embedded"}
+    else:
+        assert report["vllm"]["generated_tokens"] == 64 and report["vllm_tokens_per_s"] > 0
+        assert report["weight_update_s"]["vllm"] > 0
