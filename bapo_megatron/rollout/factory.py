@@ -21,14 +21,16 @@ def build_engine(rollout: RolloutConfig, model: ModelConfig, *, model_path: str 
     ``work_dir`` is where engines that take weights from disk (the vLLM server) get them.
     The engine comes guarded: its failures name it, and generation has ``rollout.timeout_s``."""
     name = f"rollout engine {rollout.engine!r} of data-parallel replica {dp_rank}"
+    url = None
     if rollout.engine.endswith("-server"):
         urls = rollout.server_urls
         if len(urls) > 1 and len(urls) <= dp_rank:
             raise ValueError(f"rollout.server_urls has {len(urls)} entries; data-parallel rank "
                              f"{dp_rank} has none (give one per data-parallel rank, or one)")
-        name += f" at {urls[dp_rank] if len(urls) > 1 else urls[0]}"
+        url = urls[dp_rank] if len(urls) > 1 else urls[0]
+        name += f" at {url}"
     try:
-        engine = _start_engine(rollout, model, model_path=model_path, dp_rank=dp_rank,
+        engine = _start_engine(rollout, model, model_path=model_path, url=url, dp_rank=dp_rank,
                                work_dir=work_dir, pad_token_id=pad_token_id)
     except Exception as error:
         raise EngineFailure(f"{name} could not start: {type(error).__name__}: {error}") from error
@@ -36,7 +38,7 @@ def build_engine(rollout: RolloutConfig, model: ModelConfig, *, model_path: str 
 
 
 def _start_engine(rollout: RolloutConfig, model: ModelConfig, *, model_path: str | None,
-                  dp_rank: int, work_dir: Path, pad_token_id: int) -> RolloutEngine:
+                  url: str | None, dp_rank: int, work_dir: Path, pad_token_id: int) -> RolloutEngine:
     kind = rollout.engine
     http_timeout = rollout.timeout_s or 3600.0
     if kind == "embedded":
@@ -44,8 +46,6 @@ def _start_engine(rollout: RolloutConfig, model: ModelConfig, *, model_path: str
 
         return EmbeddedEngine(model, pad_token_id=pad_token_id)
     if kind in ("vllm-server", "sglang-server"):
-        urls = rollout.server_urls
-        url = urls[dp_rank] if len(urls) > 1 else urls[0]
         if kind == "vllm-server":
             from bapo_megatron.rollout.vllm_server import VLLMServerClient
 
