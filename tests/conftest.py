@@ -9,7 +9,7 @@ import pytest
 def single_process():
     """A one-process ParallelContext (gloo world of one rank), torn down after the test."""
     from bapo_megatron.config import ParallelConfig
-    from bapo_megatron.parallel import ParallelContext
+    from bapo_megatron.distributed.context import ParallelContext
 
     context = ParallelContext.initialize(ParallelConfig())
     try:
@@ -30,7 +30,7 @@ def warm_start(tmp_path_factory):
     trainer checkpoint: the training-loop tests start from it (``train.load_checkpoint``), so
     their rewards are not all zero and none of them pays for the warm-up again. Returns
     ``(overrides that start from it, the warm-up run's metric records)``."""
-    from tests.train_runs import run_in_process
+    from tests.helpers.train_runs import run_in_process
 
     output = tmp_path_factory.mktemp("warm_start")
     records = run_in_process(output, "warmup.steps=150", "warmup.batch_size=64", "train.steps=1")

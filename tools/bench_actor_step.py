@@ -60,8 +60,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from bapo_megatron.actor import train_step as train_step_module
+    from bapo_megatron.actor.actor import build_actor
     from bapo_megatron.actor.batch import PolicyBatch
-    from bapo_megatron.actor.build import build_actor
     from bapo_megatron.algo.search_plan import SearchPlan
     from bapo_megatron.config import (
         ActorConfig,
@@ -71,7 +71,7 @@ def worker(args: argparse.Namespace) -> None:
         OptimizerConfig,
         ParallelConfig,
     )
-    from bapo_megatron.parallel import ParallelContext
+    from bapo_megatron.distributed.context import ParallelContext
 
     tp, pp = int(os.environ["BENCH_TP"]), int(os.environ["BENCH_PP"])
     context = ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=tp,

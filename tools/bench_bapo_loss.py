@@ -9,7 +9,7 @@ with padding):
     a'  bapo_loss with the `grpo` preset: empty search ranges, but the statistics are still built.
     b   bapo_loss with the vectorised search of ``--preset`` (one statistics pass, one reduce).
     b+  the same with check_inputs=True (validation on; every other variant has it off).
-    c   step-by-step search (tests/bapo_reference.py::search: one reduce and one host sync per
+    c   step-by-step search (tests/helpers/bapo_reference.py::search: one reduce and one host sync per
         step, as the authors' code does), then the loss at the chosen bounds.
 
 Every variant runs ``--warmup`` untimed times (numba compiles or loads its cache on the first
@@ -55,7 +55,7 @@ from bapo_megatron.algo import (
     loss_normalizer,
 )
 from bapo_megatron.config import CLIP_PRESETS, ClipSearchConfig
-from tests import bapo_reference
+from tests.helpers import bapo_reference
 
 SHAPES = {"64K": (64, 1024), "1M": (512, 2048), "8M": (2048, 4096)}  # [batch, tokens]
 AGGREGATION = "token-mean"

@@ -166,8 +166,8 @@ def export_phase(args: argparse.Namespace, consumers: dict) -> dict:
     tensors, and export+update end to end (``consumers``: engine name -> update function)."""
     from bapo_megatron.actor.model import build_model
     from bapo_megatron.config import ParallelConfig
-    from bapo_megatron.parallel import ParallelContext
-    from bapo_megatron.rollout.weight_sync import named_tensors_of
+    from bapo_megatron.distributed.context import ParallelContext
+    from bapo_megatron.weights.checksum import named_tensors_of
     from bapo_megatron.weights.export import export_weights
 
     model = update_model(args)
@@ -283,7 +283,7 @@ def main(argv: list[str]) -> None:
 
     # before anything starts: an in-process vLLM forbids torch.set_num_threads afterwards
     torch.set_num_threads(args.threads)
-    from bapo_megatron.rollout.embedded import EmbeddedEngine
+    from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
     from bapo_megatron.rollout.protocol import SamplingParams
 
     vllm_reason = None
@@ -335,7 +335,7 @@ def main(argv: list[str]) -> None:
         engines = {"embedded": (EmbeddedEngine.from_pretrained(work / "gen"), None)}
         starts = {"embedded": time.perf_counter() - start}
         if vllm_reason is None:
-            from bapo_megatron.rollout.vllm_engine import VLLMEngine
+            from bapo_megatron.rollout.vllm.engine import VLLMEngine
 
             start = time.perf_counter()
             engine = VLLMEngine.from_pretrained(work / "gen", enforce_eager=True,
@@ -414,7 +414,7 @@ def weight_update(args: argparse.Namespace, argv: list[str], work: Path, in_proc
                                                                              version=version)}
     vllm_engine = None
     if with_vllm:
-        from bapo_megatron.rollout.vllm_engine import VLLMEngine
+        from bapo_megatron.rollout.vllm.engine import VLLMEngine
 
         embedded.model.save_pretrained(work / "update")
         vllm_engine = VLLMEngine.from_pretrained(work / "update", enforce_eager=True,

@@ -76,7 +76,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from bapo_megatron.actor.model import build_model
     from bapo_megatron.config import ModelConfig, ParallelConfig
-    from bapo_megatron.parallel import ParallelContext
+    from bapo_megatron.distributed.context import ParallelContext
     from bapo_megatron.weights.convert import load_hf_weights, write_hf_folder
     from bapo_megatron.weights.export import export_weights
     from bapo_megatron.weights.hf_checkpoint import DTYPE_NAMES, HFCheckpoint, non_weight_files

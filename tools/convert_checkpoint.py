@@ -66,7 +66,7 @@ def main(argv: list[str]) -> None:
     # that re-imports this file.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from bapo_megatron.config import ParallelConfig
-    from bapo_megatron.parallel import ParallelContext
+    from bapo_megatron.distributed.context import ParallelContext
     from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf
 
     context = ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=args.tp,

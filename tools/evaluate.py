@@ -11,7 +11,7 @@
 Prompts go through the tokenizer's chat template (``--system`` adds a system turn); answers are
 scored by a reward (``--reward``, default ``math``: math-verify on the last ``\\boxed{}``).
 Malformed rows and answers the reward cannot score are counted in the report, not fatal. The
-library code is :mod:`bapo_megatron.evaluation`.
+library code is :mod:`bapo_megatron.repro.evaluate`.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main(argv: list[str]) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Heavy imports here, not at the top: the reward pool's (spawn) workers re-import this file.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from bapo_megatron.evaluation import EvalSettings, run_evaluation, write_report
+    from bapo_megatron.repro.evaluate import EvalSettings, run_evaluation, write_report
 
     try:
         settings = EvalSettings(

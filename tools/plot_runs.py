@@ -9,7 +9,7 @@
 Panels: training reward, entropy, positive contribution (rho after and before the bound search),
 clip fractions (positive tokens above c_high, negative tokens below c_low), gradient norm, c_low
 and c_high; one PNG each and overview.png with all. Tags a run lacks are skipped with a note. The
-library code is :mod:`bapo_megatron.run_plots`.
+library code is :mod:`bapo_megatron.repro.plots`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> list[str]:
     args = parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from bapo_megatron.run_plots import parse_run_spec, plot_runs
+    from bapo_megatron.repro.plots import parse_run_spec, plot_runs
 
     try:
         groups = [parse_run_spec(spec) for spec in args.runs]

@@ -11,7 +11,7 @@ Methods: grpo [0.8, 1.2], clip-higher [0.8, 1.28], fixed-0.6 [0.6, 1.2], bapo-pa
 bapo-reference. Staleness: reuse<k> (k optimizer steps per rollout batch), lag<k> (train on the
 batch generated k rollout steps earlier), partial<b> (partial rollout, b tokens per round).
 Output: ``<out>/report.md``, ``<out>/plots/<staleness>/``, ``<out>/runs/<staleness>/<method>/seed<k>``.
-The library code is :mod:`bapo_megatron.sweep`.
+The library code is :mod:`bapo_megatron.repro.sweep`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> str:
     args = parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from bapo_megatron.sweep import SweepSettings, run_sweep
+    from bapo_megatron.repro.sweep import SweepSettings, run_sweep
 
     changes = {name: getattr(args, name) for name in ("jobs", "task", "methods", "staleness", "seeds", "steps")
                if getattr(args, name) is not None}

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from bapo_megatron.actor.batch import PolicyBatch, microbatch_count, split_microbatches
-from bapo_megatron.actor.schedule import last_stage_rank, run_schedule
+from bapo_megatron.actor.pipeline_schedule import last_stage_rank, run_schedule
 from bapo_megatron.algo.vocab_parallel import token_logprobs_and_entropy
-from bapo_megatron.parallel import ParallelContext
+from bapo_megatron.distributed.context import ParallelContext
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, context: ParallelContext, *,

@@ -26,7 +26,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from bapo_megatron.actor.megatron_config import to_transformer_config
 from bapo_megatron.config import ModelConfig, ParallelConfig, validate_layout
-from bapo_megatron.parallel import ParallelContext
+from bapo_megatron.distributed.context import ParallelContext
 
 DEFAULT_SEED = 1234
 

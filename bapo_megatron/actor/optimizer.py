@@ -24,9 +24,9 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from bapo_megatron.actor.cpu_patches import cuda_sites_on_cpu
 from bapo_megatron.config import OptimizerConfig
-from bapo_megatron.parallel import ParallelContext
+from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.megatron_patches.cpu_runtime import cuda_sites_on_cpu
 
 
 def wrap_data_parallel(chunks: list[torch.nn.Module], config: TransformerConfig,

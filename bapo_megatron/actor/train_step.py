@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from bapo_megatron.actor.actor import Actor
 from bapo_megatron.actor.batch import PolicyBatch, microbatch_count, split_microbatches
-from bapo_megatron.actor.build import Actor
 from bapo_megatron.actor.logprobs import seq_multiple, token_logprobs
 from bapo_megatron.actor.optimizer import optimizer_step
-from bapo_megatron.actor.schedule import last_stage_rank, run_schedule
+from bapo_megatron.actor.pipeline_schedule import last_stage_rank, run_schedule
 from bapo_megatron.algo.bound_search import BoundDecision, choose_bounds
 from bapo_megatron.algo.policy_loss import bapo_loss, loss_normalizer, search_statistics
 from bapo_megatron.algo.reduction import all_reduce_sum

@@ -11,7 +11,7 @@ from __future__ import annotations
 import multiprocessing
 from dataclasses import dataclass, field
 
-from bapo_megatron.child_processes import exit_with_parent
+from bapo_megatron.megatron_patches.child_processes import exit_with_parent
 from bapo_megatron.rewards.registry import get_reward
 
 

@@ -1,6 +1,6 @@
 """HF checkpoint folder <-> Megatron distributed checkpoint, at the layout of the calling ranks.
 
-Both directions run on every rank of a :class:`~bapo_megatron.parallel.ParallelContext` (one
+Both directions run on every rank of a :class:`~bapo_megatron.distributed.context.ParallelContext` (one
 process is the TP1/PP1 case) and build the actor's chunks for this rank:
 
 - :func:`hf_to_megatron`: each rank reads from the HF files only its own tensor-parallel slices
@@ -11,7 +11,7 @@ process is the TP1/PP1 case) and build the actor's chunks for this rank:
   bucket by bucket and each stage writes its buckets as safetensors shards; rank 0 names the
   shards, writes the index and restores the config and tokenizer files.
 
-Outputs are staged and renamed into place (:mod:`~bapo_megatron.weights.staging`).
+Outputs are staged and renamed into place (:mod:`~bapo_megatron.files.atomic`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 from bapo_megatron.actor.model import build_model
 from bapo_megatron.config import ModelConfig
-from bapo_megatron.parallel import ParallelContext
+from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.files.atomic import check_output, staged_folder
 from bapo_megatron.weights.export import export_weights
 from bapo_megatron.weights.hf_checkpoint import (
     CONFIG_FILE,
@@ -51,7 +52,6 @@ from bapo_megatron.weights.name_maps import (
     merge,
     tp_slice,
 )
-from bapo_megatron.weights.staging import check_output, staged_folder
 from bapo_megatron.weights.transports import make_transport
 
 DEFAULT_SHARD_BYTES = 2 * 2**30

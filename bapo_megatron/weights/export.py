@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from bapo_megatron.config import ModelConfig
-from bapo_megatron.parallel import ParallelContext
+from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.weights.name_maps import (
     ParamRule,
     chunk_parameters,

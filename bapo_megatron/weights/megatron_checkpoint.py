@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from bapo_megatron.child_processes import checkpoint_writer_queue_ends_with_us
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.files.atomic import staged_folder
+from bapo_megatron.megatron_patches.child_processes import checkpoint_writer_queue_ends_with_us
 from bapo_megatron.weights.hf_checkpoint import DTYPE_NAMES, copy_files
-from bapo_megatron.weights.staging import staged_folder
 
 INFO_FILE = "bapo_checkpoint.json"
 HF_FILES_DIR = "hf"
@@ -63,7 +63,7 @@ def save_megatron_checkpoint(chunks: Sequence[torch.nn.Module], model: ModelConf
                              hf_files: Iterable[Path] = (), overwrite: bool = False) -> None:
     """Save this rank's ``chunks`` of ``model`` to ``folder`` (collective over the world).
 
-    The folder appears only once complete (:func:`~bapo_megatron.weights.staging.staged_folder`).
+    The folder appears only once complete (:func:`~bapo_megatron.files.atomic.staged_folder`).
     ``hf_dtype`` and ``hf_files`` (config, tokenizer...) are recorded for the way back to HF.
     """
     hf_files = list(hf_files)

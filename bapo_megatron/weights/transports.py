@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from bapo_megatron.config import ModelConfig
-from bapo_megatron.parallel import ParallelContext
+from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.weights.name_maps import ParamRule, hf_tensor_shapes, place_shard
 
 TransportKind = Literal["auto", "collective", "shared_memory"]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch bapo_megatron.train with torchrun on this node; run it once on every node of the job.
+# Launch bapo_megatron.trainer.loop with torchrun on this node; run it once on every node of the job.
 #
 #   usage: examples/launch/torchrun_multinode.sh CONFIG.yaml [dotted.key=value ...]
 #

@@ -1,0 +1,154 @@
+"""The process layout of a run: the only module that touches ``megatron.core.parallel_state``.
+
+:meth:`ParallelContext.initialize` is called once per process. It joins (or, for a single
+process, creates) the ``torch.distributed`` world, lets Megatron carve it into tensor, pipeline,
+context and data parallel groups, and returns a frozen :class:`ParallelContext` that the rest of
+the code receives explicitly: groups, ranks, sizes, pipeline position and the device. One process
+is the degenerate case of the same code: a gloo world of one rank, every group of size one.
+
+Rank order is Megatron's default ``tp-cp-ep-dp-pp``: tensor-parallel ranks are adjacent.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from bapo_megatron.config import ParallelConfig
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelContext:
+    """Process groups, ranks and sizes of this rank, built once by :meth:`initialize`."""
+
+    config: ParallelConfig
+    """The layout this context was built from."""
+    device: torch.device
+    """Where this rank's model lives: ``cuda:<local rank>`` or ``cpu``."""
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Number of processes."""
+    tp_group: dist.ProcessGroup
+    """Tensor-parallel group (ranks sharing one layer's matrices)."""
+    pp_group: dist.ProcessGroup
+    """Pipeline group (one rank per stage)."""
+    cp_group: dist.ProcessGroup
+    """Context-parallel group (ranks sharing one sequence)."""
+    dp_group: dist.ProcessGroup
+    """Data-parallel group (replicas that see different samples), without context parallel."""
+    dp_cp_group: dist.ProcessGroup
+    """Data x context parallel group: the ranks whose tokens together make the global batch of
+    one model replica position; the BAPO statistics and the loss normalizer are reduced here."""
+    process_groups: ProcessGroupCollection
+    """The same groups (and Megatron's others: embedding, model parallel, ...) in the form Megatron
+    modules accept as ``pg_collection``."""
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    cp_rank: int
+    cp_size: int
+    dp_rank: int
+    dp_size: int
+    vpp_size: int | None
+    """Model chunks per pipeline stage (interleaved schedule), or None."""
+    owns_process_group: bool
+    """Whether :meth:`initialize` created the torch.distributed world (then teardown destroys it)."""
+
+    @classmethod
+    def initialize(cls, config: ParallelConfig, *,
+                   timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> "ParallelContext":
+        """Build the process groups of ``config`` on the current torch.distributed world.
+
+        If ``torch.distributed`` is not initialized yet, it is initialized here: from the
+        ``torchrun`` environment (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``...) when present,
+        otherwise as a world of one process. The backend is NCCL when CUDA is available, else
+        gloo; on the CPU, the Megatron-Core CPU patches are applied first. Sizes that do not fit
+        the world raise ``ValueError`` (see :func:`bapo_megatron.config.validate_layout` for
+        the checks that also need the model).
+        """
+        if parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("model parallel is already initialized in this process; call "
+                               "teardown() on the previous ParallelContext first")
+        use_cuda = torch.cuda.is_available()
+        if not use_cuda:
+            from bapo_megatron.megatron_patches.cpu_runtime import apply_cpu_patches
+
+            apply_cpu_patches()
+        owns = not dist.is_initialized()
+        if owns:
+            backend = "nccl" if use_cuda else "gloo"
+            if "WORLD_SIZE" in os.environ:
+                if use_cuda:
+                    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                dist.init_process_group(backend, timeout=timeout)
+            else:
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                        timeout=timeout)
+        world_size = dist.get_world_size()
+        if world_size % config.model_parallel_size:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor x pipeline x context parallel "
+                f"= {config.model_parallel_size}"
+            )
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=config.tensor_model_parallel_size,
+            pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
+            context_parallel_size=config.context_parallel_size,
+            distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60)),
+        )
+        ps = parallel_state
+        return cls(
+            config=config,
+            device=torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"),
+            rank=dist.get_rank(),
+            world_size=world_size,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            pp_group=ps.get_pipeline_model_parallel_group(),
+            cp_group=ps.get_context_parallel_group(),
+            dp_group=ps.get_data_parallel_group(),
+            dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+            process_groups=ProcessGroupCollection.use_mpu_process_groups(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+            cp_rank=ps.get_context_parallel_rank(),
+            cp_size=ps.get_context_parallel_world_size(),
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            vpp_size=config.virtual_pipeline_model_parallel_size,
+            owns_process_group=owns,
+        )
+
+    @property
+    def dp_cp_size(self) -> int:
+        """Ranks in the data x context parallel group."""
+        return self.dp_size * self.cp_size
+
+    def is_first_stage(self, vp_stage: int | None = None) -> bool:
+        """Whether this rank (and, with virtual pipelining, its chunk ``vp_stage``) holds the
+        embedding: the first pipeline stage."""
+        return self.pp_rank == 0 and (vp_stage is None or vp_stage == 0)
+
+    def is_last_stage(self, vp_stage: int | None = None) -> bool:
+        """Whether this rank (and chunk ``vp_stage``) holds the output layer and computes the loss."""
+        last_chunk = vp_stage is None or vp_stage == (self.vpp_size or 1) - 1
+        return self.pp_rank == self.pp_size - 1 and last_chunk
+
+    def teardown(self) -> None:
+        """Destroy Megatron's groups, and the torch.distributed world if this context created it.
+        After it, :meth:`initialize` may be called again (a new layout in the same process)."""
+        parallel_state.destroy_model_parallel()
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,1 @@
+"""Files and folders written aside and renamed into place, so nothing is left half-written."""

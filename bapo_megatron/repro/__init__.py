@@ -1,0 +1,1 @@
+"""The reproduction kit: evaluation, run plots, the loss demo and the staleness sweep."""

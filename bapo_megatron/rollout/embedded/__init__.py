@@ -1,0 +1,1 @@
+"""The embedded CPU engine (transformers' model, our sampler): the default rollout engine."""

@@ -1,0 +1,211 @@
+"""The embedded rollout engine: a transformers causal LM in the trainer's process, with a KV
+cache and this project's own sampling loop, which records each sampled token's behaviour
+log-prob and policy version. The default engine; it runs on the CPU.
+
+All samples of a call decode together as one batch: prompts (with any tokens already generated,
+when continuing) are left-padded, and rows that finish keep decoding padding until every row
+is done or the round's budget is spent; their outputs are ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import transformers
+
+from bapo_megatron.config import ModelConfig
+from bapo_megatron.rollout.embedded.sampling import next_tokens
+from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams, check_prompts, check_ready
+from bapo_megatron.weights.checksum import Checksum
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class EmbeddedEngine:
+    """A :class:`~bapo_megatron.rollout.protocol.RolloutEngine` on transformers' Llama/Qwen2.
+
+    Built from a :class:`ModelConfig` with random weights (the trainer then pushes its own with
+    :meth:`update_weights`), or from an HF folder with :meth:`from_pretrained`.
+    """
+
+    def __init__(self, model: ModelConfig, *, dtype: torch.dtype | None = None,
+                 pad_token_id: int = 0) -> None:
+        hf_config = transformers.AutoConfig.for_model(**model.to_hf_config())
+        self.model_config = model
+        self.dtype = dtype or _DTYPES[model.params_dtype]
+        self.model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=self.dtype).eval()
+        self.pad_token_id = pad_token_id
+        self.version = -1
+        self._abort = threading.Event()
+        self._pause = threading.Event()
+        self._released = False
+        self._kept_buffers: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, *, version: int = 0, **kwargs) -> "EmbeddedEngine":
+        """An engine holding the weights of the HF folder ``folder`` (config.json + safetensors)."""
+        engine = cls(ModelConfig.from_hf_config(folder), **kwargs)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=engine.dtype)
+        engine.update_weights(loaded.state_dict().items(), version=version)
+        return engine
+
+    # -------------------------------------------------------------- generation
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *,
+                 round_tokens: int | None = None) -> list[RolloutSample]:
+        """``params.n`` samples per prompt, prompt-major (see the protocol)."""
+        check_prompts(prompts, self.model_config)
+        samples = [RolloutSample(prompt_index=p, sample_index=i, prompt_token_ids=list(prompt))
+                   for p, prompt in enumerate(prompts) for i in range(params.n)]
+        self._decode(samples, params, round_tokens)
+        return samples
+
+    def continue_generation(self, samples: list[RolloutSample], params: SamplingParams, *,
+                            round_tokens: int | None = None) -> list[RolloutSample]:
+        """Continue the `paused` samples in place (see the protocol); returns ``samples``."""
+        active = [s for s in samples if s.resumable]
+        for sample in active:
+            sample.finish_reason = None
+        self._decode(active, params, round_tokens)
+        return samples
+
+    @torch.no_grad()
+    def _decode(self, samples: list[RolloutSample], params: SamplingParams,
+                round_tokens: int | None) -> None:
+        if not samples:
+            return
+        if round_tokens is not None and round_tokens < 1:
+            raise ValueError(f"round_tokens must be a positive integer or None, got {round_tokens!r}")
+        check_ready(self._released, self.version)
+        self._abort.clear()
+        generator = torch.Generator()
+        if params.seed is not None:
+            generator.manual_seed(params.seed)
+        else:
+            generator.seed()
+        stop = torch.tensor(params.stop_token_ids, dtype=torch.long)
+        contexts = [s.prompt_token_ids + s.token_ids for s in samples]
+        width = max(map(len, contexts))
+        input_ids = torch.full((len(samples), width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros(len(samples), width, dtype=torch.long)
+        for row, ids in enumerate(contexts):
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            attention[row, width - len(ids):] = 1
+        if any(len(s.token_ids) >= params.max_new_tokens for s in samples):
+            raise ValueError("a sample to continue has already generated max_new_tokens tokens")
+        # a response ends (`length`) at max_new_tokens or where the model's context ends
+        context_end = self.model_config.max_position_embeddings
+        remaining = torch.tensor([min(params.max_new_tokens - len(s.token_ids), context_end - len(ids))
+                                  for s, ids in zip(samples, contexts)])
+        budget = int(remaining.max()) if round_tokens is None else min(round_tokens, int(remaining.max()))
+        alive = torch.ones(len(samples), dtype=torch.bool)
+        cache = transformers.DynamicCache()
+        step_ids = input_ids
+        for step in range(budget):
+            if self._abort.is_set() or self._pause.is_set():
+                break
+            positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+            out = self.model(input_ids=step_ids, attention_mask=attention, position_ids=positions,
+                             past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            tokens, logprobs = next_tokens(out.logits[:, -1], temperature=params.temperature,
+                                           top_k=params.top_k, top_p=params.top_p, generator=generator)
+            for row in alive.nonzero().flatten().tolist():
+                sample = samples[row]
+                sample.token_ids.append(int(tokens[row]))
+                sample.logprobs.append(float(logprobs[row]))
+                sample.versions.append(self.version)
+            remaining -= alive.long()
+            stopped = alive & torch.isin(tokens, stop)
+            exhausted = alive & ~stopped & (remaining <= 0)
+            for row in stopped.nonzero().flatten().tolist():
+                samples[row].finish_reason = "stop"
+            for row in exhausted.nonzero().flatten().tolist():
+                samples[row].finish_reason = "length"
+            alive &= ~(stopped | exhausted)
+            if not bool(alive.any()):
+                return
+            step_ids = torch.where(alive, tokens, self.pad_token_id)[:, None]
+            attention = torch.cat([attention, alive.long()[:, None]], dim=1)
+        cut = "abort" if self._abort.is_set() else "paused"
+        for row in alive.nonzero().flatten().tolist():
+            samples[row].finish_reason = cut
+
+    # -------------------------------------------------------------- control
+
+    def abort(self) -> None:
+        """Cut in-flight generation: unfinished samples come back `abort`."""
+        self._abort.set()
+
+    def pause(self) -> None:
+        """Cut in-flight generation (samples come back `paused`); later calls generate nothing
+        until :meth:`resume`."""
+        self._pause.set()
+
+    def resume(self) -> None:
+        self._pause.clear()
+
+    # -------------------------------------------------------------- weights and memory
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
+                       checksum: bool = False) -> str | None:
+        """Copy HF-named tensors into the model (converted to its dtype) and set the version.
+        Raises ``ValueError`` naming an unknown tensor or a shape mismatch, before anything is
+        copied: a refused update leaves weights and version as they were."""
+        if self._released:
+            raise RuntimeError("update_weights after release_memory(): call resume_memory() first")
+        params = dict(self.model.named_parameters())
+        total = Checksum() if checksum else None
+        # Check every tensor before copying any, so a bad update leaves the weights untouched.
+        # (The tensors are the engine-side copies anyway; holding them briefly costs no more.)
+        named_tensors = list(named_tensors)
+        for name, tensor in named_tensors:
+            if name not in params:
+                if name == "lm_head.weight" and self.model_config.tie_word_embeddings:
+                    continue  # tied: the embedding is the output layer
+                raise ValueError(f"update_weights: {name!r} is not a parameter of this "
+                                 f"{self.model_config.model_type} model")
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model "
+                                 f"expects {tuple(params[name].shape)}")
+        for name, tensor in named_tensors:
+            if name in params:
+                params[name].copy_(tensor.to(params[name].dtype))
+            if total is not None:
+                total.add(name, tensor)
+        self.version = int(version)
+        return total.hexdigest() if total is not None else None
+
+    def release_memory(self) -> None:
+        """Free the weights (and, between calls, there is no KV cache to free): the model moves
+        to the meta device until :meth:`resume_memory`, after which weights must be updated.
+        Its small buffers (rotary frequencies) are kept aside and put back."""
+        # Buffers (the rotary inv_freq) are not in the weight stream: keep a copy to put back, or
+        # resume_memory would leave them uninitialized (garbage logits, now and then NaN).
+        self._kept_buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
+        self.model.to("meta")
+        self._released = True
+
+    def resume_memory(self) -> None:
+        """Allocate uninitialized weights again; :meth:`update_weights` must follow."""
+        if self._released:
+            self.model.to_empty(device="cpu")
+            with torch.no_grad():
+                for name, kept in self._kept_buffers.items():
+                    self.model.get_buffer(name).copy_(kept)
+            self._kept_buffers = {}
+            if self.model_config.tie_word_embeddings:
+                self.model.tie_weights()
+            self._released = False
+            self.version = -1
+
+    def health(self) -> bool:
+        return not self._released and self.version >= 0
+

@@ -1,0 +1,1 @@
+"""SGLang: the in-process engine and the HTTP server client."""

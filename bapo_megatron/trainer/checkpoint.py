@@ -1,0 +1,492 @@
+"""Trainer checkpoints: everything a run needs to continue exactly where it stopped.
+
+A checkpoint is one folder per saved step, ``<root>/step_<step:08d>/``, written aside and renamed
+into place once every rank has finished (:func:`~bapo_megatron.files.atomic.staged_folder`),
+so a folder with that name is always complete; a killed run leaves only a hidden
+``.step_<step>.incomplete`` folder, which :func:`latest_checkpoint` ignores. It holds:
+
+- Megatron ``dist_checkpointing`` files (torch_dist) with the model (``model``, or ``model0``,
+  ``model1``... with virtual pipelining) and the optimizer state built by Megatron from it
+  (``optimizer.sharded_state_dict(model_state)``: Adam moments and step, param groups);
+- ``bapo_checkpoint.json`` (rank 0): the weights checkpoint's record of
+  :mod:`bapo_megatron.weights.megatron_checkpoint` (format version, model config), so the
+  folder is also a weights checkpoint that loads at any layout and converts to HF, plus a
+  ``trainer`` section: its own format version, the step, world size and layout, whether the
+  optimizer was distributed, ``Actor.skipped_steps`` and the learning-rate scheduler's state;
+- ``rank_<rank:05d>.pt``, one per rank (``torch.save``): the step, the rank, its RNG states
+  (torch CPU, CUDA when present, Python ``random``, NumPy, Megatron's model-parallel tracker) and
+  the caller's ``trainer_state``, which may differ from rank to rank (a replay buffer held by
+  some ranks, a data-loader position...).
+
+The per-rank files tie a checkpoint to the world size and layout it was saved at: rank r's RNG
+and trainer state only mean something to the same rank r of the same layout, so
+:func:`load_checkpoint` refuses another layout (the weights alone still load anywhere through
+:func:`~bapo_megatron.weights.megatron_checkpoint.load_megatron_checkpoint`).
+
+Megatron's optimizer checkpoints assume fused (Transformer Engine/Apex) Adams, which keep no
+per-parameter ``step``; the torch ``AdamW`` it falls back to without them (always on the CPU)
+does. Four consequences are handled here (docs/megatron-cpu.md lists the failures), and one
+case is refused:
+
+- a fresh optimizer has no state until its first step; Megatron's ``init_state_fn`` creates the
+  moments but not ``step``, which the distributed optimizer's ``state_dict`` asserts on and torch's
+  Adam then lacks: :func:`_init_adam_state` creates all three, exactly as torch's first step would;
+- the plain optimizer does not save a ``step`` of 0 (before the first step), which torch's Adam
+  cannot load without: :func:`_add_zero_common_step` supplies it;
+- the distributed optimizer is saved in its ``dp_reshardable`` format (the default
+  ``fully_sharded_model_space`` needs ``flattened_range``, which the torch_dist format dropped;
+  ``fully_reshardable`` loses ``step``), and loading it copies into views of leaf parameters, so
+  it runs under ``torch.no_grad()``;
+- that format keeps ``step`` only in the param groups and puts back the fresh optimizer's per-param
+  ``step`` tensors: :func:`_restore_adam_steps` resets them from the groups;
+- a bf16 model with float32 parameters (the local spec's norms, i.e. without Transformer Engine)
+  and the non-distributed optimizer: Megatron's ``Float16OptimizerWithFloat16Params`` cannot
+  build its sharded state dict then, so :func:`save_checkpoint` refuses before writing; the
+  distributed optimizer checkpoints that model exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, MegatronOptimizer
+
+from bapo_megatron.actor.actor import Actor
+from bapo_megatron.config import ModelConfig
+from bapo_megatron.files.atomic import staged_folder
+from bapo_megatron.megatron_patches.child_processes import checkpoint_writer_queue_ends_with_us
+from bapo_megatron.megatron_patches.cpu_runtime import cuda_sites_on_cpu
+from bapo_megatron.weights.megatron_checkpoint import (
+    FORMAT_VERSION as WEIGHTS_FORMAT_VERSION,
+)
+from bapo_megatron.weights.megatron_checkpoint import (  # the weights part of the format
+    INFO_FILE,
+    _unwrap,
+    check_same_model,
+    read_checkpoint_info,
+    state_keys,
+)
+
+T = TypeVar("T")
+
+TRAINER_FORMAT_VERSION = 1
+"""Version of the ``trainer`` section and of the per-rank files; bumped on incompatible changes."""
+STEP_FOLDER = "step_{step:08d}"
+_STEP_FOLDER_NAME = re.compile(r"step_(\d{8,})")
+RANK_FILE = "rank_{rank:05d}.pt"
+# ParallelConfig fields that decide which rank holds what (data parallel follows from the world
+# size).
+LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "virtual_pipeline_model_parallel_size", "context_parallel_size")
+# How Megatron's distributed optimizer shards its state in the checkpoint (see the module
+# docstring); the other optimizers ignore it.
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# OptimizerParamScheduler.state_dict() entries that come from the run's OptimizerConfig (the
+# others, num_steps, is progress): a resumed run must have the same, or its schedule would jump.
+_SCHEDULE_FIELDS = {"max_lr": "lr", "min_lr": "min_lr", "lr_warmup_steps": "lr_warmup_steps",
+                    "lr_decay_steps": "lr_decay_steps", "lr_decay_style": "lr_decay_style",
+                    "start_wd": "weight_decay", "end_wd": "weight_decay"}
+
+
+@dataclass(frozen=True)
+class TrainerInfo:
+    """What the ``trainer`` section of ``bapo_checkpoint.json`` records."""
+
+    model: ModelConfig
+    """The architecture the weights belong to."""
+    step: int
+    """The training step the checkpoint was taken after (the caller's count)."""
+    world_size: int
+    """Processes that saved it: one per-rank file each."""
+    layout: dict[str, int | None]
+    """The :data:`LAYOUT_FIELDS` of the run's ParallelConfig."""
+    use_distributed_optimizer: bool
+    """Whether the optimizer state was sharded over data-parallel ranks."""
+    skipped_steps: int
+    """``Actor.skipped_steps`` at the save."""
+    scheduler: dict[str, Any]
+    """``OptimizerParamScheduler.state_dict()`` at the save."""
+
+
+# ------------------------------------------------------------------------------------ save
+
+
+def save_checkpoint(root: str | Path, step: int, actor: Actor, trainer_state: dict, *,
+                    keep_last: int | None) -> Path:
+    """Save the run after ``step`` to ``root/step_<step:08d>/`` and return that folder.
+
+    Collective over the world: every rank calls it with its own ``actor`` and ``trainer_state``
+    (any picklable dict; it may differ per rank). The folder appears only once complete; one left
+    from an earlier run at the same step is replaced then. Afterwards, rank 0 deletes the oldest
+    ``step_*`` folders below ``step`` so that ``keep_last`` remain, this one included (None keeps
+    all; folders of later steps, from another history, are left alone).
+    """
+    _check_can_save(step, actor, trainer_state, keep_last)
+    root = Path(root).absolute()
+    root.mkdir(parents=True, exist_ok=True)  # every rank: exist_ok makes the race harmless
+    folder = root / STEP_FOLDER.format(step=step)
+    context = actor.context
+    with staged_folder(folder, overwrite=True) as staging:
+        state = _sharded_state(actor, is_loading=False)
+        with cuda_sites_on_cpu():  # the optimizer's pieces and the save exchange ask for CUDA
+            checkpoint_writer_queue_ends_with_us()
+            dist_checkpointing.save(state, str(staging))
+        _on_every_rank(lambda: _write_rank_file(staging, step, context.rank, trainer_state),
+                       f"checkpoint {folder}")
+        if context.rank == 0:
+            (staging / INFO_FILE).write_text(json.dumps(_info_json(step, actor), indent=2) + "\n")
+    if keep_last is not None and context.rank == 0:
+        _delete_old_checkpoints(root, step, keep_last)
+    _barrier()  # on return, every rank sees the pruned root
+    return folder
+
+
+def _check_can_save(step: int, actor: Actor, trainer_state: dict, keep_last: int | None) -> None:
+    """Refuse, on every rank alike and before any collective, what could not be saved or resumed."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"save_checkpoint: step must be an integer >= 0, got {step!r}")
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
+                                  or keep_last < 1):
+        raise ValueError(f"save_checkpoint: keep_last must be a positive integer or None, "
+                         f"got {keep_last!r}")
+    if not isinstance(trainer_state, dict):
+        raise TypeError(f"save_checkpoint: trainer_state must be a dict, got "
+                        f"{type(trainer_state).__name__}")
+    for inner in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        if isinstance(inner, Float16OptimizerWithFloat16Params) \
+                and any(inner.fp32_from_fp32_groups):
+            # Its sharded_state_dict maps optimizer state to the bf16 parameters only and fails
+            # on the others ("Param id ... does not match any model sharded param").
+            raise ValueError(
+                "save_checkpoint: model.params_dtype=bfloat16 with some parameters kept in "
+                "float32 (the norm weights of the local layer spec, used without Transformer "
+                "Engine) cannot be checkpointed by Megatron's non-distributed mixed-precision "
+                "optimizer; set optimizer.use_distributed_optimizer=true, whose checkpoints "
+                "handle them")
+
+
+def _write_rank_file(staging: Path, step: int, rank: int, trainer_state: dict) -> None:
+    """This rank's file (RNG states, ``trainer_state``); ``ValueError`` if it cannot be pickled."""
+    try:
+        torch.save({"format_version": TRAINER_FORMAT_VERSION, "step": step, "rank": rank,
+                    "rng": _rng_states(), "trainer_state": trainer_state},
+                   staging / RANK_FILE.format(rank=rank))
+    except Exception as err:  # noqa: BLE001 - pickling fails with many exception types
+        raise ValueError(f"trainer_state of rank {rank} cannot be saved: {err!r}") from None
+
+
+def _sharded_state(actor: Actor, *, is_loading: bool) -> dict:
+    """Megatron's sharded state dict of the model chunks and, built from it, the optimizer's
+    (whose tensors, on load, are where the loaded values go)."""
+    modules = [_unwrap(chunk) for chunk in actor.chunks]
+    state = {key: module.sharded_state_dict()
+             for key, module in zip(state_keys(len(modules)), modules)}
+    _init_adam_state(actor.optimizer)
+    with cuda_sites_on_cpu():
+        state["optimizer"] = actor.optimizer.sharded_state_dict(state, is_loading=is_loading,
+                                                                metadata=_OPTIMIZER_METADATA)
+    return state
+
+
+def _torch_adams(optimizer: MegatronOptimizer) -> list[torch.optim.Adam]:
+    """The torch Adam(W)s inside Megatron's (chained) optimizer; empty with fused Adams."""
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [inner.optimizer for inner in inners if isinstance(inner.optimizer, torch.optim.Adam)]
+
+
+def _init_adam_state(optimizer: MegatronOptimizer) -> None:
+    """Give every parameter of a torch Adam that has not stepped yet the state its first step
+    would create (zero moments, ``step`` 0): a checkpoint of a fresh optimizer is then complete,
+    and one can be loaded into it. Stepping from this state is identical to stepping from none."""
+    for adam in _torch_adams(optimizer):
+        for group in adam.param_groups:
+            for param in group["params"]:
+                state = adam.state[param]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+                    state["step"] = torch.tensor(0.0)  # what torch's Adam starts with
+
+
+def _add_zero_common_step(loaded: dict) -> None:
+    """Megatron's plain optimizer saves Adam's shared ``step`` as ``common_step`` only when it is
+    not 0 (``if step:``), and torch's Adam refuses moments without a step: give the state of a
+    checkpoint taken before the first step its 0. Walks chained optimizers ({index: state})."""
+    if "state" in loaded and "param_groups" in loaded:
+        state = loaded["state"]
+        if state and "common_step" not in state and not any("step" in s for s in state.values()):
+            state["common_step"] = torch.tensor(0.0)
+        return
+    for value in loaded.values():
+        if isinstance(value, dict):
+            _add_zero_common_step(value)
+
+
+def _restore_adam_steps(optimizer: MegatronOptimizer) -> None:
+    """After loading the distributed optimizer: one ``step`` tensor per parameter, from the
+    param group's saved ``step`` (the ``dp_reshardable`` load leaves the fresh values, and torch
+    Adam increments each parameter's tensor in place, so they must not be shared)."""
+    for adam in _torch_adams(optimizer):
+        for group in adam.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                if "step" in adam.state[param]:
+                    adam.state[param]["step"] = torch.tensor(float(group["step"]))
+
+
+def _info_json(step: int, actor: Actor) -> dict:
+    """``bapo_checkpoint.json``: the weights checkpoint's fields, then the trainer's."""
+    parallel = actor.context.config
+    return {
+        "format_version": WEIGHTS_FORMAT_VERSION,
+        "model": dataclasses.asdict(actor.model_config),
+        "hf_dtype": None,
+        "trainer": {
+            "format_version": TRAINER_FORMAT_VERSION,
+            "step": step,
+            "world_size": actor.context.world_size,
+            "layout": {name: getattr(parallel, name) for name in LAYOUT_FIELDS},
+            "use_distributed_optimizer": actor.optimizer_config.use_distributed_optimizer,
+            "skipped_steps": actor.skipped_steps,
+            "scheduler": actor.scheduler.state_dict(),
+        },
+    }
+
+
+def _delete_old_checkpoints(root: Path, step: int, keep_last: int) -> None:
+    """Remove the ``step_*`` folders of steps before ``step``, all but the ``keep_last - 1``
+    newest."""
+    older = sorted((s, path) for s, path in _step_folders(root) if s < step)
+    for _, path in older[:max(0, len(older) - (keep_last - 1))]:
+        shutil.rmtree(path)
+
+
+# ------------------------------------------------------------------------------------ find
+
+
+def _step_folders(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint under ``root``; staging folders start with a
+    dot and do not match."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_FOLDER_NAME.fullmatch(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return found
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint folder of the highest step under ``root``, or None when there is none (or
+    no ``root``). Only folders renamed into place count; ``.step_*.incomplete`` ones left by a
+    killed run do not. Whether the folder is well-formed is checked by :func:`load_checkpoint`."""
+    folders = _step_folders(Path(root))
+    return max(folders)[1] if folders else None
+
+
+# ------------------------------------------------------------------------------------ load
+
+
+def load_checkpoint(folder: str | Path, actor: Actor) -> tuple[int, dict]:
+    """Restore ``actor`` (weights, optimizer state, schedule, skipped steps) and this rank's RNG
+    states from the checkpoint ``folder``; return ``(step, this rank's trainer_state)``.
+
+    Collective over the world. Everything that can be checked is checked before anything is
+    loaded, and every rank reaches the same verdict: ``ValueError`` naming the file or field
+    when the folder is not a complete trainer checkpoint, belongs to another model, was saved by
+    another world size or layout, or with the other optimizer kind.
+    """
+    folder = Path(folder).absolute()
+    info = read_trainer_info(folder)
+    _check_matches_run(folder, info, actor)
+    _check_files(folder, info.world_size)
+    rank_state = _on_every_rank(lambda: _read_rank_file(folder, info.step, actor.context.rank),
+                                f"checkpoint {folder}")
+
+    state = _sharded_state(actor, is_loading=True)
+    with cuda_sites_on_cpu():
+        loaded = dist_checkpointing.load(state, str(folder))
+    keys = state_keys(len(actor.chunks))
+    for key, chunk in zip(keys, actor.chunks):
+        _unwrap(chunk).load_state_dict(loaded[key], strict=True)
+    distributed = actor.optimizer_config.use_distributed_optimizer
+    if not distributed and _torch_adams(actor.optimizer):
+        _add_zero_common_step(loaded["optimizer"])
+    # no_grad: the distributed optimizer copies into views of the (leaf, requires-grad) params.
+    with cuda_sites_on_cpu(), torch.no_grad():
+        actor.optimizer.load_state_dict(loaded["optimizer"])
+    if distributed:
+        _restore_adam_steps(actor.optimizer)
+    _load_scheduler(actor, info.scheduler)
+    actor.skipped_steps = info.skipped_steps
+    _set_rng_states(rank_state["rng"])  # last: nothing after it draws random numbers
+    return info.step, rank_state["trainer_state"]
+
+
+def read_trainer_info(folder: str | Path) -> TrainerInfo:
+    """The ``bapo_checkpoint.json`` of a trainer checkpoint; ``ValueError`` naming the file and
+    field when it is missing, malformed, of another format version, or weights-only."""
+    folder = Path(folder)
+    weights = read_checkpoint_info(folder)  # the file, its format version and the model
+    path = folder / INFO_FILE
+    trainer = json.loads(path.read_text()).get("trainer")
+    if trainer is None:
+        raise ValueError(f"{path} has no `trainer` section: a weights-only checkpoint (load it "
+                         "with load_megatron_checkpoint), not one a run can resume from")
+    try:
+        version = trainer["format_version"]
+        if version != TRAINER_FORMAT_VERSION:
+            raise ValueError(f"{path}: trainer.format_version {version} is not "
+                             f"{TRAINER_FORMAT_VERSION}")
+        info = TrainerInfo(model=weights.model, step=trainer["step"],
+                           world_size=trainer["world_size"], layout=trainer["layout"],
+                           use_distributed_optimizer=trainer["use_distributed_optimizer"],
+                           skipped_steps=trainer["skipped_steps"],
+                           scheduler=trainer["scheduler"])
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{path} is malformed: trainer field {err} is missing or wrong") from None
+    for name in ("step", "world_size", "skipped_steps"):
+        value = getattr(info, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{path} is malformed: trainer.{name} is {value!r}")
+    if not isinstance(info.layout, dict) or set(info.layout) != set(LAYOUT_FIELDS):
+        raise ValueError(f"{path} is malformed: trainer.layout must name {list(LAYOUT_FIELDS)}")
+    if not isinstance(info.scheduler, dict) or "num_steps" not in info.scheduler:
+        raise ValueError(f"{path} is malformed: trainer.scheduler is not a scheduler state")
+    return info
+
+
+def _check_matches_run(folder: Path, info: TrainerInfo, actor: Actor) -> None:
+    """The model, world size, layout, optimizer kind and schedule must be the run's."""
+    check_same_model(actor.model_config, info.model, f"checkpoint {folder}")
+    context = actor.context
+    ours = {name: getattr(context.config, name) for name in LAYOUT_FIELDS}
+    differences = [f"world size {info.world_size} (this run: {context.world_size})"] \
+        if info.world_size != context.world_size else []
+    differences += [f"parallel.{name}={info.layout[name]!r} (this run: {ours[name]!r})"
+                    for name in LAYOUT_FIELDS if info.layout[name] != ours[name]]
+    if differences:
+        raise ValueError(
+            f"checkpoint {folder} was saved with {', '.join(differences)}: its per-rank files "
+            f"({RANK_FILE.format(rank=0)}...: RNG states, trainer_state) do not line up with this "
+            "run's ranks; resume at the saved world size and layout (the weights alone load at "
+            "any layout with load_megatron_checkpoint)")
+    ours_distributed = actor.optimizer_config.use_distributed_optimizer
+    if info.use_distributed_optimizer != ours_distributed:
+        raise ValueError(
+            f"checkpoint {folder} was saved with optimizer.use_distributed_optimizer="
+            f"{info.use_distributed_optimizer}, this run has {ours_distributed}: the optimizer "
+            "states are laid out differently")
+    current = actor.scheduler.state_dict()
+    for field, config_name in _SCHEDULE_FIELDS.items():
+        if info.scheduler.get(field) != current[field]:
+            raise ValueError(
+                f"checkpoint {folder}: scheduler.{field} is {info.scheduler.get(field)!r}, but "
+                f"this run's is {current[field]!r} (from optimizer.{config_name}); resuming "
+                "would change the learning-rate/weight-decay schedule")
+
+
+def _check_files(folder: Path, world_size: int) -> None:
+    """Megatron's metadata and one file per saved rank must be there (the same check on every
+    rank, over the shared filesystem, so all ranks refuse together)."""
+    if not dist_checkpointing.check_is_distributed_checkpoint(str(folder)):
+        raise ValueError(f"checkpoint {folder}: Megatron's dist_checkpointing metadata "
+                         "(metadata.json) is missing: the folder is incomplete")
+    missing = [RANK_FILE.format(rank=r) for r in range(world_size)
+               if not (folder / RANK_FILE.format(rank=r)).is_file()]
+    if missing:
+        raise ValueError(f"checkpoint {folder}: per-rank file(s) {', '.join(missing)} missing "
+                         "(incomplete checkpoint)")
+
+
+def _read_rank_file(folder: Path, step: int, rank: int) -> dict:
+    """This rank's file, checked to belong to ``step`` and ``rank``."""
+    path = folder / RANK_FILE.format(rank=rank)
+    try:
+        # Written by save_checkpoint and holding arbitrary trainer_state objects: full pickle.
+        state = torch.load(path, weights_only=False)
+    except Exception as err:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise ValueError(f"{path} cannot be read: {err!r}") from None
+    if not isinstance(state, dict) or not {"format_version", "step", "rank", "rng",
+                                           "trainer_state"} <= set(state):
+        raise ValueError(f"{path} is malformed: not a per-rank trainer checkpoint file")
+    if state["format_version"] != TRAINER_FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version {state['format_version']} is not "
+                         f"{TRAINER_FORMAT_VERSION}")
+    if state["step"] != step or state["rank"] != rank:
+        raise ValueError(f"{path} holds step {state['step']} of rank {state['rank']}, but this is "
+                         f"step {step}'s file of rank {rank} (mixed-up folders?)")
+    return state
+
+
+def _on_every_rank(action: Callable[[], T], where: str) -> T:
+    """Run ``action`` on this rank and return its result; if it raised ``ValueError`` here or on
+    any other rank, raise one naming every failed rank, on every rank (a rank that failed alone
+    would leave the others waiting in the next collective)."""
+    error, result = None, None
+    try:
+        result = action()
+    except ValueError as err:
+        error = str(err)
+    errors = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    failed = [(rank, message) for rank, message in enumerate(errors) if message is not None]
+    if failed:
+        raise ValueError(f"{where}: " + "; ".join(f"rank {r}: {m}" for r, m in failed))
+    return result
+
+
+def _load_scheduler(actor: Actor, saved: dict[str, Any]) -> None:
+    """Restore the schedule's progress (its shape was checked by :func:`_check_matches_run`)."""
+    actor.scheduler.num_steps = 0  # load_state_dict advances by the saved count
+    actor.scheduler.load_state_dict(saved)
+
+
+# ------------------------------------------------------------------------------------ RNG
+
+
+def _rng_states() -> dict[str, Any]:
+    """Every generator a training step may draw from, on this rank."""
+    states = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        # Megatron's named states (dropout inside tensor-parallel regions); CPU generator states
+        # on the CPU (cpu_patches), CUDA ones on a GPU.
+        "megatron_tracker": {name: state.clone() for name, state in
+                             tensor_parallel.get_cuda_rng_tracker().get_states().items()},
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    """Put back what :func:`_rng_states` recorded."""
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(dict(states["megatron_tracker"]))
+    if torch.cuda.is_available() and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,251 @@
+"""The actor's train step and log-prob pass give the single-process result at every layout.
+
+A tiny Qwen2-style model (4 layers, tied embeddings, q/k/v bias) is trained for 3 optimizer steps
+on the same 8 sequences (old log-probs from the initial policy plus noise, so ratios spread and
+the search moves) in one process at TP1/PP1, and in 4 gloo workers at TP2/PP2, TP2/DP2, PP2/DP2,
+TP2 with sequence parallelism x DP2, and PP2 x VPP2 x DP2, all from the same initial weights.
+Compared: log-probs and entropy of the initial policy, per-step loss, grad norm, entropy, bounds
+and rho, and every parameter after the 3 steps, for both granularities; at TP2/DP2 also with
+Megatron's distributed optimizer.
+
+With data parallelism, micro-batch i of the step is the union of micro-batch i of every rank;
+the one-process reference runs the same unions (sequences interleaved, micro-batches dp times
+larger), so granularity `microbatch` decides on the same tokens. Granularity `step` does not
+depend on the split at all, which the uneven cases check: 5 + 3 sequences, and 8 + 0 (a rank
+with no sequence, hence no response token), against the even split's reference.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":  # a worker: pin thread pools before torch loads
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ[_var] = "1"
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import argparse
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("megatron.core")
+
+from bapo_megatron.actor.actor import build_actor  # noqa: E402
+from bapo_megatron.actor.batch import PolicyBatch  # noqa: E402
+from bapo_megatron.actor.logprobs import compute_logprobs  # noqa: E402
+from bapo_megatron.actor.model import (  # noqa: E402
+    global_parameter_name,
+    load_whole_model_weights,
+    tensor_parallel_shard,
+)
+from bapo_megatron.actor.train_step import train_step  # noqa: E402
+from bapo_megatron.algo.search_plan import SearchPlan  # noqa: E402
+from bapo_megatron.config import (  # noqa: E402
+    ActorConfig,
+    ClipSearchConfig,
+    LossConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+)
+from bapo_megatron.distributed.context import ParallelContext  # noqa: E402
+from tests.helpers import gloo_launch  # noqa: E402
+
+MODEL = ModelConfig(model_type="qwen2", num_layers=4, hidden_size=64, ffn_hidden_size=128,
+                    num_attention_heads=4, num_query_groups=2, vocab_size=128,
+                    max_position_embeddings=64, tie_word_embeddings=True, rope_theta=1e6)
+ACTOR = ActorConfig(micro_batch_size=1, temperature=0.8, seed=3)
+OPTIMIZER = OptimizerConfig(lr=3e-3, weight_decay=0.01, clip_grad=0.5)
+LOSS = LossConfig(aggregation="token-mean")
+STEPS = 3
+NUM_SEQUENCES = 8
+GRANULARITIES = ("step", "microbatch")
+LAYOUTS = {
+    "tp2-pp2": ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+    "tp2-dp2": ParallelConfig(tensor_model_parallel_size=2),
+    "pp2-dp2": ParallelConfig(pipeline_model_parallel_size=2),
+    "tp2-sp-dp2": ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+    "pp2-vpp2-dp2": ParallelConfig(pipeline_model_parallel_size=2,
+                                   virtual_pipeline_model_parallel_size=2),
+}
+UNEVEN = {"5+3": [5, 3], "8+0": [8, 0]}
+COMPARED = ("loss", "grad_norm", "entropy", "bapo/c_low", "bapo/c_high", "bapo/rho_before",
+            "bapo/rho_after", "bapo/search_steps", "bapo/clip_frac_positive", "response_tokens")
+# Adam turns float rounding in near-zero gradient components into differences of the size of
+# an update; 1% of the most a parameter can move in STEPS steps (about lr per step).
+PARAM_TOLERANCE = 0.01 * OPTIMIZER.lr * STEPS
+LAUNCH_TIMEOUT_S = 600.0
+needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo workers")
+
+
+def plan(granularity: str) -> SearchPlan:
+    return SearchPlan.from_config(ClipSearchConfig.from_preset("paper", granularity=granularity))
+
+
+def sequences(initial_logprobs_of) -> PolicyBatch:
+    """8 right-padded sequences of lengths 9-16 with 3-6 prompt tokens; old log-probs are the
+    initial policy's plus noise; one advantage per sequence."""
+    g = torch.Generator().manual_seed(20261123)
+    length = 16
+    tokens = torch.randint(0, MODEL.vocab_size, (NUM_SEQUENCES, length), generator=g)
+    mask = torch.zeros(NUM_SEQUENCES, length, dtype=torch.bool)
+    for i in range(NUM_SEQUENCES):
+        prompt = int(torch.randint(3, 7, (), generator=g))
+        end = int(torch.randint(9, length + 1, (), generator=g))
+        mask[i, prompt:end] = True
+        tokens[i, end:] = 0
+    logprobs = initial_logprobs_of(PolicyBatch(tokens=tokens, response_mask=mask))
+    old = torch.where(mask, logprobs + 0.4 * torch.randn(NUM_SEQUENCES, length, generator=g), 0.0)
+    advantages = torch.randn(NUM_SEQUENCES, generator=g)
+    return PolicyBatch(tokens=tokens, response_mask=mask, old_logprobs=old, advantages=advantages)
+
+
+def shard_rows(batch: PolicyBatch, counts: list[int], rank: int) -> PolicyBatch:
+    start = sum(counts[:rank])
+    return batch.select(slice(start, start + counts[rank]))
+
+
+def interleaved(batch: PolicyBatch, dp: int) -> PolicyBatch:
+    """The order in which one process sees micro-batch i of every rank of an even dp split."""
+    per_rank = batch.num_sequences // dp
+    order = torch.arange(batch.num_sequences).view(dp, per_rank).t().reshape(-1)
+    return dataclasses.replace(batch, tokens=batch.tokens[order], response_mask=batch.response_mask[order],
+                               old_logprobs=batch.old_logprobs[order], advantages=batch.advantages[order])
+
+
+def train(context: ParallelContext, weights: dict[str, torch.Tensor], batch: PolicyBatch,
+          granularity: str, micro_batch_size: int = ACTOR.micro_batch_size,
+          optimizer: OptimizerConfig = OPTIMIZER) -> dict:
+    """Build an actor with ``weights``, train STEPS steps on ``batch``; metrics per step and the
+    final parameters by global name (this rank's shards)."""
+    actor = build_actor(MODEL, dataclasses.replace(ACTOR, micro_batch_size=micro_batch_size),
+                        optimizer, context)
+    load_whole_model_weights(actor.chunks, weights, context)
+    step_plan = plan(granularity)
+    metrics = [train_step(actor, batch, LOSS, step_plan) for _ in range(STEPS)]
+    params = {}
+    for chunk in actor.chunks:
+        for name, param in chunk.module.named_parameters():
+            params[global_parameter_name(chunk, name)] = (name, param)  # keeps its TP attributes
+    return dict(metrics=metrics, params=params)
+
+
+# ------------------------------------------------------------------------ worker
+
+
+def worker(args: argparse.Namespace) -> None:
+    gloo_launch.join_group(args, timeout_s=300)
+    data = torch.load(args.data, weights_only=False)
+    weights, batch, finals = data["weights"], data["batch"], data["final_weights"]
+    results: dict[str, object] = {}
+    for layout_name, layout in LAYOUTS.items():
+        context = ParallelContext.initialize(layout)
+        dp = context.dp_size
+        even = [NUM_SEQUENCES // dp] * dp
+        local = shard_rows(batch, even, context.dp_rank)
+        runs = {}
+        for granularity in GRANULARITIES:
+            run = train(context, weights, local, granularity)
+            runs[granularity] = dict(metrics=run["metrics"],
+                                     param_error=_param_error(run["params"], finals[(dp, granularity)], context))
+        if layout_name == "tp2-dp2":  # Megatron's distributed optimizer: states sharded over DP
+            run = train(context, weights, local, "step",
+                        optimizer=dataclasses.replace(OPTIMIZER, use_distributed_optimizer=True))
+            runs["distributed-optimizer step"] = dict(
+                metrics=run["metrics"], param_error=_param_error(run["params"], finals[(dp, "step")], context))
+        if dp == 2:
+            for case, counts in UNEVEN.items():
+                run = train(context, weights, shard_rows(batch, counts, context.dp_rank), "step")
+                runs["uneven " + case] = dict(metrics=run["metrics"],
+                                              param_error=_param_error(run["params"], finals[(1, "step")], context))
+        actor = build_actor(MODEL, ACTOR, OPTIMIZER, context)
+        load_whole_model_weights(actor.chunks, weights, context)
+        logprobs, entropy = compute_logprobs(actor.chunks, local, context,
+                                             micro_batch_size=2, temperature=ACTOR.temperature)
+        rows = slice(context.dp_rank * even[0], (context.dp_rank + 1) * even[0])
+        results[layout_name] = dict(runs=runs, rows=rows, logprobs=logprobs, entropy=entropy,
+                                    dp=dp, ranks=(context.tp_rank, context.pp_rank, context.dp_rank))
+        context.teardown()
+    gloo_launch.save_result(results, args.out)
+    dist.destroy_process_group()
+
+
+def _param_error(params: dict, final: dict[str, torch.Tensor], context: ParallelContext) -> float:
+    """Largest absolute difference between this rank's shards and the reference's final weights."""
+    worst = 0.0
+    for global_name, (local_name, shard) in params.items():
+        name = global_name if global_name in final else "embedding.word_embeddings.weight"
+        expected = tensor_parallel_shard(local_name, final[name], shard, context.tp_rank, context.tp_size)
+        worst = max(worst, float((shard.detach() - expected).abs().max()))
+    return worst
+
+
+# ------------------------------------------------------------------------ test
+
+
+def _assert_metrics_match(got: list[dict], want: list[dict], what: str) -> None:
+    assert len(got) == len(want) == STEPS
+    for step, (g, w) in enumerate(zip(got, want)):
+        for key in COMPARED:
+            assert g[key] == pytest.approx(w[key], rel=2e-5, abs=2e-6), f"{what} step {step} {key}"
+        assert g["skipped"] == 0.0
+
+
+@needs_cpu
+@pytest.mark.multiprocess
+def test_layouts_match_the_single_process_run(tmp_path, single_process):
+    context = single_process
+    reference_actor = build_actor(MODEL, ACTOR, OPTIMIZER, context)
+    weights = {global_parameter_name(c, n): p.detach().clone()
+               for c in reference_actor.chunks for n, p in c.module.named_parameters()}
+
+    def initial_logprobs(batch: PolicyBatch) -> torch.Tensor:
+        return compute_logprobs(reference_actor.chunks, batch, context, micro_batch_size=3,
+                                temperature=ACTOR.temperature)[0]
+
+    batch = sequences(initial_logprobs)
+    ref_logprobs, ref_entropy = compute_logprobs(reference_actor.chunks, batch, context,
+                                                 micro_batch_size=NUM_SEQUENCES,
+                                                 temperature=ACTOR.temperature)
+    references = {}
+    for dp in (1, 2):
+        for granularity in GRANULARITIES:
+            run = train(context, weights, batch if dp == 1 else interleaved(batch, dp), granularity,
+                        micro_batch_size=dp * ACTOR.micro_batch_size)
+            references[(dp, granularity)] = run
+    # `step` does not depend on how the step is split: dp=1 and dp=2 orders agree.
+    _assert_metrics_match(references[(2, "step")]["metrics"], references[(1, "step")]["metrics"],
+                          "one process, interleaved order")
+    # The search moved the bounds in some step, or the comparison below would be weak.
+    assert any(m["bapo/search_steps"] > 0 for run in references.values() for m in run["metrics"])
+    final_weights = {key: {name: p.detach().clone() for name, (_, p) in run["params"].items()}
+                     for key, run in references.items()}
+    torch.save(dict(weights=weights, batch=batch, final_weights=final_weights), tmp_path / "data.pt")
+
+    results = gloo_launch.launch(__file__, 4, tmp_path, ["--data", tmp_path / "data.pt"],
+                                 LAUNCH_TIMEOUT_S)
+    errors = {}
+    for rank, result in enumerate(results):
+        for layout_name in LAYOUTS:
+            got = result[layout_name]
+            what = f"rank {rank} {layout_name} {got['ranks']}"
+            torch.testing.assert_close(got["logprobs"], ref_logprobs[got["rows"]], rtol=1e-5, atol=1e-5,
+                                       msg=what + " logprobs")
+            torch.testing.assert_close(got["entropy"], ref_entropy[got["rows"]], rtol=1e-5, atol=1e-5,
+                                       msg=what + " entropy")
+            for run_name, run in got["runs"].items():
+                dp = got["dp"] if run_name in GRANULARITIES else 1
+                granularity = run_name if run_name in GRANULARITIES else "step"  # step: any split
+                _assert_metrics_match(run["metrics"], references[(dp, granularity)]["metrics"],
+                                      f"{what} {run_name}")
+                errors[f"{what} {run_name}"] = run["param_error"]
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < PARAM_TOLERANCE, f"{worst}: parameters differ by {errors[worst]:.3g}"
+
+
+if __name__ == "__main__":
+    worker(gloo_launch.worker_arguments(sys.argv[1:], data=str))

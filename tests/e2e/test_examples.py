@@ -1,0 +1,215 @@
+"""The example recipes and launch scripts, checked without running them.
+
+The GPU recipes (examples/qwen2.5-7b, examples/qwen2.5-32b) cannot run here: these tests are
+all the validation they get. Each is loaded with ``load_config`` (unknown keys fail), passes
+``check_training``, and its parallel layout is checked against the published shapes of the
+architecture it names at the world size its launch comment gives, as if on an FP8-capable GPU
+with Transformer Engine. The launch scripts are syntax-checked and dry-run. No model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bapo_megatron.config import Accelerator, Config, ModelConfig, validate_layout
+from bapo_megatron.config.loading import load_config
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO_ROOT / "examples"
+LAUNCH = EXAMPLES / "launch"
+SCRIPTS = (LAUNCH / "torchrun_multinode.sh", LAUNCH / "slurm.sbatch")
+
+# Published shapes (the models' HF config.json). The R1 distills keep their base model's shapes.
+ARCHITECTURES = {
+    "qwen2.5-7b": ModelConfig(
+        model_type="qwen2", num_layers=28, hidden_size=3584, ffn_hidden_size=18944,
+        num_attention_heads=28, num_query_groups=4, vocab_size=152064, rope_theta=1e6,
+        tie_word_embeddings=False, max_position_embeddings=131072, params_dtype="bfloat16"),
+    "qwen2.5-32b": ModelConfig(
+        model_type="qwen2", num_layers=64, hidden_size=5120, ffn_hidden_size=27648,
+        num_attention_heads=40, num_query_groups=8, vocab_size=152064, rope_theta=1e6,
+        tie_word_embeddings=False, max_position_embeddings=131072, params_dtype="bfloat16"),
+}
+
+# What each GPU recipe promises: its architecture, its engine, its model folder's size tag.
+GPU_RECIPES = {
+    "qwen2.5-7b/train.yaml": {"architecture": "qwen2.5-7b", "engine": "vllm", "size": "7B"},
+    "qwen2.5-32b/train.yaml": {"architecture": "qwen2.5-32b", "engine": "sglang", "size": "32B"},
+}
+CPU_RECIPES = ("tiny_cpu/train.yaml",)
+NOT_TRAINING = ("loss.yaml",)  # the loss demo's config: a loss section only
+
+H100_WITH_TE = Accelerator(transformer_engine=True, cuda=True, fp8_gpu=True)
+PROMPT_ROOM = 1024  # prompt tokens a recipe must leave room for beside max_new_tokens
+
+
+def _all_examples() -> list[str]:
+    return sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.yaml"))
+
+
+def _launch_world(text: str) -> tuple[int, int]:
+    """(nodes, GPUs per node) from the recipe's launch comment."""
+    nodes = re.findall(r"^#.*\bNNODES=(\d+)", text, re.MULTILINE)
+    gpus = re.findall(r"^#.*\bGPUS_PER_NODE=(\d+)", text, re.MULTILINE)
+    assert len(set(nodes)) == 1 and len(set(gpus)) == 1, "the launch comment must give NNODES= and GPUS_PER_NODE= once"
+    return int(nodes[0]), int(gpus[0])
+
+
+def test_every_example_is_checked_here():
+    # A new example must be added to one of the tables above, so that it is checked.
+    assert sorted([*GPU_RECIPES, *CPU_RECIPES, *NOT_TRAINING]) == _all_examples()
+
+
+@pytest.mark.parametrize("name", _all_examples())
+def test_every_example_loads(name):
+    cfg = load_config(EXAMPLES / name)
+    assert isinstance(cfg, Config)
+    if name not in NOT_TRAINING:
+        cfg.check_training()
+
+
+def test_tiny_cpu_example_trains_on_the_cpu():
+    cfg = load_config(EXAMPLES / "tiny_cpu" / "train.yaml")
+    cfg.check_training()
+    assert cfg.rollout.engine == "embedded"
+    cpu = Accelerator(transformer_engine=False, cuda=False, fp8_gpu=False)
+    assert validate_layout(cfg.model, cfg.parallel, 1, cpu) == 1
+
+
+@pytest.mark.parametrize("name", sorted(GPU_RECIPES))
+def test_gpu_recipe(name):
+    promise = GPU_RECIPES[name]
+    path = EXAMPLES / name
+    text = path.read_text()
+    assert "NOT RUN" in text, "a recipe that was never run must say so"
+    cfg = load_config(path)
+    cfg.check_training()
+    model = ARCHITECTURES[promise["architecture"]]
+
+    # Weights from an HF folder in bf16, prompts from a file, math reward.
+    assert cfg.model is None and cfg.train.model_path.startswith("/")
+    assert promise["size"] in Path(cfg.train.model_path).name
+    assert cfg.train.params_dtype == "bfloat16"
+    assert cfg.data.train_file is not None and cfg.data.synthetic_task is None
+    from bapo_megatron.rewards.registry import get_reward
+
+    assert cfg.reward.name == "math" and get_reward(cfg.reward.name)
+
+    # The layout, at the world size the launch comment gives, on H100s with Transformer Engine.
+    nodes, gpus_per_node = _launch_world(text)
+    world = nodes * gpus_per_node
+    assert nodes > 1, "a multi-node recipe"
+    dp = validate_layout(model, cfg.parallel, world, H100_WITH_TE)
+    assert dp >= 1
+    assert gpus_per_node % cfg.parallel.tensor_model_parallel_size == 0, "a TP group stays inside a node"
+    assert cfg.parallel.sequence_parallel
+    assert cfg.parallel.fp8 is None, "FP8 stays off in the recipe (shown commented)"
+
+    # Every replica gets whole mini-batches of whole groups.
+    steps = cfg.algorithm.optimizer_steps_per_rollout
+    assert cfg.rollout.prompts_per_step % dp == 0
+    assert (cfg.rollout.prompts_per_step // dp) % steps == 0
+    assert cfg.rollout.max_new_tokens + PROMPT_ROOM <= model.max_position_embeddings
+
+    # The engine the recipe promises, colocated, on GPUs of the engine rank's node.
+    assert cfg.rollout.engine == promise["engine"]
+    assert 0 < cfg.rollout.gpu_memory_utilization < 1
+    assert cfg.rollout.engine_tensor_parallel_size <= gpus_per_node
+    if cfg.rollout.engine == "vllm":
+        # The in-process vLLM engine uses vLLM's single-process executor: one GPU.
+        assert cfg.rollout.engine_tensor_parallel_size == 1
+
+    # The paper's settings (docs/bapo-spec.md section 10) and an off-policy schedule.
+    assert cfg.optimizer.lr == 2e-6
+    assert cfg.actor.temperature == 0.6
+    assert cfg.loss.clip.preset == "paper"
+    assert steps > 1
+    assert cfg.checkpoint.interval > 0
+
+
+@pytest.mark.parametrize("name", sorted(GPU_RECIPES))
+def test_commented_fp8_line_validates_where_fp8_runs(name):
+    path = EXAMPLES / name
+    assert re.search(r"^\s*#\s*fp8: hybrid\s*$", path.read_text(), re.MULTILINE)
+    cfg = load_config(path, ["parallel.fp8=hybrid"])
+    model = ARCHITECTURES[GPU_RECIPES[name]["architecture"]]
+    nodes, gpus_per_node = _launch_world(path.read_text())
+    assert validate_layout(model, cfg.parallel, nodes * gpus_per_node, H100_WITH_TE) >= 1
+    a100 = dataclasses.replace(H100_WITH_TE, fp8_gpu=False)
+    with pytest.raises(ValueError, match="parallel.fp8='hybrid' needs a GPU with FP8"):
+        validate_layout(model, cfg.parallel, nodes * gpus_per_node, a100)
+
+
+@pytest.mark.parametrize("text,field", [
+    ("rollout:\n  prompts_per_stepp: 16\n", "prompts_per_stepp"),
+    ("rolout:\n  prompts_per_step: 16\n", "rolout"),
+    ("parallel:\n  tensor_parallel_size: 4\n", "tensor_parallel_size"),
+])
+def test_misspelled_key_is_refused_by_name(tmp_path, text, field):
+    path = tmp_path / "train.yaml"
+    path.write_text((EXAMPLES / "tiny_cpu" / "train.yaml").read_text() + text)
+    with pytest.raises(ValueError, match=rf"unknown field\(s\) \['{field}'\]"):
+        load_config(path)
+
+
+# ------------------------------------------------------------------ launch scripts
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_launch_script_is_valid_bash_and_executable(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    assert script.stat().st_mode & stat.S_IXUSR
+
+
+def _dry_run(args: list[str], env: dict[str, str], cwd: Path = REPO_ROOT) -> str:
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE")}
+    done = subprocess.run(args, env={**base, "BAPO_DRY_RUN": "1", **env}, cwd=cwd,
+                          capture_output=True, text=True, check=True)
+    return done.stdout
+
+
+def test_torchrun_script_passes_shape_and_overrides():
+    out = _dry_run([str(SCRIPTS[0]), "examples/qwen2.5-7b/train.yaml", "train.steps=3",
+                    "data.system_prompt=think step by step"],
+                   {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"})
+    assert shlex.split(out) == [
+        "torchrun", "--nnodes", "2", "--nproc-per-node", "8", "--node-rank", "1",
+        "--master-addr", "10.0.0.1", "--master-port", "29500",
+        "-m", "bapo_megatron.train", "--config", "examples/qwen2.5-7b/train.yaml",
+        "train.steps=3", "data.system_prompt=think step by step"]
+
+
+def test_torchrun_script_without_config_prints_usage():
+    done = subprocess.run([str(SCRIPTS[0])], capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and "usage:" in done.stdout
+
+
+def test_slurm_script_starts_one_torchrun_per_node(tmp_path):
+    # Stand-ins for srun (runs its command once per node with that node's SLURM_NODEID) and
+    # scontrol (expands the node list).
+    (tmp_path / "srun").write_text('#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\n'
+                                   'for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do '
+                                   'SLURM_NODEID=$i "$@"; done\n')
+    (tmp_path / "scontrol").write_text('#!/bin/sh\nprintf "gpu-a\\ngpu-b\\ngpu-c\\n"\n')
+    for tool in ("srun", "scontrol"):
+        (tmp_path / tool).chmod(0o755)
+    env = {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(REPO_ROOT),
+           "SLURM_JOB_NUM_NODES": "3", "SLURM_JOB_NODELIST": "gpu-[a-c]", "SLURM_JOB_ID": "77"}
+    out = _dry_run(["bash", str(SCRIPTS[1]), "examples/qwen2.5-32b/train.yaml", "train.steps=2"],
+                   env, cwd=tmp_path)
+    commands = [shlex.split(line) for line in out.splitlines() if line.startswith("torchrun")]
+    assert [c[c.index("--node-rank") + 1] for c in commands] == ["0", "1", "2"]
+    for command in commands:
+        assert command[command.index("--nnodes") + 1] == "3"
+        assert command[command.index("--master-addr") + 1] == "gpu-a"
+        assert command[command.index("--master-port") + 1] == "20077"
+        assert command[-3:] == ["--config", "examples/qwen2.5-32b/train.yaml", "train.steps=2"]

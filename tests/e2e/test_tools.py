@@ -1,0 +1,95 @@
+"""The benchmark script runs and reports what it promises (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_loss_benchmark_smoke():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_bapo_loss.py"), "--sizes", "64K",
+         "--repeats", "1", "--threads", "1"],
+        check=True, capture_output=True, text=True, timeout=300,
+    ).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    res = report["sizes"]["64K"]
+    assert res["steps"] >= 20  # the data makes the search walk far, as the targets require
+    assert res["reductions"]["b"] == 1 and res["reductions"]["c"] == res["steps"] + 1
+    assert res["targets"]["bounds_agree_b_c"] is True
+    assert {"b_over_a", "c_over_b"} <= set(res)
+
+
+def test_actor_step_benchmark_smoke():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_actor_step.py"), "--layouts", "tp1",
+         "--steps", "1", "--warmup", "1", "--sequences", "2", "--length", "16", "--layers", "2",
+         "--hidden", "64", "--vocab", "128"],
+        check=True, capture_output=True, text=True, timeout=300,
+    ).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    tp1 = report["layouts"]["tp1"]
+    assert report["benchmark"] == "actor_step" and tp1["processes"] == 1
+    assert tp1["step_ms"] > 0 and tp1["tokens_per_s"] > 0
+    assert 0 < tp1["search_share"] < 1 and tp1["step_vs_fixed_clip"] > 0
+
+
+def test_weights_benchmark_smoke(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_weights.py"), "--dtype", "float32",
+         "--hidden", "64", "--layers", "4", "--ffn", "128", "--heads", "4", "--kv-heads", "2",
+         "--vocab", "128", "--repeats", "1", "--bucket-mib", "0.05", "--workdir", str(tmp_path),
+         "--timeout", "240"],
+        check=True, capture_output=True, text=True, timeout=300,
+    ).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["benchmark"] == "weights"
+    # The bytes of every rank's shards (what the copy and the export move) at TP2/PP2: embedding
+    # and untied output 2 x 128 x 64, per layer q,k,v,o + 3 MLP matrices, and the norms (per layer
+    # 2 x 64, final 64), which every TP rank holds whole, hence twice.
+    layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
+    assert report["parameters"] == 2 * 128 * 64 + 4 * layer + 2 * (4 * 2 * 64 + 64)
+    assert report["model_bytes"] == 4 * report["parameters"]
+    for key in ("copy_gbps", "export_gbps", "export_kept_buffer_gbps", "hf_to_megatron_s",
+                "read_write_s"):
+        assert report[key] > 0, key
+    assert abs(report["export_over_copy"] - report["export_gbps"] / report["copy_gbps"]) < 0.01
+
+
+def test_rollout_benchmark_smoke():
+    import importlib.util
+
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_rollout.py"), "--quick"],
+        check=True, capture_output=True, text=True, timeout=300,
+    ).stdout
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["benchmark"] == "rollout"
+    cfg, emb = report["config"], report["embedded"]
+    # no stop tokens: every sample runs to max_new_tokens (4 prompts x n=2 x 8 tokens)
+    assert cfg["prompts"] * cfg["n"] * cfg["max_new_tokens"] == 64
+    assert emb["generated_tokens"] == report["generation"]["expected_tokens"] == 64
+    assert emb["finish_reasons"] == {"length": 8} and emb["samples"] == 8
+    assert report["embedded_tokens_per_s"] > 0
+    assert abs(emb["tokens_per_s"] - 64 / emb["generate_s"]) <= 0.01 * emb["tokens_per_s"]
+    # the quick update model: qwen2, tied, hidden 64, 2 layers, 2 heads of 32 in 1 group, MLP
+    # 128, vocab 256: embedding + per layer q,k,v (with biases), o, MLP, 2 norms + final norm
+    layer = (64 * 64 + 64) + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64
+    update = report["weight_update"]
+    assert update["parameters"] == update["megatron_parameters"] == 256 * 64 + 2 * layer + 64
+    assert update["model_bytes"] == 4 * update["parameters"]
+    assert update["export_plus_update_measured"] is True  # export in this process (megatron-core)
+    assert update["embedded_weights_match_export"] is True  # the engine holds the exported weights
+    assert report["export_s"] > 0 and report["weight_update_s"]["embedded"] > 0
+    assert report["export_plus_update_s"]["embedded"] > 0
+    if importlib.util.find_spec("vllm") is None:
+        assert report["vllm"] is None and report["vllm_tokens_per_s"] is None
+        assert report["vllm_over_embedded"] is None and "not importable" in report["vllm_reason"]
+        assert set(report["weight_update_s"]) == {"embedded"}
+    else:
+        assert report["vllm"]["generated_tokens"] == 64 and report["vllm_tokens_per_s"] > 0
+        assert report["weight_update_s"]["vllm"] > 0

@@ -1,0 +1,116 @@
+"""Checkpoints and resume of the training loop: a run killed with SIGKILL resumes from its last
+complete checkpoint and then logs exactly the metrics of an uninterrupted run (CPU, fixed
+seed), with the replay buffer and partial-rollout state carried across."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from bapo_megatron.trainer.checkpoint import latest_checkpoint  # noqa: E402
+from tests.helpers.gloo_launch import REPO_ROOT  # noqa: E402
+from tests.helpers.train_runs import (  # noqa: E402
+    read_metrics,
+    rollout_records,
+    run_in_process,
+    subprocess_env,
+    training_command,
+)
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs")
+# Values that must repeat exactly; times and throughput do not.
+COMPARED = ("reward/mean", "rollout/generated_tokens", "response_length/mean", "loss", "grad_norm",
+            "entropy", "bapo/rho_after", "bapo/c_low", "bapo/c_high", "staleness/max", "lr")
+
+
+def comparable(records):
+    return [(r["step"], {k: r[k] for k in COMPARED if k in r}) for r in records
+            if "warmup/cross_entropy" not in r]
+
+
+def kill_after(output, overrides, checkpoint_step: int, extra_delay: float, *,
+               while_writing: bool = False) -> None:
+    """Start the trainer as a process, SIGKILL it ``extra_delay`` s after checkpoint
+    ``checkpoint_step`` appears, or (``while_writing``) as soon as its staging folder appears,
+    in the middle of writing it."""
+    proc = subprocess.Popen(training_command(output, *overrides), cwd=REPO_ROOT, env=subprocess_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    name = f"step_{checkpoint_step:08d}"
+    target = output / "checkpoints" / (f".{name}.incomplete" if while_writing else name)
+    deadline = time.monotonic() + 300
+    try:
+        while not target.exists():
+            if proc.poll() is not None:
+                raise AssertionError(f"the run ended (exit {proc.returncode}) before {target.name}: "
+                                     f"{proc.stderr.read()[-3000:]}")
+            assert time.monotonic() < deadline, f"no {target.name} within 300 s"
+            time.sleep(0.002 if while_writing else 0.02)
+        time.sleep(extra_delay)
+    finally:
+        children = [int(pid) for path in Path(f"/proc/{proc.pid}/task").glob("*/children")
+                    for pid in path.read_text().split()]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    # what the trainer started (its reward workers) ends with it
+    deadline = time.monotonic() + 30
+    while any(running(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(running(pid) for pid in children), f"the killed trainer's {children} live on"
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has ended; it only waits to be reaped
+
+
+@pytest.mark.parametrize("mode, overrides, delay", [
+    # replay with the example's two mini-batches per rollout step, killed while checkpoint 3
+    # is being written (delay None)
+    ("replay", ["algorithm.replay_fraction=0.5"], None),
+    ("partial", ["rollout.partial_tokens_per_round=6", "algorithm.optimizer_steps_per_rollout=1"], 0.3),
+])
+def test_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, warm_start, mode, overrides, delay):
+    common = [*warm_start[0], *overrides, "train.steps=5", "checkpoint.interval=1",
+              "checkpoint.keep_last=2"]
+    uninterrupted = run_in_process(tmp_path / "whole", *common)
+
+    killed = tmp_path / "killed"
+    if delay is None:
+        kill_after(killed, common, checkpoint_step=3, extra_delay=0.0, while_writing=True)
+        staged = sorted(p.name for p in (killed / "checkpoints").iterdir())
+        assert ".step_00000003.incomplete" in staged, staged  # the kill hit the write
+        assert latest_checkpoint(killed / "checkpoints").name == "step_00000002"
+    else:
+        kill_after(killed, common, checkpoint_step=2, extra_delay=delay)
+    survivor = latest_checkpoint(killed / "checkpoints")
+    assert survivor is not None and survivor.name >= "step_00000002"
+    resumed = run_in_process(killed, *common)
+
+    assert comparable(resumed) == comparable(uninterrupted)
+    assert [r["rollout_step"] for r in rollout_records(read_metrics(killed))] == [1, 2, 3, 4, 5]
+    folders = sorted(p.name for p in (killed / "checkpoints").iterdir())
+    assert folders == ["step_00000004", "step_00000005"]  # keep_last=2, no staging left behind
+
+
+def test_finished_run_does_not_train_again(tmp_path, warm_start, capsys):
+    common = [*warm_start[0], "train.steps=2", "algorithm.optimizer_steps_per_rollout=1"]
+    first = run_in_process(tmp_path, *common)
+    capsys.readouterr()
+    again = run_in_process(tmp_path, *common)
+    assert comparable(again) == comparable(first)
+    assert "already holds a run finished at rollout step 2" in capsys.readouterr().out
+    result = subprocess.run(training_command(tmp_path, *common, "train.steps=3"), cwd=REPO_ROOT,
+                            env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = rollout_records(read_metrics(tmp_path))
+    assert [r["rollout_step"] for r in records] == [1, 2, 3]

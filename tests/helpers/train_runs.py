@@ -1,0 +1,69 @@
+"""Short training runs of the tiny CPU example for the loop tests: in this process, as a
+subprocess (``python -m bapo_megatron.train``, to be killed), or as a 2-process gloo launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers.gloo_launch import ONE_THREAD, REPO_ROOT
+
+TINY_CONFIG = REPO_ROOT / "examples" / "tiny_cpu" / "train.yaml"
+# Small and short: a few rollout steps of 4 prompts x 4 samples after a 20-step warm-up.
+FAST = ["warmup.steps=20", "train.steps=4", "rollout.prompts_per_step=4",
+        "rollout.samples_per_prompt=4", "rollout.max_new_tokens=16", "checkpoint.interval=0",
+        "logging.console=false", "actor.micro_batch_size=16", "warmup.batch_size=16",
+        "data.synthetic_size=200"]
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    """The run's metrics.jsonl records."""
+    path = Path(output_dir) / "tensorboard" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def rollout_records(records: list[dict]) -> list[dict]:
+    """One record per rollout step (the ones with rollout statistics)."""
+    return [r for r in records if "reward/mean" in r]
+
+
+def run_in_process(output_dir: Path, *overrides: str, config: Path = TINY_CONFIG) -> list[dict]:
+    import torch
+
+    from bapo_megatron.config.loading import load_config
+    from bapo_megatron.distributed.context import ParallelContext
+    from bapo_megatron.trainer.loop import train
+
+    cfg = load_config(config, [*FAST, f"train.output_dir={output_dir}", *overrides])
+    # One thread, as in the subprocess runs: results compared across them must not depend on
+    # how a reduction was split over threads.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    context = ParallelContext.initialize(cfg.parallel)
+    try:
+        train(cfg, context)
+    finally:
+        context.teardown()
+        torch.set_num_threads(threads)
+    return read_metrics(output_dir)
+
+
+def training_command(output_dir: Path, *overrides: str, config: Path = TINY_CONFIG) -> list[str]:
+    return [sys.executable, "-m", "bapo_megatron.train", "--config", str(config), *FAST,
+            f"train.output_dir={output_dir}", *overrides]
+
+
+def subprocess_env() -> dict[str, str]:
+    env = {**os.environ, **ONE_THREAD}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return env
+
+
+def run_subprocess(output_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(training_command(output_dir, *overrides), cwd=REPO_ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,65 @@
+"""Rewards: math answers through math-verify, the registry, and the time-bounded pool."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from bapo_megatron.rewards.pool import RewardPool
+from bapo_megatron.rewards.registry import get_reward, register_reward
+
+
+@pytest.mark.parametrize("response, truth, boxed, lenient", [
+    ("so the answer is \\boxed{0.5}", "1/2", 1.0, 1.0),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0, 1.0),
+    ("first \\boxed{3}, no wait: \\boxed{2}", "2", 1.0, 1.0),
+    ("\\boxed{2}", "\\frac{1}{2}", 0.0, 0.0),
+    ("so 0.5", "1/2", 0.0, 1.0),              # no box: the default reward does not guess
+    ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0, 1.0),  # symbolic equivalence
+    ("import os; os.system('rm -rf /')", "1", 0.0, 0.0),
+])
+def test_math_rewards(response, truth, boxed, lenient):
+    assert get_reward("math")(response, truth) == boxed
+    assert get_reward("math_lenient")(response, truth) == lenient
+
+
+def test_registry_names_and_errors():
+    @register_reward("test_length")
+    def length(response: str, truth: str) -> float:
+        return float(len(response) == int(truth))
+
+    assert get_reward("test_length")("abc", "3") == 1.0
+    assert get_reward("tests.unit.test_rewards:slow_reward") is slow_reward
+    with pytest.raises(ValueError, match="unknown reward 'nope'; registered: .*'math'"):
+        get_reward("nope")
+    with pytest.raises(ValueError, match="cannot import"):
+        get_reward("tests.no_such_module:f")
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("math")(length)
+
+
+def slow_reward(response: str, truth: str) -> float:
+    """Sleeps ``response`` seconds when it is a number (a stand-in for a pathological check)."""
+    if response == "raise":
+        raise RuntimeError("bad output")
+    time.sleep(float(response))
+    return 1.0
+
+
+def test_pool_bounds_each_check_and_counts_failures():
+    with RewardPool("tests.unit.test_rewards:slow_reward", workers=2, timeout_s=2.0) as pool:
+        batch = pool.score(["0", "30", "raise", "0"], ["", "", "", ""])
+        assert batch.rewards == [1.0, 0.0, 0.0, 1.0]
+        assert batch.timed_out == 1
+        assert batch.errors == ["2: RuntimeError: bad output"]
+        # The stuck worker was replaced: the pool still works.
+        assert pool.score(["0"], [""]).rewards == [1.0]
+
+
+def test_pool_scores_math_in_workers():
+    with RewardPool("math", workers=1, timeout_s=30.0) as pool:
+        batch = pool.score(["\\boxed{4}", "\\boxed{5}"], ["4", "4"])
+    assert batch.rewards == [1.0, 0.0] and batch.timed_out == 0 and not batch.errors
+    with RewardPool("math", workers=1) as pool, pytest.raises(ValueError, match="2 responses but 1"):
+        pool.score(["a", "b"], ["c"])

@@ -1,0 +1,631 @@
+"""The vLLM adapters: request building and output parsing (always), the step loop against a fake
+engine (always), and, where vLLM is installed (the optional tier, see requirements-vllm.txt),
+the rollout conformance suite against a real in-process ``vllm.LLM``.
+
+The conformance suite's model has head size 16, which vLLM's CPU attention refuses (it wants
+32, 64, 80, ...). Rather than change the suite's model for every engine, this file runs the
+suite's own test functions with its module-level ``MODEL`` swapped for a same-shaped model of
+head size 32 (:data:`VLLM_MODEL`); everything else in those tests is unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tests.unit.test_rollout_engines as suite
+from bapo_megatron.config import ModelConfig
+from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
+from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams
+from bapo_megatron.rollout.resubmission import EngineOutput, RoundRequest, http_transport
+from bapo_megatron.rollout.vllm.engine import (
+    WORKER_EXTENSION,
+    VLLMEngine,
+    check_fused_groups,
+    check_truncation,
+    full_vocab_logprobs_hook,
+    retie_output_layer,
+    sampled_logprobs,
+    vllm_sampling_kwargs,
+)
+from bapo_megatron.rollout.vllm.server_client import (
+    VLLMServerClient,
+    completion_request,
+    parse_completion_response,
+)
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (optional tier: "
+                                "requirements-vllm.txt)")
+
+# The suite's model with 2 heads of 32 instead of 4 of 16; a long context so that the suite's
+# 100k-token abort test is cut by the abort, not by vLLM's context limit.
+VLLM_MODEL = ModelConfig(model_type="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=128,
+                         num_attention_heads=2, num_query_groups=1, vocab_size=128,
+                         max_position_embeddings=131072, tie_word_embeddings=True, rope_theta=1e6)
+
+
+def request(context=(1, 2), cap=4, final=True, seed=None) -> RoundRequest:
+    sample = RolloutSample(prompt_index=0, sample_index=0, prompt_token_ids=list(context))
+    return RoundRequest(sample=sample, context=list(context), max_new_tokens=cap, final=final,
+                        seed=seed)
+
+
+# ------------------------------------------------------------------ pure pieces (no vLLM needed)
+
+
+def test_sampling_kwargs_keep_only_the_protocols_stop_tokens():
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=50,
+                            stop_token_ids=(2, 9), seed=1)
+    kwargs = vllm_sampling_kwargs(request(cap=7, seed=123), params)
+    assert kwargs == dict(n=1, temperature=0.7, top_p=0.9, top_k=5, max_tokens=7, seed=123,
+                          stop_token_ids=[2, 9], ignore_eos=True, logprobs=0,
+                          skip_special_tokens=False)
+
+
+@dataclass
+class Logprob:  # vLLM's per-token entry: only .logprob is read
+    logprob: float
+    rank: int = 1
+
+
+def test_sampled_logprobs_picks_the_sampled_tokens_entry():
+    entries = [{7: Logprob(-0.5), 3: Logprob(-2.0)}, {9: Logprob(-1.25)}]
+    assert sampled_logprobs([7, 9], entries, "out") == [-0.5, -1.25]
+    assert sampled_logprobs([], [], "out") == []
+    with pytest.raises(ValueError, match="out: missing 'logprobs'"):
+        sampled_logprobs([7], None, "out")
+    with pytest.raises(ValueError, match="out: 'logprobs' has 1 entries for 2 generated tokens"):
+        sampled_logprobs([7, 9], entries[:1], "out")
+    with pytest.raises(ValueError, match=r"out: 'logprobs'\[1\] holds no entry for the sampled token 4"):
+        sampled_logprobs([7, 4], entries, "out")
+
+
+def test_truncated_sampling_needs_the_full_vocabulary_hook():
+    check_truncation(SamplingParams(top_k=5, top_p=0.9), full_vocab_logprobs=True)
+    check_truncation(SamplingParams(), full_vocab_logprobs=False)
+    for params in (SamplingParams(top_k=5), SamplingParams(top_p=0.5)):
+        with pytest.raises(ValueError, match="sampling.top_k/top_p truncate"):
+            check_truncation(params, full_vocab_logprobs=False)
+
+
+class TruncatingSampler:
+    """Like vLLM 0.32's TopKTopPSampler.forward_cpu: masks the logits in place, then returns the
+    log-probs renormalized over the kept tokens."""
+
+    def forward(self, logits, generators, k, p):
+        kth = logits.topk(int(k[0]), dim=-1).values[:, -1:]
+        logits.masked_fill_(logits < kth, float("-inf"))
+        return logits.argmax(-1), logits.log_softmax(-1)
+
+
+def test_hook_reports_full_vocabulary_logprobs_before_truncation():
+    sampler = TruncatingSampler()
+    logits = torch.tensor([[3.0, 1.0, 0.0, -1.0]])
+    tokens, truncated = sampler.forward(logits.clone(), {}, torch.tensor([2]), None)
+    assert truncated[0, 2] == float("-inf")
+    assert full_vocab_logprobs_hook(sampler) is True
+    assert full_vocab_logprobs_hook(sampler) is False  # installed once
+    tokens_hooked, full = sampler.forward(logits.clone(), {}, torch.tensor([2]), None)
+    assert torch.equal(tokens, tokens_hooked)
+    torch.testing.assert_close(full, logits.log_softmax(-1))
+
+
+def test_partial_updates_must_hold_whole_fused_groups():
+    layer = "model.layers.1."
+    check_fused_groups([layer + "self_attn.q_proj.weight", layer + "self_attn.k_proj.weight",
+                        layer + "self_attn.v_proj.weight", layer + "input_layernorm.weight"])
+    with pytest.raises(ValueError, match="'model.layers.1.mlp.up_proj.weight' without "
+                                         r"\['model.layers.1.mlp.gate_proj.weight'\]"):
+        check_fused_groups([layer + "mlp.up_proj.weight"])
+
+
+def test_reload_reties_a_tied_output_layer():
+    processed = []
+    embedding = types.SimpleNamespace(weight=torch.nn.Parameter(torch.ones(2, 2)))
+    head = types.SimpleNamespace(weight=torch.nn.Parameter(torch.zeros(2, 2)),  # the stale tensor
+                                 quant_method=types.SimpleNamespace(
+                                     process_weights_after_loading=processed.append))
+    model = types.SimpleNamespace(config=types.SimpleNamespace(tie_word_embeddings=True),
+                                  lm_head=head, model=types.SimpleNamespace(embed_tokens=embedding))
+    assert retie_output_layer(model) is True
+    assert head.weight is embedding.weight and processed == [head]
+    model.config.tie_word_embeddings = False
+    assert retie_output_layer(model) is False
+
+
+# ------------------------------------------------------------------ the step loop, on a fake vLLM
+
+
+@dataclass
+class FakeCompletion:
+    token_ids: list[int]
+    logprobs: list[dict] | None
+    finish_reason: str | None = None
+
+
+@dataclass
+class FakeOutput:
+    request_id: str
+    outputs: list[FakeCompletion]
+    finished: bool
+
+
+@dataclass
+class FakeLLMEngine:
+    """Emits one token per step per live request: the n-th is ``10 + n`` with log-prob
+    ``-0.1 (n + 1)``; a request finishes at ``max_tokens`` (length) or on a stop token.
+    ``on_step`` runs after each step."""
+
+    added: list[tuple[str, list[int], dict]] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    finished: set[str] = field(default_factory=set)
+    steps: int = 0
+    on_step: object = None
+    broken: bool = False
+
+    def add_request(self, request_id, prompt, params):
+        self.added.append((request_id, prompt["prompt_token_ids"], params.kwargs))
+        self.counts[request_id] = 0
+        return request_id + "-internal"  # vLLM returns its internal id; outputs carry ours
+
+    def _live(self):
+        return [a for a in self.added if a[0] not in self.finished and a[0] not in self.aborted]
+
+    def has_unfinished_requests(self):
+        return bool(self._live())
+
+    def step(self):
+        outputs = []
+        for rid, _, kwargs in self._live():
+            n = self.counts[rid]
+            token = 10 + n
+            self.counts[rid] = n + 1
+            finish = ("stop" if token in kwargs["stop_token_ids"]
+                      else "length" if n + 1 == kwargs["max_tokens"] else None)
+            if finish:
+                self.finished.add(rid)
+            entry = None if self.broken else [{token: Logprob(-0.1 * (n + 1))}]
+            outputs.append(FakeOutput(rid, [FakeCompletion([token], entry, finish)], finish is not None))
+        self.steps += 1
+        if self.on_step:
+            self.on_step(self)
+        return outputs
+
+    def abort_request(self, request_ids):
+        self.aborted += request_ids
+
+    def is_sleeping(self):
+        return False
+
+
+class FakeLLM:
+    def __init__(self):
+        self.llm_engine = FakeLLMEngine()
+        self.rpcs: list[tuple[str, tuple]] = []
+        self.prefix_resets = 0
+
+    def collective_rpc(self, method, args=()):
+        self.rpcs.append((method, args))
+
+    def reset_prefix_cache(self):
+        self.prefix_resets += 1
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """A stand-in ``vllm`` module with the two names the step loop imports."""
+    module = types.ModuleType("vllm")
+    module.SamplingParams = lambda **kwargs: types.SimpleNamespace(kwargs=kwargs)
+    submodule = types.ModuleType("vllm.sampling_params")
+    submodule.RequestOutputKind = types.SimpleNamespace(DELTA="delta")
+    module.sampling_params = submodule
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", submodule)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", None)  # _on_cpu(): treat as CPU
+    return module
+
+
+def test_step_loop_partial_rollout_and_versions(fake_vllm):
+    llm = FakeLLM()
+    engine = VLLMEngine(llm, suite.MODEL, version=0)
+    params = SamplingParams(n=2, max_new_tokens=5, seed=7, stop_token_ids=(99,))
+    samples = engine.generate([[1, 2], [3]], params, round_tokens=3)
+    added = llm.llm_engine.added
+    assert [prompt for _, prompt, _ in added] == [[1, 2], [1, 2], [3], [3]]
+    assert all(kwargs["max_tokens"] == 3 and kwargs["output_kind"] == "delta"
+               and kwargs["detokenize"] is False for *_, kwargs in added)
+    seeds = [kwargs["seed"] for *_, kwargs in added]
+    assert len(set(seeds)) == 4  # one seed per sample
+    assert all(s.finish_reason == "paused" and s.token_ids == [10, 11, 12] for s in samples)
+    assert samples[0].logprobs == pytest.approx([-0.1, -0.2, -0.3])
+
+    engine.update_weights([], version=1)
+    assert llm.prefix_resets == 1
+    engine.continue_generation(samples, params)
+    resubmitted = llm.llm_engine.added[4:]
+    assert [prompt for _, prompt, _ in resubmitted] == [[1, 2, 10, 11, 12]] * 2 + [[3, 10, 11, 12]] * 2
+    assert all(kwargs["max_tokens"] == 2 for *_, kwargs in resubmitted)
+    for sample in samples:
+        assert sample.finish_reason == "length"
+        assert sample.token_ids == [10, 11, 12, 10, 11] and sample.versions == [0, 0, 0, 1, 1]
+
+
+def test_step_loop_abort_and_pause_keep_what_was_generated(fake_vllm):
+    llm = FakeLLM()
+    engine = VLLMEngine(llm, suite.MODEL, version=0)
+    params = SamplingParams(max_new_tokens=50)
+    llm.llm_engine.on_step = lambda fake: fake.steps == 2 and engine.abort()
+    samples = engine.generate([[1], [2]], params)
+    assert [s.finish_reason for s in samples] == ["abort", "abort"]
+    assert [s.token_ids for s in samples] == [[10, 11]] * 2
+    assert len(llm.llm_engine.aborted) == 2  # the unfinished requests were aborted in vLLM
+
+    llm.llm_engine = FakeLLMEngine()
+    llm.llm_engine.on_step = lambda fake: fake.steps == 1 and engine.pause()
+    samples = engine.generate([[1]], params)
+    assert samples[0].finish_reason == "paused" and samples[0].token_ids == [10]
+    engine.continue_generation(samples, params)  # still paused: nothing sent
+    assert len(llm.llm_engine.added) == 1 and samples[0].token_ids == [10]
+    engine.resume()
+    engine.continue_generation(samples, SamplingParams(max_new_tokens=3))
+    assert samples[0].finish_reason == "length" and samples[0].token_ids == [10, 10, 11]
+
+
+def test_step_loop_refuses_outputs_without_logprobs(fake_vllm):
+    llm = FakeLLM()
+    llm.llm_engine.broken = True
+    engine = VLLMEngine(llm, suite.MODEL, version=0)
+    with pytest.raises(ValueError, match="vLLM request 0: missing 'logprobs'"):
+        engine.generate([[1]], SamplingParams(max_new_tokens=3))
+    assert llm.llm_engine.aborted  # nothing left running in vLLM
+
+
+def test_weight_update_checks_before_anything_reaches_vllm(fake_vllm, caplog):
+    llm = FakeLLM()
+    engine = VLLMEngine(llm, suite.MODEL, version=0)
+    weights = suite.random_weights(0)
+    with pytest.raises(ValueError, match="'model.nope.weight' is not a parameter"):
+        engine.update_weights([("model.nope.weight", torch.zeros(1))], version=1)
+    name = "model.layers.0.self_attn.k_proj.weight"
+    with pytest.raises(ValueError, match="without"):
+        engine.update_weights([(name, weights[name])], version=1)
+    assert llm.rpcs == [] and engine.version == 0
+    digest = engine.update_weights(weights.items(), version=2, checksum=True)
+    assert digest == suite.checksum(weights.items())
+    [(method, (tensors,))] = llm.rpcs
+    assert method == "bapo_load_weights" and [n for n, _ in tensors] == list(weights)
+    with caplog.at_level(logging.WARNING):
+        engine.release_memory()
+        engine.resume_memory()
+    assert "cannot release memory" in caplog.text
+    assert engine.version == -1 and not engine.health()
+
+
+# ------------------------------------------------------------------ the real vLLM (optional tier)
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tmp_path_factory):
+    """One in-process vLLM for the module (starting one takes seconds to a minute here)."""
+    folder = tmp_path_factory.mktemp("vllm-model")
+    torch.manual_seed(0)
+    EmbeddedEngine(VLLM_MODEL).model.save_pretrained(folder)
+    engine = VLLMEngine.from_pretrained(folder, enforce_eager=True)
+    yield engine
+    del engine.llm
+
+
+@pytest.fixture
+def vllm_suite(vllm_engine, monkeypatch):
+    """The suite's test functions with their model swapped for VLLM_MODEL, and a factory that
+    loads the given weights into the shared engine."""
+    monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
+
+    def make_engine(weights):
+        vllm_engine.resume()
+        vllm_engine.resume_memory()
+        vllm_engine.update_weights(weights.items(), version=0)
+        return vllm_engine
+
+    return make_engine
+
+
+@needs_vllm
+def test_vllm_logprobs_match_a_teacher_forced_recompute(vllm_suite):
+    suite.test_logprobs_match_a_teacher_forced_recompute(vllm_suite)
+
+
+@needs_vllm
+def test_vllm_stop_tokens_seed_and_n(vllm_suite):
+    suite.test_stop_tokens_seed_and_n(vllm_suite)
+
+
+@needs_vllm
+def test_vllm_partial_rollout_keeps_each_tokens_version_and_logprob(vllm_suite):
+    suite.test_partial_rollout_keeps_each_tokens_version_and_logprob(vllm_suite)
+
+
+@needs_vllm
+def test_vllm_abort_and_pause_from_another_thread(vllm_suite):
+    suite.test_abort_and_pause_from_another_thread(vllm_suite)
+
+
+@needs_vllm
+def test_vllm_weight_updates_are_checked_and_memory_can_be_released(vllm_suite):
+    suite.test_weight_updates_are_checked_and_memory_can_be_released(vllm_suite)
+
+
+@needs_vllm
+def test_vllm_refuses_bad_prompts(vllm_suite):
+    engine = vllm_suite(suite.random_weights(6))
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        engine.generate([[1], []], SamplingParams())
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 128\)"):
+        engine.generate([[1, 500]], SamplingParams())
+
+
+@needs_vllm
+def test_vllm_logprobs_are_full_vocabulary_under_top_k(vllm_suite):
+    """With top-k 3, vLLM's own processed_logprobs would be renormalized over 3 tokens (each
+    >= log 1/3 ... summing to 1); the hook reports the full-vocabulary ones."""
+    weights = suite.random_weights(8)
+    engine = vllm_suite(weights)
+    params = SamplingParams(n=4, top_k=3, max_new_tokens=6, seed=2)
+    for sample in engine.generate(suite.PROMPTS, params):
+        torch.testing.assert_close(torch.tensor(sample.logprobs, dtype=torch.float64),
+                                   suite.teacher_forced(weights, sample, 1.0), rtol=0, atol=2e-5)
+
+
+# ------------------------------------------------------------------ the server client (no vLLM)
+
+
+def vllm_choice(tokens, logprobs, finish="length", *, ids=True):
+    """One ``/v1/completions`` answer as vLLM 0.32 gives it (``return_token_ids``,
+    ``return_tokens_as_token_ids``, ``logprobs=0``, ``--skip-tokenizer-init``)."""
+    choice = {"index": 0, "text": "", "finish_reason": finish, "stop_reason": None,
+              "logprobs": {"text_offset": [11 * i for i in range(len(tokens))],
+                           "token_logprobs": list(logprobs),
+                           "tokens": [f"token_id:{t}" for t in tokens],
+                           "top_logprobs": [{f"token_id:{t}": lp} for t, lp in zip(tokens, logprobs)]},
+              "prompt_token_ids": [1, 2, 3]}
+    if ids:
+        choice["token_ids"] = list(tokens)
+    return {"id": "cmpl-1", "object": "text_completion", "model": "m", "choices": [choice],
+            "usage": {"prompt_tokens": 3, "completion_tokens": len(tokens), "total_tokens": 3 + len(tokens)}}
+
+
+def test_completion_requests_and_answers():
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=20, stop_token_ids=(2,))
+    body = completion_request(request(context=(4, 5), cap=6, seed=11), params, "m")
+    assert body == {"model": "m", "prompt": [4, 5], "max_tokens": 6, "n": 1, "temperature": 0.7,
+                    "top_p": 0.9, "top_k": 5, "stop_token_ids": [2], "ignore_eos": True,
+                    "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+                    "skip_special_tokens": False, "include_stop_str_in_output": True, "seed": 11}
+    assert "seed" not in completion_request(request(), SamplingParams(), "m")
+    parsed = parse_completion_response(vllm_choice([30, 31], [-4.5, -4.75], "stop"), "out")
+    assert parsed == EngineOutput(token_ids=[30, 31], logprobs=[-4.5, -4.75], finish="stop")
+    assert parse_completion_response(vllm_choice([30], [-1.0], ids=False), "out").token_ids == [30]
+
+    def broken(edit):
+        answer = vllm_choice([30, 31], [-4.5, -4.75])
+        edit(answer["choices"][0])
+        return answer
+
+    cases = [({"choices": []}, "expected one entry in 'choices'"),
+             (broken(lambda c: c.update(finish_reason=None)), "'choices\\[0\\].finish_reason' is None"),
+             (broken(lambda c: c.update(logprobs=None)), "missing 'choices\\[0\\].logprobs.token_logprobs'"),
+             (broken(lambda c: c.update(token_ids=[30])), "has 2 entries for 1 generated tokens"),
+             (broken(lambda c: c["logprobs"]["token_logprobs"].__setitem__(1, None)),
+              r"token_logprobs'\[1\] is None"),
+             (broken(lambda c: (c.pop("token_ids"), c["logprobs"]["tokens"].__setitem__(0, "hi"))),
+              r"'choices\[0\].logprobs.tokens'\[0\] is 'hi'")]
+    for answer, message in cases:
+        with pytest.raises(ValueError, match=message):
+            parse_completion_response(answer, "out")
+
+
+class FakeVLLMServer:
+    """Answers ``/v1/completions`` with ``min(max_tokens, cut_after)`` tokens ``100 + k``
+    (finish ``abort`` when cut), everything else with 200; records every call."""
+
+    def __init__(self):
+        self.calls = []
+        self.cut_after = None
+        self.on_complete = None
+        self.device = "cpu"
+        self.hold = None
+
+    def __call__(self, method, path, body):
+        self.calls.append((method, path, body))
+        if path == "/abort_requests" and self.hold is not None:
+            self.hold.set()
+        if path == "/v1/completions":
+            if self.hold is not None:  # held, as by a paused vLLM, until /abort_requests
+                self.hold.wait(10)
+                return 200, vllm_choice([], [], "abort")
+            if self.on_complete:
+                self.on_complete()
+            count = body["max_tokens"] if self.cut_after is None else min(self.cut_after, body["max_tokens"])
+            tokens = [100 + k for k in range(count)]
+            finish = "abort" if self.cut_after is not None else "length"
+            return 200, vllm_choice(tokens, [-0.5] * count, finish)
+        if path == "/v1/models":
+            return 200, {"data": [{"id": "served"}]}
+        if path == "/collective_rpc" and body["method"] == "bapo_device":
+            return 200, {"results": [self.device]}
+        if path == "/collective_rpc" and body["method"] == "bapo_load_weights_from":
+            self.loaded = load_file(Path(body["args"][0]) / "model.safetensors")
+            return 200, {"results": [body["args"][0]]}
+        return 200, {"success": True}
+
+    def paths(self):
+        return [path for _, path, _ in self.calls]
+
+
+def test_server_client_rounds_control_and_weights(tmp_path, caplog):
+    server = FakeVLLMServer()
+    client = VLLMServerClient.connect("http://fake", suite.MODEL, transport=server,
+                                      weights_dir=tmp_path)
+    assert client.served_model == "served" and client.server_device == "cpu"
+    assert server.paths() == ["/health", "/v1/models", "/collective_rpc", "/collective_rpc"]
+    params = SamplingParams(n=3, max_new_tokens=5, seed=1)
+    samples = client.generate([[1, 2]], params, round_tokens=2)
+    completions = [body for _, path, body in server.calls if path == "/v1/completions"]
+    assert len(completions) == 3 and len({body["seed"] for body in completions}) == 3
+    assert all(s.finish_reason == "paused" and s.token_ids == [100, 101] for s in samples)
+
+    weights = suite.random_weights(0)
+    digest = client.update_weights(weights.items(), version=1, checksum=True)
+    assert digest == suite.checksum(weights.items())
+    assert sorted(server.loaded) == sorted(weights) and torch.equal(
+        server.loaded["model.norm.weight"], weights["model.norm.weight"])
+    first_folder = next(tmp_path.iterdir())
+    assert server.paths()[-1] == "/reset_prefix_cache"
+    client.update_weights(weights.items(), version=2)
+    assert [p.name for p in tmp_path.iterdir()] != [first_folder.name]  # the old folder is gone
+    assert len(list(tmp_path.iterdir())) == 1
+
+    client.continue_generation(samples, params)
+    assert all(s.versions == [0, 0, 2, 2, 2] and s.finish_reason == "length" for s in samples)
+
+    server.cut_after, server.on_complete = 1, client.pause
+    samples = client.generate([[1]], params)
+    assert samples[0].finish_reason == "paused" and ("POST", "/pause?mode=abort", None) in server.calls
+    client.resume()
+    # A request that reaches a paused server is held until an abort: the client keeps aborting.
+    server.cut_after, server.on_complete = None, None
+    server.hold = threading.Event()
+    threading.Timer(0.2, client.pause).start()
+    samples = client.generate([[1]], params)
+    assert samples[0].finish_reason == "paused" and samples[0].token_ids == []
+    assert server.paths().count("/abort_requests") >= 1
+    server.hold = None
+    client.resume()
+    server.cut_after, server.on_complete = 1, client.abort
+    assert client.generate([[1]], params)[0].finish_reason == "abort"
+    assert ("POST", "/abort_requests", {}) in server.calls
+
+    with caplog.at_level(logging.WARNING):
+        client.release_memory()
+        client.resume_memory()
+    assert "runs on CPU" in caplog.text and "/sleep?level=1" not in server.paths()
+    assert client.version == -1 and not client.health()
+    server.device = "cuda"
+    client.server_device = "cuda"
+    client.release_memory()
+    client.resume_memory()
+    assert server.paths()[-2:] == ["/sleep?level=1", "/wake_up"]
+
+
+def test_server_client_refuses_what_it_cannot_do(tmp_path):
+    server = FakeVLLMServer()
+    client = VLLMServerClient("http://fake", suite.MODEL, served_model="m", transport=server,
+                              full_vocab_logprobs=False)
+    with pytest.raises(ValueError, match="sampling.top_k/top_p truncate"):
+        client.generate([[1]], SamplingParams(top_k=3))
+    with pytest.raises(ValueError, match="update_weights needs weights_dir"):
+        client.update_weights([], version=1)
+    client.weights_dir = tmp_path
+    with pytest.raises(ValueError, match="'model.nope.weight' is not a parameter"):
+        client.update_weights([("model.nope.weight", torch.zeros(1))], version=1)
+    assert not list(tmp_path.iterdir()) and client.version == 0
+    server_error = lambda method, path, body: (400, {"error": "no such method"})
+    with pytest.raises(RuntimeError, match="could not install the full-vocabulary log-prob hook"):
+        VLLMServerClient.connect("http://fake", suite.MODEL, served_model="m",
+                                 transport=lambda m, p, b: (200, None) if p == "/health" else server_error(m, p, b))
+
+
+# ------------------------------------------------------------------ a real vLLM server (optional tier)
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    """A vLLM OpenAI-compatible server in a subprocess, on the conformance model."""
+    folder = tmp_path_factory.mktemp("vllm-server-model")
+    torch.manual_seed(0)
+    EmbeddedEngine(VLLM_MODEL).model.save_pretrained(folder)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    log_file = open(folder / "server.log", "w")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+         "--worker-extension-cls", WORKER_EXTENSION, "--logprobs-mode", "processed_logprobs",
+         "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1",
+         "--port", str(port), "--max-model-len", "131072"],
+        env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if http_transport(url, timeout=5)("GET", "/health", None)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM server did not start: {(folder / 'server.log').read_text()[-3000:]}")
+            time.sleep(1)
+        yield VLLMServerClient.connect(url, VLLM_MODEL, weights_dir=folder / "updates")
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        log_file.close()
+
+
+@pytest.fixture
+def server_suite(vllm_server, monkeypatch):
+    monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
+
+    def make_engine(weights):
+        vllm_server.resume()
+        vllm_server.resume_memory()
+        vllm_server.update_weights(weights.items(), version=0)
+        return vllm_server
+
+    return make_engine
+
+
+@needs_vllm
+def test_vllm_server_logprobs_match_a_teacher_forced_recompute(server_suite):
+    suite.test_logprobs_match_a_teacher_forced_recompute(server_suite)
+
+
+@needs_vllm
+def test_vllm_server_stop_tokens_seed_and_n(server_suite):
+    suite.test_stop_tokens_seed_and_n(server_suite)
+
+
+@needs_vllm
+def test_vllm_server_partial_rollout_keeps_each_tokens_version_and_logprob(server_suite):
+    suite.test_partial_rollout_keeps_each_tokens_version_and_logprob(server_suite)
+
+
+@needs_vllm
+def test_vllm_server_abort_and_pause_from_another_thread(server_suite, monkeypatch):
+    # The suite cuts after 0.3 s and wants a token in every sample by then; six HTTP requests to
+    # a server on a loaded 2-core machine do not always get there, so the cut comes 2 s later.
+    later = types.SimpleNamespace(Timer=lambda delay, f: threading.Timer(delay + 2.0, f))
+    monkeypatch.setattr(suite, "threading", later)
+    suite.test_abort_and_pause_from_another_thread(server_suite)
+
+
+@needs_vllm
+def test_vllm_server_weight_updates_are_checked_and_memory_can_be_released(server_suite):
+    suite.test_weight_updates_are_checked_and_memory_can_be_released(server_suite)
