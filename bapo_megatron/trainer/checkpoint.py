@@ -52,19 +52,18 @@ import json
 import random
 import re
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, MegatronOptimizer
 
 from bapo_megatron.actor.actor import Actor
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.distributed.collectives import barrier, on_every_rank
 from bapo_megatron.files.atomic import staged_folder
 from bapo_megatron.megatron_patches.child_processes import checkpoint_writer_queue_ends_with_us
 from bapo_megatron.megatron_patches.cpu_runtime import cuda_sites_on_cpu
@@ -78,8 +77,6 @@ from bapo_megatron.weights.megatron_checkpoint import (  # the weights part of t
     read_checkpoint_info,
     state_keys,
 )
-
-T = TypeVar("T")
 
 TRAINER_FORMAT_VERSION = 1
 """Version of the ``trainer`` section and of the per-rank files; bumped on incompatible changes."""
@@ -143,13 +140,14 @@ def save_checkpoint(root: str | Path, step: int, actor: Actor, trainer_state: di
         with cuda_sites_on_cpu():  # the optimizer's pieces and the save exchange ask for CUDA
             checkpoint_writer_queue_ends_with_us()
             dist_checkpointing.save(state, str(staging))
-        _on_every_rank(lambda: _write_rank_file(staging, step, context.rank, trainer_state),
-                       f"checkpoint {folder}")
+        on_every_rank(lambda: _write_rank_file(staging, step, context.rank, trainer_state),
+                      where=f"checkpoint {folder}", catch=ValueError, error_type=ValueError,
+                      describe=str)
         if context.rank == 0:
             (staging / INFO_FILE).write_text(json.dumps(_info_json(step, actor), indent=2) + "\n")
     if keep_last is not None and context.rank == 0:
         _delete_old_checkpoints(root, step, keep_last)
-    _barrier()  # on return, every rank sees the pruned root
+    barrier()  # on return, every rank sees the pruned root
     return folder
 
 
@@ -314,8 +312,9 @@ def load_checkpoint(folder: str | Path, actor: Actor) -> tuple[int, dict]:
     info = read_trainer_info(folder)
     _check_matches_run(folder, info, actor)
     _check_files(folder, info.world_size)
-    rank_state = _on_every_rank(lambda: _read_rank_file(folder, info.step, actor.context.rank),
-                                f"checkpoint {folder}")
+    rank_state = on_every_rank(lambda: _read_rank_file(folder, info.step, actor.context.rank),
+                               where=f"checkpoint {folder}", catch=ValueError,
+                               error_type=ValueError, describe=str)
 
     state = _sharded_state(actor, is_loading=True)
     with cuda_sites_on_cpu():
@@ -433,25 +432,6 @@ def _read_rank_file(folder: Path, step: int, rank: int) -> dict:
     return state
 
 
-def _on_every_rank(action: Callable[[], T], where: str) -> T:
-    """Run ``action`` on this rank and return its result; if it raised ``ValueError`` here or on
-    any other rank, raise one naming every failed rank, on every rank (a rank that failed alone
-    would leave the others waiting in the next collective)."""
-    error, result = None, None
-    try:
-        result = action()
-    except ValueError as err:
-        error = str(err)
-    errors = [error]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    failed = [(rank, message) for rank, message in enumerate(errors) if message is not None]
-    if failed:
-        raise ValueError(f"{where}: " + "; ".join(f"rank {r}: {m}" for r, m in failed))
-    return result
-
-
 def _load_scheduler(actor: Actor, saved: dict[str, Any]) -> None:
     """Restore the schedule's progress (its shape was checked by :func:`_check_matches_run`)."""
     actor.scheduler.num_steps = 0  # load_state_dict advances by the saved count
@@ -485,8 +465,3 @@ def _set_rng_states(states: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(dict(states["megatron_tracker"]))
     if torch.cuda.is_available() and "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"])
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()

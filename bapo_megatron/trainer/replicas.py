@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from bapo_megatron.actor.actor import Actor
+from bapo_megatron.distributed.collectives import raise_if_any_rank_failed
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.rollout.guard import EngineFailure
 from bapo_megatron.rollout.protocol import RolloutEngine
@@ -65,16 +66,8 @@ def push_weights(actor: Actor, engine: RolloutEngine | None, *, version: int, bu
 def stop_if_any_engine_failed(failure: BaseException | None, context: ParallelContext, *,
                               during: str) -> None:
     """Collective over the world: raise :class:`EngineFailure` on every rank if any rank passes
-    a ``failure`` (its engine's error; None elsewhere). One small all-gather."""
-    message = None if failure is None else f"{type(failure).__name__}: {failure}"
-    messages = [message]
-    if dist.get_world_size() > 1:
-        messages = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, message)
-    failed = [(rank, text) for rank, text in enumerate(messages) if text is not None]
-    if failed:
-        report = "; ".join(f"rank {rank}: {text}" for rank, text in failed)
-        raise EngineFailure(f"stopped during {during}: {report}") from failure
+    a ``failure`` (its engine's error; None elsewhere)."""
+    raise_if_any_rank_failed(failure, where=f"stopped during {during}", error_type=EngineFailure)
 
 
 def _drain(items: Iterable) -> None:
