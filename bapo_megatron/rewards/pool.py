@@ -1,29 +1,69 @@
-"""Score many responses in worker processes, each check bounded in time.
+"""Score many responses in worker processes, each check and each batch bounded in time.
 
 One pathological answer (math-verify can spend seconds on ``9^{9^{9^{9}}}``) must not stall a
-training step: every check gets ``timeout_s``; one that overruns scores ``timeout_reward`` and
-is counted, and the pool's workers are replaced after the batch (a stuck worker is killed, as
-threads cannot be). A check that raises scores ``error_reward`` and is counted with its message.
+training step, and neither may a worker that dies (an OOM kill, a segfault in a native parser):
+
+- every check gets ``timeout_s`` from the moment a worker starts it; one that overruns scores
+  ``timeout_reward``, is counted, and its worker is killed and replaced (threads cannot be);
+- the whole batch gets ``batch_timeout_s``: what has not finished by then scores
+  ``timeout_reward`` and is counted, so many slow checks cannot add up to an unbounded wait;
+- a check that raises, returns something that is not a finite number, or whose worker dies,
+  scores ``error_reward`` and is counted with a message naming the reward and the response;
+  a dead worker is replaced and the batch goes on.
+
+Each worker is a process of its own with its own pipe (not a ``multiprocessing.Pool``, whose
+``terminate`` blocks for good once one of its workers has died).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import multiprocessing
+import multiprocessing.connection
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from bapo_megatron.megatron_patches.child_processes import exit_with_parent
 from bapo_megatron.rewards.registry import get_reward
 
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 120.0
+"""How long a new worker may take to import its reward before the pool gives up on it."""
+_LOGGED_ERRORS = 5  # error messages logged per batch; all are counted and kept in ScoredBatch
+
 
 def _score(name: str, response: str, ground_truth: str) -> tuple[float | None, str | None]:
     try:
-        return float(get_reward(name)(response, ground_truth)), None
+        value = get_reward(name)(response, ground_truth)
     except Exception as err:  # noqa: BLE001 - reported to the caller, counted, never fatal
         return None, f"{type(err).__name__}: {err}"
+    try:
+        reward = float(value)
+    except (TypeError, ValueError):
+        return None, f"returned {value!r}, not a number"
+    if not math.isfinite(reward):
+        return None, f"returned {reward}, not a finite number"
+    return reward, None
 
 
-def _load(name: str) -> None:
-    get_reward(name)
+def _serve(connection: multiprocessing.connection.Connection, name: str) -> None:
+    """A worker: load the reward, say so, then score ``(index, response, truth)`` requests until
+    the pipe closes or ``None`` arrives."""
+    exit_with_parent()
+    get_reward(name)  # imported now, so start-up is not charged to the first check
+    connection.send("ready")
+    while True:
+        try:
+            request = connection.recv()
+        except EOFError:
+            return
+        if request is None:
+            return
+        index, response, truth = request
+        connection.send((index, *_score(name, response, truth)))
 
 
 @dataclass
@@ -32,63 +72,160 @@ class ScoredBatch:
 
     rewards: list[float]
     timed_out: int = 0
-    """Checks that overran the time limit (scored ``timeout_reward``)."""
+    """Checks that overran ``timeout_s`` or the batch's ``batch_timeout_s`` (scored
+    ``timeout_reward``)."""
     errors: list[str] = field(default_factory=list)
-    """Messages of checks that raised (scored ``error_reward``), by position: ``"i: message"``."""
+    """Messages of checks that failed (raised, returned no finite number, or lost their worker;
+    scored ``error_reward``), by position: ``"i: message"``."""
+
+
+class _Worker:
+    """One scoring process and the check it is running."""
+
+    def __init__(self, context, name: str, number: int) -> None:
+        self.connection, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(child, name), daemon=True,
+                                       name=f"reward-worker-{number}")
+        self.process.start()
+        child.close()
+        self.item: int | None = None
+        self.started = 0.0
+        if not self.connection.poll(STARTUP_TIMEOUT_S):
+            self.kill()
+            raise RuntimeError(f"reward worker {self.process.name} (reward {name!r}) did not start "
+                               f"within {STARTUP_TIMEOUT_S:.0f} s (exit code {self.process.exitcode})")
+        try:
+            self.connection.recv()
+        except EOFError:
+            self.kill()
+            raise RuntimeError(f"reward worker {self.process.name} (reward {name!r}) died while "
+                               f"starting (exit code {self.process.exitcode})") from None
+
+    def start(self, item: int, response: str, truth: str) -> None:
+        self.item, self.started = item, time.monotonic()
+        self.connection.send((item, response, truth))
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.connection.close()
+
+    def stop(self) -> None:
+        """End the worker politely (it finishes no check), or kill it."""
+        try:
+            self.connection.send(None)
+        except OSError:
+            pass
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.connection.close()
 
 
 class RewardPool:
-    """A process pool that scores (response, ground truth) pairs with the reward ``name``."""
+    """Processes that score (response, ground truth) pairs with the reward ``name``."""
 
     def __init__(self, name: str, *, workers: int = 2, timeout_s: float = 10.0,
-                 timeout_reward: float = 0.0, error_reward: float = 0.0) -> None:
+                 batch_timeout_s: float | None = None, timeout_reward: float = 0.0,
+                 error_reward: float = 0.0) -> None:
         get_reward(name)  # fail early on an unknown name
-        if workers < 1 or timeout_s <= 0:
-            raise ValueError(f"RewardPool: workers must be >= 1 and timeout_s > 0, got {workers}, {timeout_s}")
-        self.name, self.workers, self.timeout_s = name, workers, timeout_s
+        if workers < 1 or timeout_s <= 0 or (batch_timeout_s is not None and batch_timeout_s <= 0):
+            raise ValueError(f"RewardPool: workers must be >= 1, timeout_s and batch_timeout_s > 0, "
+                             f"got {workers}, {timeout_s}, {batch_timeout_s}")
+        self.name, self.timeout_s, self.batch_timeout_s = name, timeout_s, batch_timeout_s
         self.timeout_reward, self.error_reward = timeout_reward, error_reward
         # spawn: workers must not inherit the trainer's threads, process groups or CUDA state.
         self._context = multiprocessing.get_context("spawn")
-        self._pool = self._start()
+        self._started = 0
+        self._workers: list[_Worker] = []
+        try:
+            for _ in range(workers):
+                self._workers.append(self._new_worker())
+        except BaseException:
+            self.close()
+            raise
 
-    def _start(self):
-        pool = self._context.Pool(self.workers, initializer=exit_with_parent)
-        # Import the reward in the workers now, so start-up is not charged to the first checks.
-        pool.map(_load, [self.name] * self.workers, chunksize=1)
-        return pool
+    def _new_worker(self) -> _Worker:
+        self._started += 1
+        return _Worker(self._context, self.name, self._started)
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        self._workers[self._workers.index(worker)] = self._new_worker()
 
     def score(self, responses: list[str], ground_truths: list[str]) -> ScoredBatch:
+        """Rewards of ``responses`` in order; returns within ``batch_timeout_s`` (plus the time
+        to replace killed workers)."""
         if len(responses) != len(ground_truths):
             raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
-        pending = [self._pool.apply_async(_score, (self.name, r, g))
-                   for r, g in zip(responses, ground_truths)]
-        batch = ScoredBatch(rewards=[])
-        stuck = False
-        for index, result in enumerate(pending):
-            # Each check gets timeout_s from the moment it is waited on; checks queued behind a
-            # stuck worker run on the others meanwhile.
-            try:
-                reward, error = result.get(timeout=self.timeout_s)
-            except multiprocessing.TimeoutError:
-                stuck = True
-                batch.timed_out += 1
+        rewards: list[float | None] = [None] * len(responses)
+        timed_out: set[int] = set()
+        errors: dict[int, str] = {}
+        waiting = deque(range(len(responses)))
+        batch_end = None if self.batch_timeout_s is None else time.monotonic() + self.batch_timeout_s
+
+        def fail(item: int, message: str) -> None:
+            errors[item] = f"reward {self.name!r} on response {item} ({responses[item][:80]!r}): {message}"
+
+        while waiting or any(w.item is not None for w in self._workers):
+            for worker in self._workers:
+                if worker.item is None and waiting:
+                    item = waiting.popleft()
+                    worker.start(item, responses[item], ground_truths[item])
+            busy = [w for w in self._workers if w.item is not None]
+            ends = [w.started + self.timeout_s for w in busy] + ([batch_end] if batch_end else [])
+            multiprocessing.connection.wait(
+                [w.connection for w in busy] + [w.process.sentinel for w in busy],
+                timeout=max(0.0, min(ends) - time.monotonic()))
+            for worker in busy:
+                item = worker.item
+                closed = False
+                if worker.connection.poll():  # a result sent before a death is still taken
+                    try:
+                        _, reward, error = worker.connection.recv()
+                    except (EOFError, OSError):
+                        closed = True  # the worker is gone or going: wait for its exit code
+                        worker.process.join(timeout=STARTUP_TIMEOUT_S)
+                    else:
+                        worker.item = None
+                        if error is None:
+                            rewards[item] = reward
+                        else:
+                            fail(item, error)
+                        continue
+                if closed or not worker.process.is_alive():
+                    fail(item, f"its worker process died (exit code {worker.process.exitcode}); "
+                               "the worker was replaced")
+                    self._replace(worker)
+                elif time.monotonic() >= worker.started + self.timeout_s:
+                    timed_out.add(item)
+                    self._replace(worker)
+            if batch_end is not None and time.monotonic() >= batch_end:
+                for worker in [w for w in self._workers if w.item is not None]:
+                    timed_out.add(worker.item)
+                    self._replace(worker)
+                timed_out.update(waiting)
+                waiting.clear()
+        batch = ScoredBatch(rewards=[], timed_out=len(timed_out))
+        for item, reward in enumerate(rewards):
+            if item in timed_out:
                 batch.rewards.append(self.timeout_reward)
-                continue
-            if error is not None:
-                batch.errors.append(f"{index}: {error}")
+            elif item in errors:
+                batch.errors.append(f"{item}: {errors[item]}")
                 batch.rewards.append(self.error_reward)
             else:
                 batch.rewards.append(reward)
-        if stuck:
-            self._pool.terminate()
-            self._pool = self._start()
+        for message in batch.errors[:_LOGGED_ERRORS]:
+            log.warning("reward error (scored %s): %s", self.error_reward, message)
         return batch
 
     def close(self) -> None:
-        self._pool.terminate()
-        self._pool.join()
+        for worker in self._workers:
+            worker.stop()
+        self._workers = []
 
-    def __enter__(self) -> "RewardPool":
+    def __enter__(self) -> RewardPool:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,3 +1,4 @@
 from bapo_megatron.trainer.main import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -40,9 +42,14 @@ def test_registry_names_and_errors():
 
 
 def slow_reward(response: str, truth: str) -> float:
-    """Sleeps ``response`` seconds when it is a number (a stand-in for a pathological check)."""
+    """Sleeps ``response`` seconds when it is a number (a stand-in for a pathological check);
+    ``die`` kills its own process (as an OOM kill or a segfault would), ``nan`` returns NaN."""
     if response == "raise":
         raise RuntimeError("bad output")
+    if response == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if response == "nan":
+        return float("nan")
     time.sleep(float(response))
     return 1.0
 
@@ -52,7 +59,8 @@ def test_pool_bounds_each_check_and_counts_failures():
         batch = pool.score(["0", "30", "raise", "0"], ["", "", "", ""])
         assert batch.rewards == [1.0, 0.0, 0.0, 1.0]
         assert batch.timed_out == 1
-        assert batch.errors == ["2: RuntimeError: bad output"]
+        assert batch.errors == ["2: reward 'tests.unit.test_rewards:slow_reward' on response 2 "
+                                "('raise'): RuntimeError: bad output"]
         # The stuck worker was replaced: the pool still works.
         assert pool.score(["0"], [""]).rewards == [1.0]
 
@@ -63,3 +71,34 @@ def test_pool_scores_math_in_workers():
     assert batch.rewards == [1.0, 0.0] and batch.timed_out == 0 and not batch.errors
     with RewardPool("math", workers=1) as pool, pytest.raises(ValueError, match="2 responses but 1"):
         pool.score(["a", "b"], ["c"])
+
+
+def test_a_worker_that_dies_is_replaced_and_its_check_counted():
+    with RewardPool("tests.unit.test_rewards:slow_reward", workers=2, timeout_s=60.0) as pool:
+        first = [w.process.pid for w in pool._workers]
+        batch = pool.score(["0", "die", "0", "die", "0"], [""] * 5)
+        assert batch.rewards == [1.0, 0.0, 1.0, 0.0, 1.0] and batch.timed_out == 0
+        assert [m.split(":")[0] for m in batch.errors] == ["1", "3"]
+        assert all("worker process died (exit code -9)" in m for m in batch.errors)
+        assert len({w.process.pid for w in pool._workers} - set(first)) >= 1
+        assert pool.score(["0", "0"], ["", ""]).rewards == [1.0, 1.0]
+        workers = [w.process for w in pool._workers]
+    assert not any(process.is_alive() for process in workers)  # close ends every worker
+
+
+def test_the_whole_batch_is_bounded_in_time():
+    # eight checks that would each run for an hour, under a per-check limit of an hour: the
+    # batch limit ends them all, and the pool works again afterwards
+    with RewardPool("tests.unit.test_rewards:slow_reward", workers=2, timeout_s=3600.0,
+                    batch_timeout_s=1.0) as pool:
+        batch = pool.score(["3600"] * 8, [""] * 8)
+        assert batch.timed_out == 8 and batch.rewards == [0.0] * 8 and not batch.errors
+        assert pool.score(["0"], [""]).rewards == [1.0]
+
+
+def test_a_reward_that_is_not_a_finite_number_is_an_error_naming_reward_and_response():
+    with RewardPool("tests.unit.test_rewards:slow_reward", workers=1, timeout_s=60.0) as pool:
+        batch = pool.score(["0", "nan"], ["", ""])
+    assert batch.rewards == [1.0, 0.0]
+    assert batch.errors == ["1: reward 'tests.unit.test_rewards:slow_reward' on response 1 ('nan'): "
+                            "returned nan, not a finite number"]
