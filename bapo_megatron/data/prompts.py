@@ -12,6 +12,7 @@ pyarrow and pandas use.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -45,8 +46,11 @@ def _row(record: Any, where: str, index: int) -> PromptRow:
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {prompt!r}")
     answer = record.get("answer")
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or str(answer).strip() == "":
-        raise ValueError(f"{where}: field 'answer' must be a non-empty string or a number, got {answer!r}")
+    # a float NaN/inf is how pandas and parquet write a missing number: never an answer
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or str(answer).strip() == "" \
+            or (isinstance(answer, float) and not math.isfinite(answer)):
+        raise ValueError(f"{where}: field 'answer' must be a non-empty string or a finite number, "
+                         f"got {answer!r}")
     row_id = record.get("id")
     if row_id is None:  # a parquet file with ids on some rows only stores null on the others
         row_id = index
@@ -58,11 +62,19 @@ def _row(record: Any, where: str, index: int) -> PromptRow:
 def _records(path: Path) -> list[tuple[str, Any]]:
     if path.suffix == ".jsonl":
         records = []
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, start=1):
+        # read as bytes and decode line by line: a byte that is not UTF-8 makes that line bad,
+        # not the whole file
+        with path.open("rb") as lines:
+            for number, raw in enumerate(lines, start=1):
+                where = f"{path}:{number}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    records.append((where, ValueError(
+                        f"{where}: not valid UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})")))
+                    continue
                 if not line.strip():
                     continue
-                where = f"{path}:{number}"
                 try:
                     records.append((where, json.loads(line)))
                 except json.JSONDecodeError as err:
@@ -114,7 +126,10 @@ def prompt_token_ids(tokenizer, row: PromptRow, *, system: str | None = None) ->
     the assistant turn opened (generation starts right after)."""
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": row.prompt}]
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    try:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    except Exception as err:  # noqa: BLE001 - tokenizers raise bare Exceptions for text they cannot encode
+        raise ValueError(f"the tokenizer cannot encode the prompt ({type(err).__name__}: {err})") from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

@@ -40,7 +40,7 @@ def test_jsonl_and_parquet_give_the_same_rows(tmp_path):
 
 @pytest.mark.parametrize("bad, message", [
     ('{"prompt": "", "answer": "1"}', "field 'prompt' must be a non-empty string"),
-    ('{"prompt": "x"}', "field 'answer' must be a non-empty string or a number, got None"),
+    ('{"prompt": "x"}', "field 'answer' must be a non-empty string or a finite number, got None"),
     ('{"prompt": "x", "answer": true}', "field 'answer'"),
     ('{"prompt": "x", "answer": "1", "id": [1]}', "field 'id'"),
     ('[1, 2]', "expected an object"),
@@ -90,7 +90,7 @@ def write_parquet(path, records):
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"prompt": "x"}, "field 'answer' must be a non-empty string or a number, got None"),  # null in parquet
+    ({"prompt": "x"}, "field 'answer' must be a non-empty string or a finite number, got None"),  # null in parquet
     ({"prompt": "", "answer": "1"}, "field 'prompt' must be a non-empty string, got ''"),
     ({"prompt": "  ", "answer": "1"}, "field 'prompt' must be a non-empty string"),
     ({"prompt": "x", "answer": "1", "id": [1]}, "field 'id' must be a string or an integer, got [1]"),
@@ -179,3 +179,43 @@ def test_a_synthetic_task_that_does_not_fit_the_model_is_a_config_error():
     cfg = load_config(tiny, ["model.max_position_embeddings=8", "rollout.max_new_tokens=4"])
     with pytest.raises(ValueError, match="data.synthetic_task 'walk': prompt '.*': the prompt is "):
         load_task(cfg)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_line_that_is_not_utf8_is_a_bad_row(tmp_path, skip):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(json.dumps(GOOD).encode() + b'\n{"prompt": "caf\xe9", "answer": "1"}\n'
+                     + json.dumps(ROWS[1]).encode() + b"\n")
+    if not skip:
+        with pytest.raises(ValueError, match=f"^{path}:2: not valid UTF-8 \\(byte 0xe9 at column 16\\)$"):
+            load_prompts(path)
+        return
+    loaded = load_prompts(path, skip_bad_rows=True)
+    assert [row.prompt for row in loaded.rows] == [GOOD["prompt"], "Compute 7*6."]
+    assert loaded.skipped == [f"{path}:2: not valid UTF-8 (byte 0xe9 at column 16)"]
+
+
+@pytest.mark.parametrize("answer", [float("nan"), float("inf")])
+def test_a_missing_number_in_parquet_is_not_an_answer(tmp_path, answer):
+    path = write_parquet(tmp_path / "p.parquet", [{"prompt": "x", "answer": 5.0},
+                                                 {"prompt": "y", "answer": answer}])
+    with pytest.raises(ValueError, match=f"0-based row 1: field 'answer' must be a non-empty string "
+                                         f"or a finite number, got {answer}"):
+        load_prompts(path)
+    assert load_prompts(path, skip_bad_rows=True).skipped[0].startswith(f"{path} 0-based row 1: ")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_prompt_the_tokenizer_cannot_encode_is_a_bad_row(tmp_path, suffix):
+    # the walk tokenizer knows digits and a few signs only, and has no unknown token
+    rows = [{"prompt": "7>9", "answer": "8 9"}, {"prompt": "7>x", "answer": "no"}]
+    path = tmp_path / f"train{suffix}"
+    (write_jsonl if suffix == ".jsonl" else write_parquet)(path, rows)
+    model = _walk_model_folder(tmp_path / "model", max_position_embeddings=64)
+    common = ["model=null", f"train.model_path={model}", f"data.train_file={path}",
+              "rollout.max_new_tokens=8"]
+    where = f"{path}:2" if suffix == ".jsonl" else f"{path} 0-based row 1"
+    with pytest.raises(ValueError, match=f"^{where}: the tokenizer cannot encode the prompt "):
+        load_task(load_config(None, common))
+    task = load_task(load_config(None, common + ["data.skip_bad_rows=true"]))
+    assert [row.prompt for row in task.rows] == ["7>9"] and task.skipped_rows == 1
