@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from bapo_megatron.config import Accelerator, Config, ModelConfig, validate_layout
+from bapo_megatron.config import Config, ModelConfig
 from bapo_megatron.config.loading import load_config
+from bapo_megatron.distributed.layout import Accelerator, validate_layout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO_ROOT / "examples"

@@ -8,14 +8,9 @@ import json
 import pytest
 import torch
 
-from bapo_megatron.config import (
-    Accelerator,
-    Config,
-    ModelConfig,
-    ParallelConfig,
-    validate_layout,
-)
+from bapo_megatron.config import Config, ModelConfig, ParallelConfig
 from bapo_megatron.config.loading import load_config
+from bapo_megatron.distributed.layout import Accelerator, validate_layout
 
 # Shapes of real checkpoints' config.json, reduced to what the readers look at.
 LLAMA_3_8B_STYLE = {
@@ -106,6 +101,23 @@ def test_llama_errors_name_the_file_and_field(tmp_path, change, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"hidden_size": "4096"}, "model.hidden_size: expected an integer, got '4096' (a string"),
+    ({"rms_norm_eps": True}, "model.rms_norm_eps: expected a number (float), got true (a boolean)"),
+    ({"num_hidden_layers": 32.0}, "model.num_layers: expected an integer, got 32.0 (a float)"),
+])
+def test_ill_typed_config_json_values_are_refused_like_yaml_ones(tmp_path, change, message):
+    path = write_config(tmp_path, {**LLAMA_3_8B_STYLE, **change})
+    with pytest.raises(ValueError) as err:
+        ModelConfig.from_hf_config(path)
+    assert f"HF config {path}: {message}" in str(err.value)
+
+
+def test_integer_config_json_floats_become_floats():
+    cfg = ModelConfig.from_hf_config({**LLAMA_3_8B_STYLE, "rope_theta": 500000})
+    assert cfg.rope_theta == 500000.0 and type(cfg.rope_theta) is float
+
+
 def test_qwen2_sliding_window_is_refused():
     with pytest.raises(ValueError, match="use_sliding_window=True is not supported"):
         ModelConfig.from_hf_config({**QWEN25_05B_STYLE, "use_sliding_window": True})
@@ -130,7 +142,6 @@ def test_missing_and_malformed_files(tmp_path):
     (dict(num_query_groups=3), "model.num_query_groups (3) must divide"),
     (dict(rms_norm_eps=0.0), "model.rms_norm_eps must be a finite number > 0"),
     (dict(params_dtype="float16"), "model.params_dtype must be"),
-    (dict(tie_word_embeddings="yes"), "model.tie_word_embeddings must be true or false"),
 ])
 def test_model_field_errors(overrides, message):
     with pytest.raises(ValueError) as err:
