@@ -23,7 +23,7 @@ class RolloutConfig:
     prompts_per_step: int = 16
     """Prompts drawn per rollout step, over all data-parallel ranks (must divide evenly)."""
     samples_per_prompt: int = 8
-    """Responses per prompt (the GRPO group size n)."""
+    """Responses per prompt (the GRPO group size n; training needs at least 2)."""
     max_new_tokens: int = 256
     """Response length cap; a response cut there ends with finish reason `length`."""
     top_p: float = 1.0
