@@ -25,8 +25,9 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from bapo_megatron.actor.megatron_config import to_transformer_config
-from bapo_megatron.config import ModelConfig, ParallelConfig, validate_layout
+from bapo_megatron.config import ModelConfig, ParallelConfig
 from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.distributed.layout import validate_layout
 
 DEFAULT_SEED = 1234
 
@@ -48,7 +49,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, context: ParallelC
     """This rank's model chunks: one ``GPTModel``, or ``virtual_pipeline_model_parallel_size``
     of them (Megatron's interleaved schedule takes the list).
 
-    The layout is validated first (:func:`~bapo_megatron.config.validate_layout`). Initial
+    The layout is validated first (:func:`~bapo_megatron.distributed.layout.validate_layout`). Initial
     weights are a function of ``seed`` and the layout: a rebuild with the same seed and layout
     gives the same weights, but different layouts do not give the same full model (trained
     weights are loaded afterwards). The seed sets Megatron's RNG tracker and the default

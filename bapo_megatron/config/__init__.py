@@ -1,35 +1,29 @@
 """The run's configuration: typed dataclasses (one module per group of sections), the presets,
-the translation of a model's HF ``config.json``, and the loader that turns YAML files and dotted
-overrides into them (the one place where value types are checked)."""
+the translation of a model's HF ``config.json``, the rules that span sections, and the loader
+that turns YAML files and dotted overrides into them (value types are checked in one place,
+:mod:`bapo_megatron.config.value_types`)."""
 
-from bapo_megatron.config.loading import load_config  # after the schema it loads into
-from bapo_megatron.config.schema import (
-    AGGREGATIONS,
-    CLIP_PRESETS,
-    ENGINE_KINDS,
-    MODEL_TYPES,
-    Accelerator,
-    ActorConfig,
+from bapo_megatron.config.actor import ActorConfig, OptimizerConfig
+from bapo_megatron.config.hf_model import MODEL_TYPES
+from bapo_megatron.config.loading import load_config
+from bapo_megatron.config.loss import AGGREGATIONS, CLIP_PRESETS, ClipSearchConfig, LossConfig
+from bapo_megatron.config.model import ModelConfig
+from bapo_megatron.config.parallel import ParallelConfig
+from bapo_megatron.config.rollout import ENGINE_KINDS, RolloutConfig
+from bapo_megatron.config.run import (
     AlgorithmConfig,
     CheckpointConfig,
-    ClipSearchConfig,
     Config,
     DataConfig,
     LoggingConfig,
-    LossConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ParallelConfig,
     RewardConfig,
-    RolloutConfig,
     TrainConfig,
     WarmupConfig,
-    validate_layout,
 )
 
 __all__ = [
-    "AGGREGATIONS", "CLIP_PRESETS", "ENGINE_KINDS", "MODEL_TYPES", "Accelerator", "ActorConfig",
+    "AGGREGATIONS", "CLIP_PRESETS", "ENGINE_KINDS", "MODEL_TYPES", "ActorConfig",
     "AlgorithmConfig", "CheckpointConfig", "ClipSearchConfig", "Config", "DataConfig",
     "LoggingConfig", "LossConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig",
-    "RewardConfig", "RolloutConfig", "TrainConfig", "WarmupConfig", "load_config", "validate_layout",
+    "RewardConfig", "RolloutConfig", "TrainConfig", "WarmupConfig", "load_config",
 ]

@@ -3,25 +3,26 @@
 The YAML tree mirrors the dataclasses; override values are parsed as YAML scalars (``null``,
 ``3.0``, ``1e-3``, ``true``). A section with a ``preset`` key and a ``from_preset`` constructor
 starts from that preset. Unknown keys and wrongly typed values raise ``ValueError`` naming the
-dotted field and the expected type. Values are never converted between YAML types: a quoted
-``'0.001'`` is a string and is refused where a number is expected, ``true`` is not a number, and
-``2.0`` is not an integer; an integer is accepted where a float is expected.
+dotted field and the expected type (:func:`~bapo_megatron.config.value_types.build_dataclass`):
+a quoted ``'0.001'`` is a string and is refused where a number is expected, ``true`` is not a
+number, and ``2.0`` is not an integer; an integer is accepted where a float is expected. A key
+written twice in one mapping is refused with both lines (YAML would silently keep the last).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
-import types
-import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import yaml
 
-from bapo_megatron.config.schema import Config
+from bapo_megatron.config.run import Config
+from bapo_megatron.config.value_types import build_dataclass
 
 T = TypeVar("T")
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 class _ConfigLoader(yaml.SafeLoader):
@@ -39,10 +40,44 @@ _ConfigLoader.add_implicit_resolver(
 
 
 def _parse_yaml(text: str, where: str) -> Any:
+    loader = _ConfigLoader(text)
     try:
-        return yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 - a SafeLoader subclass
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicate_keys(node, where, "", set())
+        return loader.construct_document(node)
     except yaml.YAMLError as err:
         raise ValueError(f"{where}: not valid YAML ({err})") from None
+    finally:
+        loader.dispose()
+
+
+def _refuse_duplicate_keys(node: yaml.Node, where: str, path: str, seen: set[int]) -> None:
+    """Raise ``ValueError`` naming ``where``, the dotted key and both lines when a mapping in the
+    tree under ``node`` has the same key twice (PyYAML keeps the last one without a word)."""
+    if id(node) in seen:  # an alias of a node already walked (or a recursive one)
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE_TAG:
+                continue
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else None
+            line = key_node.start_mark.line + 1
+            dotted = f"{path}.{key}" if path else str(key)
+            if key is not None:
+                if (key_node.tag, key) in lines:
+                    raise ValueError(
+                        f"{where}: key {dotted!r} is written twice, on lines "
+                        f"{lines[(key_node.tag, key)]} and {line} (YAML would silently keep the "
+                        "last); keep one")
+                lines[(key_node.tag, key)] = line
+            _refuse_duplicate_keys(value_node, where, dotted, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, where, f"{path}[{index}]", seen)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
@@ -72,111 +107,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ValueError(f"override {dotted}: {'.'.join(parts[: i + 1])} is a value, not a section")
+            raise ValueError(  # noqa: TRY004 - every config error is a ValueError
+                f"override {dotted}: {'.'.join(parts[: i + 1])} is a value, not a section")
         node = child
     node[parts[-1]] = value
-
-
-def build_dataclass(cls: type[T], data: Any, prefix: str) -> T:
-    """Instantiate dataclass ``cls`` from a mapping, checking keys and value types recursively."""
-    where = prefix or "<root>"
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a mapping for {cls.__name__}, got {_describe(data)}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ValueError(f"{where}: unknown field(s) {unknown}; {cls.__name__} has {sorted(fields)}")
-    kwargs = {name: _coerce(hints[name], value, _join(prefix, name)) for name, value in data.items()}
-    try:
-        if "preset" in kwargs and hasattr(cls, "from_preset"):
-            return cls.from_preset(kwargs.pop("preset"), **kwargs)
-        return cls(**kwargs)
-    except TypeError as err:  # a required field is missing
-        raise ValueError(f"{where}: {err}") from None
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _coerce(hint: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint):
-        return build_dataclass(hint, value, where)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None:
-            if type(None) in options:
-                return None
-            raise ValueError(f"{where}: null is not allowed")
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(option, value, where)
-            except ValueError as err:
-                errors.append(str(err))
-        raise ValueError("; ".join(errors))
-    if origin is tuple:
-        item, ellipsis = (typing.get_args(hint) + (None, None))[:2]
-        if ellipsis is not Ellipsis:
-            raise TypeError(f"{where}: only tuple[T, ...] fields are supported")  # internal
-        if value is None or isinstance(value, dict):
-            raise ValueError(f"{where}: expected a list of {_type_name(item)}, got {_describe(value)}")
-        if not isinstance(value, (list, tuple)):
-            value = [value]  # a single item may be written without a list
-        return tuple(_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value))
-    if origin is Literal:
-        choices = typing.get_args(hint)
-        # `type(...) is` as well as `==`: True == 1 and 1 == 1.0 would otherwise pass for 1 or 1.0
-        if not any(type(value) is type(c) and value == c for c in choices):
-            raise ValueError(f"{where}: expected one of {list(choices)}, got {_describe(value)}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{where}: expected a number (float), got {_describe(value)}")
-        return float(value)
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{where}: expected an integer, got {_describe(value)}")
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{where}: expected true or false, got {_describe(value)}")
-        return value
-    if hint is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{where}: expected a string, got {_describe(value)}")
-        return value
-    raise TypeError(f"{where}: unsupported field type {hint!r}")  # internal: extend _coerce
-
-
-_YAML_KINDS = {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
-               list: "a list", dict: "a mapping"}
-
-
-def _describe(value: Any) -> str:
-    """``value`` as YAML would show it, and what YAML read it as."""
-    if value is None:
-        return "null"
-    shown = str(value).lower() if isinstance(value, bool) else repr(value)
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
-    kind = _YAML_KINDS.get(type(value), type(value).__name__)
-    if isinstance(value, str) and _looks_numeric(value):
-        return f"{shown} ({kind}: a quoted number is a string in YAML; write it without quotes)"
-    return f"{shown} ({kind})"
-
-
-def _looks_numeric(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _type_name(hint: Any) -> str:
-    return {str: "strings", int: "integers", float: "numbers", bool: "booleans"}.get(hint, repr(hint))

@@ -73,7 +73,7 @@ class ParallelContext:
         ``torchrun`` environment (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``...) when present,
         otherwise as a world of one process. The backend is NCCL when CUDA is available, else
         gloo; on the CPU, the Megatron-Core CPU patches are applied first. Sizes that do not fit
-        the world raise ``ValueError`` (see :func:`bapo_megatron.config.validate_layout` for
+        the world raise ``ValueError`` (see :func:`bapo_megatron.distributed.layout.validate_layout` for
         the checks that also need the model).
         """
         if parallel_state.model_parallel_is_initialized():

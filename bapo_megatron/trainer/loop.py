@@ -30,7 +30,7 @@ from bapo_megatron.actor.logprobs import compute_logprobs
 from bapo_megatron.actor.train_step import train_step
 from bapo_megatron.algo.advantages import grpo_advantages, informative_groups
 from bapo_megatron.algo.search_plan import SearchPlan
-from bapo_megatron.config import Config, validate_layout
+from bapo_megatron.config import Config
 from bapo_megatron.data.experience import (
     Group,
     ReplayBuffer,
@@ -40,6 +40,7 @@ from bapo_megatron.data.experience import (
 )
 from bapo_megatron.data.task import Task, encode_prompt, load_task
 from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.distributed.layout import validate_layout
 from bapo_megatron.rewards.pool import RewardPool
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.registry import build_engine

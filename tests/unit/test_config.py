@@ -81,6 +81,10 @@ ILL_TYPED = [
     ("rollout.server_urls", "{a: 1}", "expected a list of strings, got {'a': 1} (a mapping)"),
     ("rollout.server_urls", "null", "expected a list of strings, got null"),
     ("rollout.server_urls[1]", "[http://a, 8000]", "expected a string, got 8000 (an integer)"),
+    ("rollout.timeout_s", "soon", "expected a number (float), got 'soon' (a string)"),
+    ("rollout.timeout_s", "true", "expected a number (float), got true (a boolean)"),
+    ("model.tie_word_embeddings", "'yes'", "expected true or false, got 'yes' (a string)"),
+    ("algorithm.rollout_lag", "1.0", "expected an integer, got 1.0 (a float)"),
 ]
 
 
@@ -145,3 +149,69 @@ def test_unparsable_yaml_names_the_file_or_override(tmp_path, where):
     with pytest.raises(ValueError, match="not valid YAML") as raised:
         load_config(*args)
     assert (str(path) if where == "yaml" else "override 'optimizer.lr=[1'") in str(raised.value)
+
+
+# A config that passes check_training: a tiny model from random weights on the synthetic task.
+TRAINABLE = ["data.synthetic_task=walk", "model.model_type=llama", "model.num_layers=2",
+             "model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4",
+             "model.num_query_groups=2", "model.vocab_size=128"]
+
+
+def test_the_trainable_config_trains():
+    load_config(None, TRAINABLE).check_training()
+
+
+@pytest.mark.parametrize("value", ["", "'  '"])
+def test_an_empty_output_dir_is_refused(value):
+    with pytest.raises(ValueError, match=r"train\.output_dir must name a folder") as raised:
+        load_config(None, [f"train.output_dir={value}"])
+    assert "current directory" in str(raised.value)
+
+
+def test_a_rollout_lag_that_leaves_no_training_step_is_refused():
+    cfg = load_config(None, TRAINABLE + ["algorithm.rollout_lag=5", "train.steps=5"])
+    with pytest.raises(ValueError) as raised:
+        cfg.check_training()
+    assert str(raised.value).startswith(
+        "algorithm.rollout_lag (5) must be smaller than train.steps (5): the first 5 rollout steps "
+        "only generate")
+    load_config(None, TRAINABLE + ["algorithm.rollout_lag=5", "train.steps=6"]).check_training()
+
+
+def test_one_sample_per_prompt_is_refused_for_training_only():
+    cfg = load_config(None, TRAINABLE + ["rollout.samples_per_prompt=1"])  # fine outside training
+    with pytest.raises(ValueError) as raised:
+        cfg.check_training()
+    message = str(raised.value)
+    assert message.startswith("rollout.samples_per_prompt=1 cannot train")
+    assert "a group of one gives every response the advantage 0" in message
+    load_config(None, TRAINABLE + ["rollout.samples_per_prompt=2"]).check_training()
+
+
+@pytest.mark.parametrize("text,key,lines", [
+    ("train:\n  steps: 3\nloss:\n  aggregation: token-mean\ntrain:\n  seed: 1\n", "train", (1, 5)),
+    ("train:\n  steps: 3\n  seed: 1\n  steps: 4\n", "train.steps", (2, 4)),
+    ("loss:\n  clip:\n    target: 0.3\n    preset: paper\n    target: 0.5\n", "loss.clip.target", (3, 5)),
+    ("rollout:\n  server_urls:\n    - {a: 1, a: 2}\n", "rollout.server_urls[0].a", (3, 3)),
+])
+def test_a_key_written_twice_is_refused_with_its_lines(tmp_path, text, key, lines):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as raised:
+        load_config(path)
+    assert str(raised.value).startswith(
+        f"config file {path}: key {key!r} is written twice, on lines {lines[0]} and {lines[1]}")
+
+
+def test_a_key_written_twice_in_an_override_is_refused():
+    with pytest.raises(ValueError, match=r"override 'loss=\{aggregation: token-mean, aggregation: "
+                                         r"seq-mean-token-sum\}': key 'aggregation' is written twice"):
+        load_config(None, ["loss={aggregation: token-mean, aggregation: seq-mean-token-sum}"])
+
+
+def test_a_merged_key_written_again_is_not_a_duplicate(tmp_path):
+    # YAML's merge key: keys written beside `<<` replace the merged ones by design
+    path = tmp_path / "run.yaml"
+    path.write_text("loss:\n  clip:\n    <<: {target: 0.3, c_high_max: 2.5}\n    target: 0.35\n")
+    clip = load_config(path).loss.clip
+    assert (clip.target, clip.c_high_max) == (0.35, 2.5)

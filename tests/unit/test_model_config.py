@@ -8,14 +8,9 @@ import json
 import pytest
 import torch
 
-from bapo_megatron.config import (
-    Accelerator,
-    Config,
-    ModelConfig,
-    ParallelConfig,
-    validate_layout,
-)
+from bapo_megatron.config import Config, ModelConfig, ParallelConfig
 from bapo_megatron.config.loading import load_config
+from bapo_megatron.distributed.layout import Accelerator, validate_layout
 
 # Shapes of real checkpoints' config.json, reduced to what the readers look at.
 LLAMA_3_8B_STYLE = {
@@ -40,8 +35,8 @@ HOPPER_WITH_TE = Accelerator(transformer_engine=True, cuda=True, fp8_gpu=True)
 
 
 def tiny(**overrides) -> ModelConfig:
-    values = dict(model_type="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128,
-                  num_attention_heads=4, num_query_groups=2, vocab_size=128)
+    values = {"model_type": "llama", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
+                  "num_attention_heads": 4, "num_query_groups": 2, "vocab_size": 128}
     return ModelConfig(**{**values, **overrides})
 
 
@@ -106,6 +101,23 @@ def test_llama_errors_name_the_file_and_field(tmp_path, change, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"hidden_size": "4096"}, "model.hidden_size: expected an integer, got '4096' (a string"),
+    ({"rms_norm_eps": True}, "model.rms_norm_eps: expected a number (float), got true (a boolean)"),
+    ({"num_hidden_layers": 32.0}, "model.num_layers: expected an integer, got 32.0 (a float)"),
+])
+def test_ill_typed_config_json_values_are_refused_like_yaml_ones(tmp_path, change, message):
+    path = write_config(tmp_path, {**LLAMA_3_8B_STYLE, **change})
+    with pytest.raises(ValueError) as err:
+        ModelConfig.from_hf_config(path)
+    assert f"HF config {path}: {message}" in str(err.value)
+
+
+def test_integer_config_json_floats_become_floats():
+    cfg = ModelConfig.from_hf_config({**LLAMA_3_8B_STYLE, "rope_theta": 500000})
+    assert cfg.rope_theta == 500000.0 and type(cfg.rope_theta) is float
+
+
 def test_qwen2_sliding_window_is_refused():
     with pytest.raises(ValueError, match="use_sliding_window=True is not supported"):
         ModelConfig.from_hf_config({**QWEN25_05B_STYLE, "use_sliding_window": True})
@@ -124,13 +136,12 @@ def test_missing_and_malformed_files(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(model_type="gpt2"), "model.model_type must be one of"),
-    (dict(num_layers=0), "model.num_layers must be a positive integer"),
-    (dict(hidden_size=66), "model.hidden_size (66) must be a multiple of model.num_attention_heads (4)"),
-    (dict(num_query_groups=3), "model.num_query_groups (3) must divide"),
-    (dict(rms_norm_eps=0.0), "model.rms_norm_eps must be a finite number > 0"),
-    (dict(params_dtype="float16"), "model.params_dtype must be"),
-    (dict(tie_word_embeddings="yes"), "model.tie_word_embeddings must be true or false"),
+    ({"model_type": "gpt2"}, "model.model_type must be one of"),
+    ({"num_layers": 0}, "model.num_layers must be a positive integer"),
+    ({"hidden_size": 66}, "model.hidden_size (66) must be a multiple of model.num_attention_heads (4)"),
+    ({"num_query_groups": 3}, "model.num_query_groups (3) must divide"),
+    ({"rms_norm_eps": 0.0}, "model.rms_norm_eps must be a finite number > 0"),
+    ({"params_dtype": "float16"}, "model.params_dtype must be"),
 ])
 def test_model_field_errors(overrides, message):
     with pytest.raises(ValueError) as err:
@@ -145,14 +156,14 @@ def test_qkv_bias_defaults_to_the_family():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(tensor_model_parallel_size=0), "parallel.tensor_model_parallel_size must be a positive integer"),
-    (dict(sequence_parallel=True), "parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1"),
-    (dict(virtual_pipeline_model_parallel_size=2), "needs parallel.pipeline_model_parallel_size > 1"),
-    (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=1),
+    ({"tensor_model_parallel_size": 0}, "parallel.tensor_model_parallel_size must be a positive integer"),
+    ({"sequence_parallel": True}, "parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1"),
+    ({"virtual_pipeline_model_parallel_size": 2}, "needs parallel.pipeline_model_parallel_size > 1"),
+    ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 1},
      "virtual_pipeline_model_parallel_size must be an integer >= 2"),
-    (dict(fp8="e5m2"), "parallel.fp8 must be 'e4m3', 'hybrid' or null"),
-    (dict(fp8_recipe="fast"), "parallel.fp8_recipe must be one of"),
-    (dict(fp8_amax_compute_algo="mean"), "parallel.fp8_amax_compute_algo must be"),
+    ({"fp8": "e5m2"}, "parallel.fp8 must be 'e4m3', 'hybrid' or null"),
+    ({"fp8_recipe": "fast"}, "parallel.fp8_recipe must be one of"),
+    ({"fp8_amax_compute_algo": "mean"}, "parallel.fp8_amax_compute_algo must be"),
 ])
 def test_parallel_field_errors(overrides, message):
     with pytest.raises(ValueError) as err:
@@ -188,21 +199,21 @@ def test_layout_returns_the_data_parallel_size():
 
 
 @pytest.mark.parametrize("model_overrides,parallel,world,message", [
-    (dict(num_attention_heads=2, num_query_groups=2, hidden_size=64), dict(tensor_model_parallel_size=4), 4,
+    ({"num_attention_heads": 2, "num_query_groups": 2, "hidden_size": 64}, {"tensor_model_parallel_size": 4}, 4,
      "model.num_attention_heads (2) is not divisible by parallel.tensor_model_parallel_size (4)"),
-    (dict(num_query_groups=1), dict(tensor_model_parallel_size=2), 2,
+    ({"num_query_groups": 1}, {"tensor_model_parallel_size": 2}, 2,
      "model.num_query_groups (1) is not divisible by parallel.tensor_model_parallel_size (2)"),
-    (dict(num_layers=3), dict(pipeline_model_parallel_size=2), 2,
+    ({"num_layers": 3}, {"pipeline_model_parallel_size": 2}, 2,
      "model.num_layers (3) is not divisible by pipeline = 2"),
-    (dict(num_layers=4), dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4), 2,
+    ({"num_layers": 4}, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 4}, 2,
      "model.num_layers (4) is not divisible by pipeline x virtual pipeline = 2 x 4"),
-    (dict(), dict(tensor_model_parallel_size=2), 3,
+    ({}, {"tensor_model_parallel_size": 2}, 3,
      "world size 3 is not divisible by tensor x pipeline x context parallel = 2 x 1 x 1 = 2"),
-    (dict(vocab_size=127), dict(tensor_model_parallel_size=2), 2,
+    ({"vocab_size": 127}, {"tensor_model_parallel_size": 2}, 2,
      "model.vocab_size (127) is not divisible by parallel.tensor_model_parallel_size (2)"),
-    (dict(), dict(context_parallel_size=2), 2,
+    ({}, {"context_parallel_size": 2}, 2,
      "parallel.context_parallel_size=2 needs Transformer Engine on a CUDA GPU"),
-    (dict(), dict(fp8="hybrid"), 1, "parallel.fp8='hybrid' needs Transformer Engine, which is not installed"),
+    ({}, {"fp8": "hybrid"}, 1, "parallel.fp8='hybrid' needs Transformer Engine, which is not installed"),
 ])
 def test_bad_layouts_are_refused(model_overrides, parallel, world, message):
     with pytest.raises(ValueError) as err:

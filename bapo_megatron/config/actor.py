@@ -1,0 +1,89 @@
+"""The actor's sections: its optimizer and schedule (``optimizer``) and how it runs its passes
+(``actor``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from bapo_megatron.config.ranges import require_at_least
+
+LrDecayStyle = Literal["constant", "linear", "cosine"]
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Adam with decoupled weight decay, a warmup/decay learning-rate schedule and gradient
+    clipping: Megatron's optimizer and ``OptimizerParamScheduler``, configured from here."""
+
+    lr: float = 1e-6
+    """Peak learning rate (reached after warmup)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay (`linear`, `cosine`)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to ``lr``."""
+    lr_decay_steps: int | None = None
+    """Optimizer steps from the start to the end of the decay; None: no decay (``lr`` after
+    warmup, whatever ``lr_decay_style`` says)."""
+    lr_decay_style: LrDecayStyle = "constant"
+    """`constant`, `linear` or `cosine` decay from ``lr`` to ``min_lr``."""
+    weight_decay: float = 0.01
+    """Decoupled (AdamW) weight decay; Megatron exempts biases and norm weights."""
+    adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
+    adam_beta2: float = 0.999
+    """Adam's second-moment decay."""
+    adam_eps: float = 1e-8
+    """Adam's denominator epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still
+    computed, logged, and checked for inf/nan)."""
+    use_distributed_optimizer: bool = False
+    """Shard the optimizer state over the data-parallel ranks (Megatron's distributed optimizer).
+    Its trainer checkpoints are saved in Megatron's ``dp_reshardable`` format (also on the CPU,
+    see :mod:`bapo_megatron.trainer.checkpoint`)."""
+
+    def __post_init__(self) -> None:
+        prefix = "optimizer"
+        for name in ("lr", "min_lr", "weight_decay", "adam_eps", "clip_grad"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{prefix}.{name} must be a finite number >= 0, got {value!r}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"{prefix}.min_lr ({self.min_lr}) must not exceed {prefix}.lr ({self.lr})")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{prefix}.{name} must lie in [0, 1), got {value!r}")
+        require_at_least(self.lr_warmup_steps, 0, f"{prefix}.lr_warmup_steps")
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
+            raise ValueError(
+                f"{prefix}.lr_decay_steps must be an integer > lr_warmup_steps "
+                f"({self.lr_warmup_steps}) or null, got {self.lr_decay_steps!r}"
+            )
+        if self.lr_decay_style not in ("constant", "linear", "cosine"):
+            raise ValueError(
+                f"{prefix}.lr_decay_style must be 'constant', 'linear' or 'cosine', got {self.lr_decay_style!r}"
+            )
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    """How the actor runs its passes over a batch."""
+
+    micro_batch_size: int = 1
+    """Sequences per micro-batch (one forward/backward of the pipeline schedule)."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollout: the actor's log-probs and entropy are those of
+    softmax(logits / temperature), the distribution the engine sampled from."""
+    seed: int = 1234
+    """Seed of the initial weights (when not loaded from a checkpoint)."""
+
+    def __post_init__(self) -> None:
+        prefix = "actor"
+        if self.micro_batch_size < 1:
+            raise ValueError(f"{prefix}.micro_batch_size must be a positive integer, got {self.micro_batch_size!r}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"{prefix}.temperature must be a finite number > 0, got {self.temperature!r}")
+        require_at_least(self.seed, 0, f"{prefix}.seed")

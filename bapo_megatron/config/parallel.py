@@ -1,0 +1,85 @@
+"""How the actor is split over ranks (the ``parallel`` section)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Fp8Format = Literal["e4m3", "hybrid"]
+Fp8Recipe = Literal["delayed", "tensorwise", "mxfp8", "blockwise"]
+Fp8AmaxAlgo = Literal["most_recent", "max"]
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the actor is split over ranks, and its FP8 mode. Data parallel is what is left: world
+    size / (tensor x pipeline x context). Which combinations a given model and world size accept
+    is checked by :func:`bapo_megatron.distributed.layout.validate_layout`. The fp8 fields are
+    passed through unchanged to Megatron's ``TransformerConfig`` (they need Transformer Engine
+    and an FP8-capable GPU)."""
+
+    tensor_model_parallel_size: int = 1
+    """Ranks each layer's matrices are split over (heads, MLP columns, vocabulary)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages; each holds a contiguous block of layers."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline stage for the interleaved schedule; None: not interleaved."""
+    context_parallel_size: int = 1
+    """Ranks each sequence is split over (needs Transformer Engine's attention)."""
+    sequence_parallel: bool = False
+    """Shard norm and dropout activations over the tensor-parallel ranks along the sequence
+    (Megatron's sequence parallelism; needs tensor_model_parallel_size > 1)."""
+    fp8: Fp8Format | None = None
+    """FP8 format for Transformer Engine GEMMs: `e4m3`, or `hybrid` (e4m3 forward, e5m2
+    gradients); None: no FP8. Passed through to Megatron."""
+    fp8_recipe: Fp8Recipe = "delayed"
+    """Transformer Engine scaling recipe: `delayed`, `tensorwise`, `mxfp8` (Blackwell) or
+    `blockwise`. Passed through to Megatron."""
+    fp8_amax_history_len: int = 1
+    """Window of amax values kept for the delayed-scaling factor. Passed through to Megatron."""
+    fp8_amax_compute_algo: Fp8AmaxAlgo = "most_recent"
+    """Amax from the window used for scaling: `most_recent` or `max`. Passed through to
+    Megatron."""
+
+    def __post_init__(self) -> None:
+        prefix = "parallel"
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size", "fp8_amax_history_len"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{prefix}.{name} must be a positive integer, got {value!r}")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None:
+            if vpp < 2:
+                raise ValueError(
+                    f"{prefix}.virtual_pipeline_model_parallel_size must be an integer >= 2 or null, "
+                    f"got {vpp!r}"
+                )
+            if self.pipeline_model_parallel_size < 2:
+                raise ValueError(
+                    f"{prefix}.virtual_pipeline_model_parallel_size={vpp} needs "
+                    f"{prefix}.pipeline_model_parallel_size > 1, got {self.pipeline_model_parallel_size}"
+                )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError(
+                f"{prefix}.sequence_parallel=true needs {prefix}.tensor_model_parallel_size > 1 "
+                "(it shards activations over the tensor-parallel ranks)"
+            )
+        if self.fp8 not in (None, "e4m3", "hybrid"):
+            raise ValueError(f"{prefix}.fp8 must be 'e4m3', 'hybrid' or null, got {self.fp8!r}")
+        if self.fp8_recipe not in ("delayed", "tensorwise", "mxfp8", "blockwise"):
+            raise ValueError(
+                f"{prefix}.fp8_recipe must be one of ['delayed', 'tensorwise', 'mxfp8', 'blockwise'], "
+                f"got {self.fp8_recipe!r}"
+            )
+        if self.fp8_amax_compute_algo not in ("most_recent", "max"):
+            raise ValueError(
+                f"{prefix}.fp8_amax_compute_algo must be 'most_recent' or 'max', "
+                f"got {self.fp8_amax_compute_algo!r}"
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one copy of the model: tensor x pipeline x context."""
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                * self.context_parallel_size)

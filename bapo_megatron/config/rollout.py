@@ -1,0 +1,76 @@
+"""Generation (the ``rollout`` section) and the engine kinds that do it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from bapo_megatron.config.ranges import require_at_least
+
+EngineKind = Literal["embedded", "vllm", "vllm-server", "sglang", "sglang-server"]
+ENGINE_KINDS: tuple[str, ...] = ("embedded", "vllm", "vllm-server", "sglang", "sglang-server")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """How responses are generated. Temperature is ``actor.temperature`` (the actor's log-probs
+    must be those of the distribution the engine sampled from)."""
+
+    engine: EngineKind = "embedded"
+    """`embedded`: transformers on the trainer's processes (CPU, the default); `vllm` / `sglang`:
+    the engine in-process on the first rank of each model replica, colocated with the actor;
+    `vllm-server` / `sglang-server`: a separately started server at ``server_urls``."""
+    prompts_per_step: int = 16
+    """Prompts drawn per rollout step, over all data-parallel ranks (must divide evenly)."""
+    samples_per_prompt: int = 8
+    """Responses per prompt (the GRPO group size n; training needs at least 2)."""
+    max_new_tokens: int = 256
+    """Response length cap; a response cut there ends with finish reason `length`."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold; 1 keeps the full distribution (the actor's ratio is then exact)."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
+    partial_tokens_per_round: int | None = None
+    """Partial rollout: each rollout step generates at most this many tokens per response;
+    unfinished responses are paused, carried to the next step and continued under the weights
+    of that step (their tokens keep the version they were sampled with). None: off."""
+    server_urls: tuple[str, ...] = ()
+    """Base URLs of the rollout servers (`vllm-server`, `sglang-server`), one per data-parallel
+    rank, or one shared by all."""
+    engine_tensor_parallel_size: int = 1
+    """Tensor parallelism inside an in-process vLLM/SGLang engine (GPUs it spans)."""
+    gpu_memory_utilization: float = 0.5
+    """Memory share of an in-process engine, passed on as each engine defines it: vLLM's
+    ``gpu_memory_utilization`` (its own budget, which must fit in what the actor leaves free) or
+    SGLang's ``mem_fraction_static`` (a share of the whole GPU, the actor's memory included), so
+    the same number means more KV cache under SGLang."""
+    release_memory_during_training: bool = False
+    """Have the engine free its weights and KV cache while the actor trains and reload them for
+    the weight sync (colocated GPU runs; a logged no-op where the engine cannot)."""
+    weight_bucket_mib: int = 512
+    """Size bound of a bucket of the live weight export to the engine."""
+    timeout_s: float | None = None
+    """Seconds one generation call may take: past it the engine is aborted and the run stops
+    with an error naming the engine (None: no limit). Server clients also give up on a request
+    that gets no answer for this long (one hour when None)."""
+
+    def __post_init__(self) -> None:
+        prefix = "rollout"
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"{prefix}.timeout_s must be a positive number of seconds or null, "
+                             f"got {self.timeout_s!r}")
+        if self.engine not in ENGINE_KINDS:
+            raise ValueError(f"{prefix}.engine must be one of {list(ENGINE_KINDS)}, got {self.engine!r}")
+        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens",
+                     "engine_tensor_parallel_size", "weight_bucket_mib"):
+            require_at_least(getattr(self, name), 1, f"{prefix}.{name}")
+        require_at_least(self.top_k, 0, f"{prefix}.top_k")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"{prefix}.top_p must lie in (0, 1], got {self.top_p!r}")
+        if self.partial_tokens_per_round is not None:
+            require_at_least(self.partial_tokens_per_round, 1, f"{prefix}.partial_tokens_per_round")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"{prefix}.gpu_memory_utilization must lie in (0, 1], "
+                             f"got {self.gpu_memory_utilization!r}")
+        if self.engine.endswith("-server") and not self.server_urls:
+            raise ValueError(f"{prefix}.engine={self.engine!r} needs {prefix}.server_urls")

@@ -1,0 +1,241 @@
+"""The run's own sections (prompts, reward, algorithm, warm-up, length and outputs, checkpoints,
+logging) and the root :class:`Config` that holds every section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from bapo_megatron.config.actor import ActorConfig, OptimizerConfig
+from bapo_megatron.config.checks import check_training
+from bapo_megatron.config.loss import LossConfig
+from bapo_megatron.config.model import ModelConfig, ParamsDtype
+from bapo_megatron.config.parallel import ParallelConfig
+from bapo_megatron.config.ranges import require_at_least
+from bapo_megatron.config.rollout import RolloutConfig
+
+SyntheticTask = Literal["walk", "seek"]
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where prompts come from: a prompt file, or the built-in synthetic task."""
+
+    train_file: str | None = None
+    """JSONL or parquet prompt set (fields ``prompt``, ``answer``, optional ``id``)."""
+    synthetic_task: SyntheticTask | None = None
+    """Generate the prompts instead (:mod:`bapo_megatron.data.synthetic_task`): `walk` ("7>12" ->
+    "8 9 10 11 12") or `seek` (count up a ring to the first number ending in a digit; a miss that
+    keeps counting runs to the length cap). Both bring their own character tokenizer; the model
+    must then be given in the ``model`` section with ``vocab_size`` at least the tokenizer's."""
+    synthetic_size: int = 2000
+    """Prompts generated for the synthetic task."""
+    skip_bad_rows: bool = False
+    """Skip (and count) malformed rows of ``train_file`` instead of stopping at the first."""
+    system_prompt: str | None = None
+    """System turn put before every prompt in the chat template; None: none."""
+    shuffle: bool = True
+    """Visit the prompts in a seeded random order, reshuffled every epoch."""
+
+    def __post_init__(self) -> None:
+        prefix = "data"
+        if (self.train_file is None) == (self.synthetic_task is None):
+            raise ValueError(f"{prefix}: give exactly one of {prefix}.train_file and "
+                             f"{prefix}.synthetic_task")
+        if self.synthetic_task not in (None, "walk", "seek"):
+            raise ValueError(f"{prefix}.synthetic_task must be 'walk', 'seek' or null, "
+                             f"got {self.synthetic_task!r}")
+        require_at_least(self.synthetic_size, 1, f"{prefix}.synthetic_size")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """How responses are scored: a reward from :mod:`bapo_megatron.rewards.registry`."""
+
+    name: str = "math"
+    """Registered reward (`math`, `math_lenient`, `exact_match`) or ``package.module:function``."""
+    workers: int = 2
+    """Processes scoring responses."""
+    timeout_s: float = 10.0
+    """Time limit of one check; an overrun scores 0 and is counted."""
+
+    def __post_init__(self) -> None:
+        require_at_least(self.workers, 1, "reward.workers")
+        if not self.timeout_s > 0:
+            raise ValueError(f"reward.timeout_s must be a number > 0, got {self.timeout_s!r}")
+
+
+OldLogprobs = Literal["engine", "recompute"]
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    """Advantages and the off-policy data schedule (spec section 6)."""
+
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group's standard deviation (GRPO); false: Dr. GRPO."""
+    filter_equal_groups: bool = False
+    """Drop groups whose rewards are all equal (no signal under group normalisation)."""
+    old_logprobs: OldLogprobs = "engine"
+    """Denominator of the ratio: `engine` (behaviour log-probs the engine reported) or
+    `recompute` (the actor's log-probs at the start of the rollout step; with
+    ``loss.truncated_is_cap`` the capped exp(recomputed - behaviour) weights the loss)."""
+    optimizer_steps_per_rollout: int = 1
+    """Mini-batches each rollout batch is split into, one optimizer step each: the last one is
+    trained with data that many - 1 policy versions stale."""
+    epochs: int = 1
+    """Passes over the rollout batch's mini-batches (PPO epochs)."""
+    rollout_lag: int = 0
+    """Train on the rollout batch generated this many rollout steps earlier (a queue; the
+    first steps only generate): staleness by lag, as in asynchronous RL."""
+    replay_fraction: float = 0.0
+    """Share of each training batch's groups drawn from the replay buffer of earlier rollout
+    batches (0: no replay)."""
+    replay_capacity: int = 256
+    """Groups the replay buffer keeps (oldest evicted first)."""
+    replay_max_staleness: int = 8
+    """Groups older than this many policy versions are evicted and never replayed. Counted when
+    the training batch is put together: its later mini-batches and epochs train the replayed
+    groups up to ``optimizer_steps_per_rollout * epochs - 1`` versions later still (the
+    ``staleness/*`` metrics report what was trained)."""
+
+    def __post_init__(self) -> None:
+        prefix = "algorithm"
+        if self.old_logprobs not in ("engine", "recompute"):
+            raise ValueError(f"{prefix}.old_logprobs must be 'engine' or 'recompute', got {self.old_logprobs!r}")
+        for name in ("optimizer_steps_per_rollout", "epochs", "replay_capacity", "replay_max_staleness"):
+            require_at_least(getattr(self, name), 1, f"{prefix}.{name}")
+        require_at_least(self.rollout_lag, 0, f"{prefix}.rollout_lag")
+        if not 0 <= self.replay_fraction < 1:
+            raise ValueError(f"{prefix}.replay_fraction must lie in [0, 1), got {self.replay_fraction!r}")
+
+
+@dataclass(kw_only=True)
+class WarmupConfig:
+    """A supervised warm-up on the synthetic task's reference responses before RL, for runs that
+    start from random weights (nothing can be downloaded for the tiny run). Cross-entropy on the
+    response tokens, with its own Adam and learning rate."""
+
+    steps: int = 0
+    """Optimizer steps of the warm-up; 0: none."""
+    lr: float = 1e-3
+    """Constant learning rate of the warm-up."""
+    batch_size: int = 32
+    """Sequences per warm-up step, over all data-parallel ranks."""
+
+    def __post_init__(self) -> None:
+        require_at_least(self.steps, 0, "warmup.steps")
+        require_at_least(self.batch_size, 1, "warmup.batch_size")
+        if not self.lr > 0:
+            raise ValueError(f"warmup.lr must be a number > 0, got {self.lr!r}")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The run: how long, from which weights, and where its outputs go."""
+
+    steps: int = 100
+    """Rollout steps (each: generate, score, one or more optimizer steps, weight sync)."""
+    model_path: str | None = None
+    """HF folder (config.json, safetensors, tokenizer) the policy starts from; None: the
+    ``model`` section's architecture with random weights (and ``warmup``)."""
+    params_dtype: ParamsDtype | None = None
+    """Parameter dtype for a model read from ``model_path`` (`float32`, `bfloat16`); None: float32."""
+    max_position_embeddings: int | None = None
+    """Longest prompt + response the run uses, for a model read from ``model_path`` (caps the
+    engines' context too); None: the checkpoint's ``max_position_embeddings``."""
+    load_checkpoint: str | None = None
+    """Megatron weights checkpoint the policy starts from, saved at any layout: one written by
+    ``tools/convert_checkpoint.py`` or a trainer checkpoint folder (``step_*``). Its model must
+    equal the ``model`` section. Only the weights are taken (a fresh optimizer, step 0); to
+    continue a run, use ``checkpoint.resume``."""
+    output_dir: str = "runs/bapo"
+    """Run folder: ``tensorboard/``, ``metrics.jsonl`` and ``checkpoints/``."""
+    seed: int = 0
+    """Seed of the prompt order and the rollout sampling (each step and rank derive theirs)."""
+
+    def __post_init__(self) -> None:
+        require_at_least(self.steps, 1, "train.steps")
+        require_at_least(self.seed, 0, "train.seed")
+        if self.max_position_embeddings is not None:
+            require_at_least(self.max_position_embeddings, 1, "train.max_position_embeddings")
+        if not self.output_dir.strip():
+            raise ValueError(f"train.output_dir must name a folder, got {self.output_dir!r} (an empty "
+                             "path would put the run's files in the current directory)")
+        if self.params_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"train.params_dtype must be 'float32', 'bfloat16' or null, got {self.params_dtype!r}")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Trainer checkpoints (model, optimizer, schedule, RNG, data position, replay buffer,
+    step, policy version), written aside and renamed into place."""
+
+    interval: int = 0
+    """Save every this many rollout steps (and after the last); 0: only after the last."""
+    keep_last: int | None = 2
+    """Complete checkpoints kept (older ones deleted); None keeps all."""
+    resume: bool = True
+    """Continue from the newest complete checkpoint in ``<output_dir>/checkpoints`` if one
+    exists (a run killed at any point resumes from its last complete checkpoint)."""
+
+    def __post_init__(self) -> None:
+        require_at_least(self.interval, 0, "checkpoint.interval")
+        if self.keep_last is not None:
+            require_at_least(self.keep_last, 1, "checkpoint.keep_last")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Monitoring output (written by rank 0)."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files to ``<output_dir>/tensorboard``."""
+    console: bool = True
+    """Print one progress line per rollout step."""
+    logprob_diff_interval: int = 10
+    """Every this many rollout steps, recompute the actor's log-probs of the training batch to
+    log the engine/actor gap over its tokens sampled with the current weights (free, and every
+    step, with ``algorithm.old_logprobs=recompute``); 0: never."""
+
+    def __post_init__(self) -> None:
+        require_at_least(self.logprob_diff_interval, 0, "logging.logprob_diff_interval")
+
+
+@dataclass(kw_only=True)
+class Config:
+    """Root of a run's configuration (``python -m bapo_megatron.train --config FILE.yaml``)."""
+
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The policy loss."""
+    model: ModelConfig | None = None
+    """The policy's architecture, for runs from random weights; None when it is read from
+    ``train.model_path`` (or for runs without a model, the loss demo)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the actor is split over ranks."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The actor's optimizer and learning-rate schedule (in optimizer steps)."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """How the actor runs its passes (micro-batch size, temperature, seed)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation."""
+    data: DataConfig | None = None
+    """Prompts; required for training."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Scoring of responses."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages and the off-policy schedule."""
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    """Supervised warm-up before RL (synthetic task only)."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Length, initial weights, outputs."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints and resume."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """TensorBoard and console output."""
+
+    def check_training(self) -> None:
+        """Raise ``ValueError`` naming the fields when this config cannot drive a training run
+        (the rules that span sections, :func:`bapo_megatron.config.checks.check_training`; each
+        section checks itself when built)."""
+        check_training(self)

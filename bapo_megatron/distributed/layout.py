@@ -1,0 +1,91 @@
+"""Whether a parallel layout fits a model, a world size and the machine: layout validation and
+the accelerator probe it consults. Called before any process group or model is built, so that a
+layout that cannot work fails with the fields to change."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from bapo_megatron.config import ModelConfig, ParallelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class Accelerator:
+    """What the machine offers that some layouts need; probed by :meth:`detect`, or given
+    explicitly (tests, dry runs on another machine)."""
+
+    transformer_engine: bool
+    """Transformer Engine is importable."""
+    cuda: bool
+    """A CUDA GPU is visible to torch."""
+    fp8_gpu: bool
+    """The GPU computes in FP8 (compute capability 8.9 or newer: Ada, Hopper, Blackwell)."""
+
+    @classmethod
+    def detect(cls) -> Accelerator:
+        """Probe the current process (does not import Transformer Engine)."""
+        te = importlib.util.find_spec("transformer_engine") is not None
+        cuda = torch.cuda.is_available()
+        fp8 = cuda and torch.cuda.get_device_capability() >= (8, 9)
+        return cls(transformer_engine=te, cuda=cuda, fp8_gpu=fp8)
+
+
+def validate_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int,
+                    accelerator: Accelerator | None = None) -> int:
+    """Check that ``parallel`` can split ``model`` over ``world_size`` ranks on this machine
+    (``accelerator``: probed when None) and return the data-parallel size. Raises ``ValueError``
+    naming the fields on the first problem."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    cp, vpp = parallel.context_parallel_size, parallel.virtual_pipeline_model_parallel_size
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    if world_size % parallel.model_parallel_size:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor x pipeline x context parallel = "
+            f"{tp} x {pp} x {cp} = {parallel.model_parallel_size} "
+            "(parallel.tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size)"
+        )
+    tp_divided = (
+        ("num_attention_heads", ""),
+        ("num_query_groups", "; every rank needs whole key/value heads"),
+        ("ffn_hidden_size", ""),
+        ("vocab_size", "; vocabulary padding is not implemented"),
+    )
+    for name, why in tp_divided:
+        value = getattr(model, name)
+        if value % tp:
+            raise ValueError(
+                f"model.{name} ({value}) is not divisible by "
+                f"parallel.tensor_model_parallel_size ({tp}){why}"
+            )
+    chunks = pp * (vpp or 1)
+    if model.num_layers % chunks:
+        what = f"pipeline x virtual pipeline = {pp} x {vpp}" if vpp else f"pipeline = {pp}"
+        raise ValueError(
+            f"model.num_layers ({model.num_layers}) is not divisible by {what} "
+            "(parallel.pipeline_model_parallel_size, virtual_pipeline_model_parallel_size)"
+        )
+    if accelerator is None:
+        accelerator = Accelerator.detect()
+    if cp > 1 and not (accelerator.transformer_engine and accelerator.cuda):
+        raise ValueError(
+            f"parallel.context_parallel_size={cp} needs Transformer Engine on a CUDA GPU "
+            f"(found transformer_engine={accelerator.transformer_engine}, cuda={accelerator.cuda}); "
+            "set it to 1"
+        )
+    if parallel.fp8 is not None:
+        if not accelerator.transformer_engine:
+            raise ValueError(
+                f"parallel.fp8={parallel.fp8!r} needs Transformer Engine, which is not installed; "
+                "set parallel.fp8=null"
+            )
+        if not accelerator.fp8_gpu:
+            raise ValueError(
+                f"parallel.fp8={parallel.fp8!r} needs a GPU with FP8 support (compute capability "
+                f">= 8.9), found {'a GPU without it' if accelerator.cuda else 'no GPU'}; "
+                "set parallel.fp8=null"
+            )
+    return world_size // parallel.model_parallel_size
