@@ -40,9 +40,19 @@ class ParallelConfig:
     fp8_amax_compute_algo: Fp8AmaxAlgo = "most_recent"
     """Amax from the window used for scaling: `most_recent` or `max`. Passed through to
     Megatron."""
+    collective_timeout_s: float = 900.0
+    """How long a rank waits in a collective for the others before the run stops with an error
+    (torch's own default is 30 minutes); long enough for an engine's start-up or a checkpoint
+    write that the other ranks wait for."""
+    stall_report_s: float = 300.0
+    """A phase of a rollout step that lasts this long logs which rank has not reached it (read
+    from the process group's store), well before ``collective_timeout_s`` stops the run."""
 
     def __post_init__(self) -> None:
         prefix = "parallel"
+        for name in ("collective_timeout_s", "stall_report_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{prefix}.{name} must be a number > 0, got {getattr(self, name)!r}")
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "context_parallel_size", "fp8_amax_history_len"):
             value = getattr(self, name)

@@ -57,12 +57,16 @@ class RewardConfig:
     workers: int = 2
     """Processes scoring responses."""
     timeout_s: float = 10.0
-    """Time limit of one check; an overrun scores 0 and is counted."""
+    """Time limit of one check; an overrun scores 0 and is counted (its worker is replaced)."""
+    batch_timeout_s: float = 120.0
+    """Time limit of one rollout step's scoring on a replica: what has not finished by then
+    scores 0 and is counted as timed out, so many slow checks cannot add up without bound."""
 
     def __post_init__(self) -> None:
         require_at_least(self.workers, 1, "reward.workers")
-        if not self.timeout_s > 0:
-            raise ValueError(f"reward.timeout_s must be a number > 0, got {self.timeout_s!r}")
+        for name in ("timeout_s", "batch_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"reward.{name} must be a number > 0, got {getattr(self, name)!r}")
 
 
 OldLogprobs = Literal["engine", "recompute"]

@@ -22,8 +22,6 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from bapo_megatron.config import ParallelConfig
 
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
-
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelContext:
@@ -66,7 +64,7 @@ class ParallelContext:
 
     @classmethod
     def initialize(cls, config: ParallelConfig, *,
-                   timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> "ParallelContext":
+                   timeout: datetime.timedelta | None = None) -> "ParallelContext":
         """Build the process groups of ``config`` on the current torch.distributed world.
 
         If ``torch.distributed`` is not initialized yet, it is initialized here: from the
@@ -84,6 +82,8 @@ class ParallelContext:
             from bapo_megatron.megatron_patches.cpu_runtime import apply_cpu_patches
 
             apply_cpu_patches()
+        if timeout is None:
+            timeout = datetime.timedelta(seconds=config.collective_timeout_s)
         owns = not dist.is_initialized()
         if owns:
             backend = "nccl" if use_cuda else "gloo"
