@@ -16,7 +16,7 @@ from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from bapo_megatron.rollout.guard import EngineFailure, GuardedEngine
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.registry import build_engine
-from bapo_megatron.rollout.resubmission import ServerUnreachable, http_transport
+from bapo_megatron.rollout.http import ServerUnreachable, http_transport
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 
 # A context long enough that nothing but the deadline ends the generation below.

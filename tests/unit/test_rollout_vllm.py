@@ -10,6 +10,7 @@ head size 32 (:data:`VLLM_MODEL`); everything else in those tests is unchanged.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import os
@@ -30,14 +31,12 @@ import tests.unit.test_rollout_engines as suite
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams
-from bapo_megatron.rollout.resubmission import EngineOutput, RoundRequest, http_transport
+from bapo_megatron.rollout.http import http_transport
+from bapo_megatron.rollout.resubmission import EngineOutput, RoundRequest
 from bapo_megatron.rollout.vllm.engine import (
-    WORKER_EXTENSION,
     VLLMEngine,
     check_fused_groups,
     check_truncation,
-    full_vocab_logprobs_hook,
-    retie_output_layer,
     sampled_logprobs,
     vllm_sampling_kwargs,
 )
@@ -45,6 +44,12 @@ from bapo_megatron.rollout.vllm.server_client import (
     VLLMServerClient,
     completion_request,
     parse_completion_response,
+)
+from bapo_megatron.rollout.vllm.worker_extension import (
+    WORKER_EXTENSION,
+    BapoWorkerExtension,
+    full_vocab_logprobs_hook,
+    retie_output_layer,
 )
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -131,6 +136,12 @@ def test_partial_updates_must_hold_whole_fused_groups():
     with pytest.raises(ValueError, match="'model.layers.1.mlp.up_proj.weight' without "
                                          r"\['model.layers.1.mlp.gate_proj.weight'\]"):
         check_fused_groups([layer + "mlp.up_proj.weight"])
+
+
+def test_the_worker_extension_path_names_the_class():
+    module, _, name = WORKER_EXTENSION.rpartition(".")
+    assert getattr(importlib.import_module(module), name) is BapoWorkerExtension
+    assert WORKER_EXTENSION == "bapo_megatron.rollout.vllm.worker_extension.BapoWorkerExtension"
 
 
 def test_reload_reties_a_tied_output_layer():
