@@ -103,7 +103,7 @@ def build_engine(rollout: RolloutConfig, model: ModelConfig, *, model_path: str 
     kind = _KINDS.get(rollout.engine)
     if kind is None:
         raise ValueError(f"rollout.engine is {rollout.engine!r}; the known engine kinds are "
-                         f"{list(_KINDS)}")
+                         f"{list(engine_kinds())}")
     name = f"rollout engine {rollout.engine!r} of data-parallel replica {dp_rank}"
     url = None
     if kind.server_client:
