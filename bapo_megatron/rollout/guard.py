@@ -27,9 +27,10 @@ class EngineFailure(RuntimeError):
 
 
 class GuardedEngine:
-    """``engine`` with its errors raised as :class:`EngineFailure` naming ``name``, and each
-    ``generate`` / ``continue_generation`` call aborted after ``timeout_s`` seconds (None: no
-    deadline). Every other attribute is the engine's own."""
+    """``engine`` with the errors of every protocol method raised as :class:`EngineFailure`
+    naming ``name``, and each ``generate`` / ``continue_generation`` call aborted after
+    ``timeout_s`` seconds (None: no deadline). Attributes outside the protocol are the engine's
+    own."""
 
     def __init__(self, engine: RolloutEngine, *, name: str, timeout_s: float | None = None) -> None:
         if timeout_s is not None and not timeout_s > 0:
@@ -38,20 +39,52 @@ class GuardedEngine:
         self.name = name
         self.timeout_s = timeout_s
 
+    @property
+    def version(self) -> int:
+        """The engine's policy version."""
+        return self.engine.version
+
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
                  round_tokens: int | None = None) -> list[RolloutSample]:
+        """The engine's ``generate``, under the deadline."""
         return self._generation("generate", lambda: self.engine.generate(
             prompts, params, round_tokens=round_tokens))
 
     def continue_generation(self, samples: list[RolloutSample], params: SamplingParams, *,
                             round_tokens: int | None = None) -> list[RolloutSample]:
+        """The engine's ``continue_generation``, under the deadline."""
         return self._generation("continue_generation", lambda: self.engine.continue_generation(
             samples, params, round_tokens=round_tokens))
 
+    def abort(self) -> None:
+        """The engine's ``abort`` (callable from another thread, as the engine's is)."""
+        self._named("abort", self.engine.abort)
+
+    def pause(self) -> None:
+        """The engine's ``pause``."""
+        self._named("pause", self.engine.pause)
+
+    def resume(self) -> None:
+        """The engine's ``resume``."""
+        self._named("resume", self.engine.resume)
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
                        checksum: bool = False) -> str | None:
+        """The engine's ``update_weights``."""
         return self._named("update_weights", lambda: self.engine.update_weights(
             named_tensors, version=version, checksum=checksum))
+
+    def release_memory(self) -> None:
+        """The engine's ``release_memory``."""
+        self._named("release_memory", self.engine.release_memory)
+
+    def resume_memory(self) -> None:
+        """The engine's ``resume_memory``."""
+        self._named("resume_memory", self.engine.resume_memory)
+
+    def health(self) -> bool:
+        """The engine's ``health``; an engine whose health check itself fails raises."""
+        return self._named("health", self.engine.health)
 
     def __getattr__(self, attribute: str) -> Any:
         return getattr(self.engine, attribute)
@@ -68,24 +101,34 @@ class GuardedEngine:
         if self.timeout_s is None:
             return self._named(method, call)
         expired = threading.Event()
+        abort_errors: list[Exception] = []
 
         def expire() -> None:
             expired.set()
-            self.engine.abort()
+            try:
+                self.engine.abort()
+            except Exception as error:  # noqa: BLE001 - reported by the caller's thread
+                abort_errors.append(error)
 
         watchdog = threading.Timer(self.timeout_s, expire)
         watchdog.daemon = True
         watchdog.start()
-        late = (f"{self.name}: {method} gave no result within {self.timeout_s:g} s "
-                "(rollout.timeout_s); the engine was aborted")
         try:
             result = self._named(method, call)
         except EngineFailure as failure:
             if expired.is_set():
-                raise EngineFailure(late) from failure
+                raise EngineFailure(self._late(method, abort_errors)) from failure
             raise
         finally:
             watchdog.cancel()
+            watchdog.join()  # an abort under way finishes before the call returns
         if expired.is_set():
-            raise EngineFailure(late)
+            raise EngineFailure(self._late(method, abort_errors))
         return result
+
+    def _late(self, method: str, abort_errors: list[Exception]) -> str:
+        late = f"{self.name}: {method} gave no result within {self.timeout_s:g} s (rollout.timeout_s)"
+        if abort_errors:
+            error = abort_errors[0]
+            return f"{late}; aborting the engine failed: {type(error).__name__}: {error}"
+        return f"{late}; the engine was aborted"

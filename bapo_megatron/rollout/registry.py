@@ -1,74 +1,122 @@
-"""Build the rollout engine a run's configuration names (``rollout.engine``).
+"""Build the rollout engine a run's configuration names (``rollout.engine``): a registry of
+engine kinds, filled by the engine families.
 
-Only the embedded engine runs on these machines; vLLM and SGLang are imported here, lazily, on
-the ranks that hold an engine, and need their packages installed (docs/rollout-engines.md).
+Each family (:mod:`.embedded`, :mod:`.vllm`, :mod:`.sglang`) registers a builder for its
+in-process engine under its name and, when it has one, a builder for its server client under
+``<name>-server``. Builders import their adapter when called, so registering imports neither
+the adapters nor vllm/sglang; only the embedded engine runs on these machines, and vLLM and
+SGLang need their packages installed on the ranks that hold an engine (docs/rollout-engines.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from bapo_megatron.config import ModelConfig, RolloutConfig
+from bapo_megatron.rollout import embedded, sglang, vllm
 from bapo_megatron.rollout.guard import EngineFailure, GuardedEngine
 from bapo_megatron.rollout.protocol import RolloutEngine
 
 
+@dataclass(frozen=True, kw_only=True)
+class EngineSetup:
+    """Everything a builder may need to start the engine of one data-parallel replica."""
+
+    rollout: RolloutConfig
+    model: ModelConfig
+    model_path: str | None
+    """The HF folder the run started from (in-process vLLM/SGLang load their first weights and
+    their config from it)."""
+    url: str | None
+    """The replica's server (server clients only)."""
+    dp_rank: int
+    work_dir: Path
+    """Where engines that take weights from disk (the vLLM server) get them."""
+    pad_token_id: int
+
+    @property
+    def http_timeout(self) -> float:
+        """Seconds a server client waits for an answer: ``rollout.timeout_s``, else an hour."""
+        return self.rollout.timeout_s or 3600.0
+
+    @property
+    def engine_dtype(self) -> str:
+        """The dtype name an in-process vLLM/SGLang engine runs in."""
+        return "bfloat16" if self.model.params_dtype == "bfloat16" else "float32"
+
+    def hf_folder(self) -> str:
+        """``model_path``, which in-process vLLM/SGLang start from; ``ValueError`` without it."""
+        if self.model_path is None:
+            raise ValueError(f"rollout.engine={self.rollout.engine!r} starts from an HF folder: "
+                             "set train.model_path")
+        return self.model_path
+
+
+Builder = Callable[[EngineSetup], RolloutEngine]
+"""Starts (or connects to) one engine."""
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """A registered value of ``rollout.engine``."""
+
+    builder: Builder
+    server_client: bool
+    """Whether it connects to a server at ``rollout.server_urls``."""
+
+
+_KINDS: dict[str, EngineKind] = {}
+
+
+def register_family(name: str, *, in_process: Builder, server_client: Builder | None = None) -> None:
+    """Register engine family ``name``: its in-process engine as kind ``name`` and, when given,
+    its server client as ``name-server``. A kind registered twice is refused."""
+    entries = {name: EngineKind(in_process, server_client=False)}
+    if server_client is not None:
+        entries[f"{name}-server"] = EngineKind(server_client, server_client=True)
+    taken = sorted(set(entries) & set(_KINDS))
+    if taken:
+        raise ValueError(f"rollout engine kinds {taken} are already registered")
+    _KINDS.update(entries)
+
+
+def engine_kinds() -> tuple[str, ...]:
+    """The registered values of ``rollout.engine``, in registration order."""
+    return tuple(_KINDS)
+
+
+for _family in (embedded, vllm, sglang):
+    register_family(_family.FAMILY, in_process=_family.start_in_process,
+                    server_client=getattr(_family, "connect_server", None))
+
+
 def build_engine(rollout: RolloutConfig, model: ModelConfig, *, model_path: str | None,
                  dp_rank: int, work_dir: Path, pad_token_id: int) -> RolloutEngine:
-    """The engine of data-parallel replica ``dp_rank``. ``model_path`` is the HF folder the run
-    started from (vLLM and SGLang load their first weights, and their tokenizer-free config,
-    from it; the trainer pushes its own weights before the first rollout anyway).
-    ``work_dir`` is where engines that take weights from disk (the vLLM server) get them.
-    The engine comes guarded: its failures name it, and generation has ``rollout.timeout_s``."""
+    """The engine of data-parallel replica ``dp_rank``, of the kind ``rollout.engine`` names.
+    ``model_path`` is the HF folder the run started from (vLLM and SGLang load their first
+    weights, and their tokenizer-free config, from it; the trainer pushes its own weights before
+    the first rollout anyway). ``work_dir`` is where engines that take weights from disk (the
+    vLLM server) get them. The engine comes guarded: its failures name it, and generation has
+    ``rollout.timeout_s``."""
+    kind = _KINDS.get(rollout.engine)
+    if kind is None:
+        raise ValueError(f"rollout.engine is {rollout.engine!r}; the known engine kinds are "
+                         f"{list(engine_kinds())}")
     name = f"rollout engine {rollout.engine!r} of data-parallel replica {dp_rank}"
     url = None
-    if rollout.engine.endswith("-server"):
+    if kind.server_client:
         urls = rollout.server_urls
         if len(urls) > 1 and len(urls) <= dp_rank:
             raise ValueError(f"rollout.server_urls has {len(urls)} entries; data-parallel rank "
                              f"{dp_rank} has none (give one per data-parallel rank, or one)")
         url = urls[dp_rank] if len(urls) > 1 else urls[0]
         name += f" at {url}"
+    setup = EngineSetup(rollout=rollout, model=model, model_path=model_path, url=url,
+                        dp_rank=dp_rank, work_dir=work_dir, pad_token_id=pad_token_id)
     try:
-        engine = _start_engine(rollout, model, model_path=model_path, url=url, dp_rank=dp_rank,
-                               work_dir=work_dir, pad_token_id=pad_token_id)
+        engine = kind.builder(setup)
     except Exception as error:
         raise EngineFailure(f"{name} could not start: {type(error).__name__}: {error}") from error
     return GuardedEngine(engine, name=name, timeout_s=rollout.timeout_s)
-
-
-def _start_engine(rollout: RolloutConfig, model: ModelConfig, *, model_path: str | None,
-                  url: str | None, dp_rank: int, work_dir: Path, pad_token_id: int) -> RolloutEngine:
-    kind = rollout.engine
-    http_timeout = rollout.timeout_s or 3600.0
-    if kind == "embedded":
-        from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
-
-        return EmbeddedEngine(model, pad_token_id=pad_token_id)
-    if kind in ("vllm-server", "sglang-server"):
-        if kind == "vllm-server":
-            from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
-
-            return VLLMServerClient.connect(url, model, weights_dir=work_dir / f"vllm_weights_dp{dp_rank}",
-                                          timeout=http_timeout)
-        from bapo_megatron.rollout.sglang.engine import SGLangEngine
-        from bapo_megatron.rollout.sglang.server_client import SGLangHTTPClient
-
-        return SGLangEngine(SGLangHTTPClient(url, tp_size=rollout.engine_tensor_parallel_size,
-                                             timeout=http_timeout), model,
-                            bucket_bytes=rollout.weight_bucket_mib * 2**20)
-    if model_path is None:
-        raise ValueError(f"rollout.engine={kind!r} starts from an HF folder: set train.model_path")
-    dtype = "bfloat16" if model.params_dtype == "bfloat16" else "float32"
-    if kind == "vllm":
-        from bapo_megatron.rollout.vllm.engine import VLLMEngine
-
-        return VLLMEngine.from_pretrained(model_path, dtype=dtype,
-                                          tensor_parallel_size=rollout.engine_tensor_parallel_size,
-                                          gpu_memory_utilization=rollout.gpu_memory_utilization,
-                                          max_model_len=model.max_position_embeddings,
-                                          enable_sleep_mode=True)
-    from bapo_megatron.rollout.sglang.engine import SGLangEngine
-
-    return SGLangEngine.in_process(model_path, dtype=dtype, tp_size=rollout.engine_tensor_parallel_size,
-                                   mem_fraction_static=rollout.gpu_memory_utilization)

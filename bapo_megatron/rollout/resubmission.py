@@ -13,18 +13,19 @@ Seeds. One request per sample (never the engine's own ``n``), each with a seed d
 call's seed, the sample's position and its length so far: the same call gives the same rollout
 whatever the batching, and a continued round does not replay the first round's random draws.
 
-Everything here is pure Python (plus torch for the tensor checks and the standard library for
-HTTP); it is tested without either engine installed.
+The engine base, :class:`ResubmittingEngine`, holds the protocol's bookkeeping (rounds, cut
+rounds, weight checks, version, released memory); each adapter (in process or server client, of
+either family) fills in how to submit a round, load checked tensors and release memory.
+
+Everything here is pure Python (plus torch for the tensor checks); it is tested without either
+engine installed. HTTP lives in :mod:`bapo_megatron.rollout.http`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
@@ -187,11 +188,13 @@ class ResubmittingEngine:
     """The protocol's bookkeeping for an engine that continues samples by re-submission.
 
     Subclasses implement :meth:`_submit` (run one round's requests, return one
-    :class:`EngineOutput` each) and may override :meth:`_check_params`, :meth:`_on_abort`,
-    :meth:`_on_pause` and :meth:`_on_resume` (tell the engine). :meth:`abort` and :meth:`pause`
-    may be called from another thread while :meth:`_submit` runs: the engine then returns its
-    cut requests with finish `abort`, which become `abort` or `paused` samples. An `abort` the
-    adapter did not ask for is the engine's own error and raises ``RuntimeError``.
+    :class:`EngineOutput` each), :meth:`_load_weights` (send checked tensors to the engine),
+    :meth:`_release`, :meth:`_resume` and :meth:`_alive` (the engine's memory and health), and may
+    override :meth:`_check_params`, :meth:`_on_abort`, :meth:`_on_pause` and :meth:`_on_resume`
+    (tell the engine). :meth:`abort` and :meth:`pause` may be called from another thread while
+    :meth:`_submit` runs: the engine then returns its cut requests with finish `abort`, which
+    become `abort` or `paused` samples. An `abort` the adapter did not ask for is the engine's
+    own error and raises ``RuntimeError``.
     """
 
     engine_name = "engine"
@@ -199,9 +202,12 @@ class ResubmittingEngine:
     def __init__(self, model: ModelConfig, *, version: int) -> None:
         self.model_config = model
         self.version = version
+        self._shapes = expected_shapes(model)
         self._abort = threading.Event()
         self._pause = threading.Event()
         self._released = False
+
+    # -------------------------------------------------------------- generation
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, *,
                  round_tokens: int | None = None) -> list[RolloutSample]:
@@ -247,6 +253,8 @@ class ResubmittingEngine:
     def _check_params(self, params: SamplingParams) -> None:
         """Refuse sampling parameters this engine cannot honour (default: accept all)."""
 
+    # -------------------------------------------------------------- control
+
     def abort(self) -> None:
         """Cut in-flight generation: unfinished samples come back `abort`."""
         self._abort.set()
@@ -259,6 +267,7 @@ class ResubmittingEngine:
         self._on_pause()
 
     def resume(self) -> None:
+        """Undo :meth:`pause`."""
         self._on_resume()
         self._pause.clear()
 
@@ -270,10 +279,50 @@ class ResubmittingEngine:
         """Whether :meth:`abort` or :meth:`pause` cut the current round."""
         return self._abort.is_set() or self._pause.is_set()
 
+    # -------------------------------------------------------------- weights and memory
 
-    def _check_not_released(self) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
+                       checksum: bool = False) -> str | None:
+        """Check HF names and shapes (:func:`checked_tensors`) as the engine loads them, and set
+        the version only when all of it loaded; with ``checksum``, return the SHA-256 of what
+        was loaded."""
         if self._released:
             raise RuntimeError("update_weights after release_memory(): call resume_memory() first")
+        total = Checksum() if checksum else None
+        self._load_weights(checked_tensors(named_tensors, self.model_config, self._shapes, total),
+                           version=int(version))
+        self.version = int(version)
+        return total.hexdigest() if total is not None else None
+
+    def _load_weights(self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """Load the checked ``tensors`` (a lazy stream: a check fails while it is consumed)."""
+        raise NotImplementedError
+
+    def release_memory(self) -> None:
+        """Free the engine's weights and KV cache (see :meth:`_release`)."""
+        self._release()
+        self._released = True
+
+    def resume_memory(self) -> None:
+        """Re-allocate what :meth:`release_memory` freed; :meth:`update_weights` must follow."""
+        if not self._released:
+            return
+        self._resume()
+        self._released = False
+        self.version = -1
+
+    def health(self) -> bool:
+        """Holds weights, memory not released, and the engine answers."""
+        return not self._released and self.version >= 0 and self._alive()
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+    def _resume(self) -> None:
+        raise NotImplementedError
+
+    def _alive(self) -> bool:
+        raise NotImplementedError
 
 
 def wait_cutting(futures: list[Future], cut: Callable[[], bool], abort_all: Callable[[], None], *,
@@ -288,55 +337,3 @@ def wait_cutting(futures: list[Future], cut: Callable[[], bool], abort_all: Call
         if pending and cut():
             abort_all()
     return [future.result() for future in futures]
-
-
-# ------------------------------------------------------------------ HTTP
-
-
-Transport = Callable[[str, str, "dict[str, Any] | None"], "tuple[int, Any]"]
-"""``(method, path with query, JSON body or None) -> (status, decoded answer)``: how the HTTP
-clients talk to a server. Tests pass a fake; :func:`http_transport` is the real one."""
-
-
-class ServerUnreachable(ConnectionError):
-    """A server did not answer: refused, reset, unknown host, or no answer within the timeout."""
-
-
-def http_transport(base_url: str, *, timeout: float = 3600.0, server: str = "server") -> Transport:
-    """A :data:`Transport` on the standard library: JSON in, JSON (or text) out. A request that
-    gets no answer raises :class:`ServerUnreachable` naming ``server``, its URL and the route."""
-    root = base_url.rstrip("/")
-
-    def send(method: str, path: str, body: dict[str, Any] | None) -> tuple[int, Any]:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(root + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                status, raw = response.status, response.read()
-        except urllib.error.HTTPError as error:
-            status, raw = error.code, error.read()
-        except OSError as error:  # URLError, ConnectionError and TimeoutError are all OSErrors
-            reason = getattr(error, "reason", error)
-            if isinstance(reason, TimeoutError):
-                raise ServerUnreachable(f"{server} at {root}: {method} {path} got no answer within "
-                                        f"{timeout:g} s") from error
-            raise ServerUnreachable(f"{server} at {root}: {method} {path} failed ({reason}); is the "
-                                    "server running?") from error
-        text = raw.decode(errors="replace")
-        try:
-            return status, json.loads(text) if text else None
-        except json.JSONDecodeError:
-            return status, text
-
-    return send
-
-
-def call(transport: Transport, method: str, path: str, body: dict[str, Any] | None = None, *,
-         server: str) -> Any:
-    """Send one request; ``RuntimeError`` naming the server, path, status and answer unless the
-    status is 2xx. Returns the decoded answer."""
-    status, answer = transport(method, path, body)
-    if not 200 <= status < 300:
-        raise RuntimeError(f"{server} {method} {path} answered {status}: {answer!r}")
-    return answer

@@ -5,18 +5,19 @@ clients give up on a server that is gone or silent."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
 import torch
 
 import tests.unit.test_rollout_engines as suite
-from bapo_megatron.config import ModelConfig, RolloutConfig
+from bapo_megatron.config import ENGINE_KINDS, ModelConfig, RolloutConfig
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from bapo_megatron.rollout.guard import EngineFailure, GuardedEngine
+from bapo_megatron.rollout.http import ServerUnreachable, http_transport
 from bapo_megatron.rollout.protocol import SamplingParams
-from bapo_megatron.rollout.registry import build_engine
-from bapo_megatron.rollout.resubmission import ServerUnreachable, http_transport
+from bapo_megatron.rollout.registry import build_engine, engine_kinds, register_family
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 
 # A context long enough that nothing but the deadline ends the generation below.
@@ -42,10 +43,12 @@ def test_a_generation_past_its_deadline_is_aborted_and_named():
 
 def test_a_generation_within_its_deadline_is_handed_on_and_the_watchdog_stands_down():
     engine = suite.embedded_engine(suite.random_weights(1))
-    guarded = GuardedEngine(engine, name="engine Y", timeout_s=0.3)
+    guarded = GuardedEngine(engine, name="engine Y", timeout_s=600)
     params = SamplingParams(n=2, max_new_tokens=4, seed=5)
+    before = set(threading.enumerate())
     first = guarded.generate(suite.PROMPTS, params)
-    time.sleep(0.5)  # a watchdog left running would abort the next call
+    # the watchdog was cancelled and joined: no thread of it is left to abort a later call
+    assert not [t for t in set(threading.enumerate()) - before if isinstance(t, threading.Timer)]
     second = guarded.continue_generation(first, params)
     assert [s.finish_reason for s in second] == ["length"] * 6
     assert [s.token_ids for s in first] == [s.token_ids for s in engine.generate(suite.PROMPTS, params)]
@@ -69,6 +72,97 @@ def test_engine_errors_name_the_engine():
         guarded.update_weights([("nope", torch.zeros(1))], version=1)
     with pytest.raises(ValueError, match="timeout_s must be positive"):
         GuardedEngine(engine, name="engine Z", timeout_s=0)
+
+
+class Broken:
+    """An engine whose every protocol method raises, naming the method."""
+
+    version = 3
+
+    def __getattr__(self, method):
+        def fail(*args, **kwargs):
+            raise OSError(f"{method} hit a dead socket")
+        return fail
+
+
+PROTOCOL_CALLS = {
+    "generate": lambda engine: engine.generate([[1]], SamplingParams()),
+    "continue_generation": lambda engine: engine.continue_generation([], SamplingParams()),
+    "abort": lambda engine: engine.abort(),
+    "pause": lambda engine: engine.pause(),
+    "resume": lambda engine: engine.resume(),
+    "update_weights": lambda engine: engine.update_weights([], version=1),
+    "release_memory": lambda engine: engine.release_memory(),
+    "resume_memory": lambda engine: engine.resume_memory(),
+    "health": lambda engine: engine.health(),
+}
+
+
+@pytest.mark.parametrize("method", sorted(PROTOCOL_CALLS))
+def test_every_protocol_method_names_the_engine(method):
+    for timeout in (None, 60.0):
+        guarded = GuardedEngine(Broken(), name="engine W at http://w:1", timeout_s=timeout)
+        with pytest.raises(EngineFailure, match=rf"^engine W at http://w:1: {method} failed: "
+                                                rf"OSError: {method} hit a dead socket$") as caught:
+            PROTOCOL_CALLS[method](guarded)
+        assert isinstance(caught.value.__cause__, OSError)
+    assert guarded.version == 3
+
+
+def test_every_protocol_method_reaches_the_engine():
+    engine = suite.embedded_engine(suite.random_weights(2))
+    guarded = GuardedEngine(engine, name="engine V")
+    weights = suite.random_weights(3)
+    assert guarded.update_weights(weights.items(), version=4, checksum=True) == \
+        suite.checksum(weights.items())
+    assert guarded.version == engine.version == 4 and guarded.health()
+    guarded.pause()
+    [sample] = guarded.generate([[1, 2]], SamplingParams(max_new_tokens=3, seed=0))
+    assert sample.finish_reason == "paused" and not sample.token_ids
+    guarded.resume()
+    guarded.continue_generation([sample], SamplingParams(max_new_tokens=3, seed=0))
+    assert sample.finish_reason == "length" and len(sample.token_ids) == 3
+    guarded.abort()
+    guarded.release_memory()
+    assert not guarded.health() and not engine.health()
+    guarded.resume_memory()
+    assert guarded.version == -1
+
+
+def test_a_deadline_whose_abort_fails_says_so():
+    class Unabortable(EmbeddedEngine):
+        def abort(self):
+            super().abort()  # still cut the call, then fail as a gone server would
+            raise ConnectionRefusedError("abort: connection refused")
+
+    engine = Unabortable(ENDLESS)
+    engine.update_weights([(n, p.detach().clone()) for n, p in engine.model.named_parameters()],
+                          version=0)
+    guarded = GuardedEngine(engine, name="engine U", timeout_s=0.5)
+    with pytest.raises(EngineFailure, match=r"^engine U: generate gave no result within 0.5 s "
+                                            r"\(rollout.timeout_s\); aborting the engine failed: "
+                                            r"ConnectionRefusedError: abort: connection refused$"):
+        guarded.generate([[1, 2]], SamplingParams(max_new_tokens=900_000, seed=0))
+
+
+def test_the_registry_knows_every_configurable_kind_and_refuses_others(tmp_path):
+    assert set(engine_kinds()) == set(ENGINE_KINDS)
+    rollout = RolloutConfig()
+    rollout.engine = "tpu-server"  # past the config's own check
+    with pytest.raises(ValueError, match=r"^rollout.engine is 'tpu-server'; the known engine kinds "
+                                         r"are \['embedded', 'vllm', 'vllm-server', 'sglang', "
+                                         r"'sglang-server'\]$"):
+        build_engine(rollout, suite.MODEL, model_path=None, dp_rank=0, work_dir=tmp_path,
+                     pad_token_id=0)
+    with pytest.raises(ValueError, match=r"kinds \['vllm', 'vllm-server'\] are already registered"):
+        register_family("vllm", in_process=print, server_client=print)
+    assert len(engine_kinds()) == len(ENGINE_KINDS)
+    for kind in ("vllm", "sglang"):  # in-process engines start from the run's HF folder
+        with pytest.raises(EngineFailure, match=rf"^rollout engine '{kind}' of data-parallel "
+                                                rf"replica 0 could not start: ValueError: "
+                                                rf"rollout.engine='{kind}' starts from an HF folder"):
+            build_engine(RolloutConfig(engine=kind), suite.MODEL, model_path=None, dp_rank=0,
+                         work_dir=tmp_path, pad_token_id=0)
 
 
 def closed_port() -> int:

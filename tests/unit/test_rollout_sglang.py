@@ -1,7 +1,7 @@
-"""The SGLang adapter and HTTP client, without SGLang (it cannot run on these machines): request
-building, parsing of responses in SGLang's documented format, and the adapter's bookkeeping
-(partial rollout, pause/abort, weight updates, memory) against a fake server and a fake
-in-process engine. Also the pieces the vLLM and SGLang adapters share
+"""The SGLang in-process engine and server client, without SGLang (it cannot run on these
+machines): request building, parsing of responses in SGLang's documented format, and the
+adapters' bookkeeping (partial rollout, pause/abort, weight updates, memory) against a fake
+server and a fake in-process engine. Also the pieces the vLLM and SGLang adapters share
 (:mod:`bapo_megatron.rollout.resubmission`), and that none of the adapter modules imports an engine
 package at import time."""
 
@@ -29,7 +29,6 @@ from bapo_megatron.rollout.resubmission import (
     wait_cutting,
 )
 from bapo_megatron.rollout.sglang.engine import (
-    InProcessBackend,
     SGLangEngine,
     check_update_result,
     generate_request,
@@ -37,20 +36,17 @@ from bapo_megatron.rollout.sglang.engine import (
     sampling_params_of,
     weight_buckets,
 )
-from bapo_megatron.rollout.sglang.server_client import (
-    SGLangHTTPClient,
-    connect,
-    disk_update_request,
-    distributed_update_request,
-    tensor_update_request,
-)
+from bapo_megatron.rollout.sglang.server_client import SGLangServerClient, tensor_update_request
 from bapo_megatron.weights.checksum import checksum
 
 
 def test_adapters_import_without_engine_packages():
     code = ("import sys; sys.modules['vllm'] = None; sys.modules['sglang'] = None\n"
             "import bapo_megatron.rollout.vllm.engine, bapo_megatron.rollout.vllm.server_client\n"
-            "import bapo_megatron.rollout.sglang.engine, bapo_megatron.rollout.sglang.server_client\n")
+            "import bapo_megatron.rollout.vllm.worker_extension\n"
+            "import bapo_megatron.rollout.sglang.engine, bapo_megatron.rollout.sglang.server_client\n"
+            "from bapo_megatron.rollout.registry import engine_kinds\n"
+            "assert len(engine_kinds()) == 5, engine_kinds()\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -202,20 +198,13 @@ def test_update_results_and_buckets():
     assert [[n for n, _ in b] for b in weight_buckets(tensors, 32)] == [["t0", "t1"], ["t2"], ["t3"]]
 
 
-def test_weight_route_bodies():
+def test_weight_route_body():
     assert tensor_update_request("abc", tp_size=2, flush_cache=False, weight_version="3") == {
         "serialized_named_tensors": ["abc", "abc"], "load_format": None, "flush_cache": False,
         "weight_version": "3"}
-    assert disk_update_request("/ckpt/v3", weight_version="3") == {
-        "model_path": "/ckpt/v3", "load_format": None, "weight_version": "3"}
-    body = distributed_update_request([("a", torch.zeros(2, 3, dtype=torch.bfloat16)),
-                                       ("b", torch.zeros(4))], group_name="g")
-    assert body == {"names": ["a", "b"], "dtypes": ["bfloat16", "float32"],
-                    "shapes": [[2, 3], [4]], "group_name": "g", "flush_cache": True,
-                    "weight_version": None}
 
 
-# ------------------------------------------------------------------ the adapter on a fake server
+# ------------------------------------------------------------------ the server client on a fake server
 
 
 class FakeServer:
@@ -263,9 +252,9 @@ def server():
 
 @pytest.fixture
 def engine(server):
-    client = SGLangHTTPClient("http://fake:30000", transport=server,
-                              serialize=lambda named: ",".join(n for n, _ in named))
-    return SGLangEngine(client, suite.MODEL, version=0, bucket_bytes=64 * 1024)
+    return SGLangServerClient("http://fake:30000", suite.MODEL, version=0, transport=server,
+                              serialize=lambda named: ",".join(n for n, _ in named),
+                              bucket_bytes=64 * 1024)
 
 
 def test_partial_rollout_over_http(server, engine):
@@ -355,24 +344,16 @@ def test_memory_and_health_over_http(server, engine):
     assert not engine.health()
 
 
-def test_connect_and_the_other_weight_routes(server):
-    client = SGLangHTTPClient("http://fake", transport=server)
-    client.update_weights_from_disk("/shared/v7", weight_version="7")
-    client.init_weights_update_group(master_address="10.0.0.1", master_port=29600, rank_offset=1,
-                                     world_size=2)
-    client.update_weights_from_distributed([("model.norm.weight", torch.ones(64))])
-    client.destroy_weights_update_group()
-    assert server.paths() == ["/update_weights_from_disk", "/init_weights_update_group",
-                              "/update_weights_from_distributed", "/destroy_weights_update_group"]
-    assert server.calls[1][2]["rank_offset"] == 1 and server.calls[1][2]["backend"] == "nccl"
-    server.status["/update_weights_from_disk"] = 400
-    with pytest.raises(RuntimeError, match="answered 400"):
-        client.update_weights_from_disk("/missing")
-    engine = connect("http://fake", suite.MODEL, transport=server)
-    assert engine.version == 0 and engine.backend.base_url == "http://fake"
+def test_a_server_client_starts_without_weights_and_names_its_server(server):
+    client = SGLangServerClient("http://fake", suite.MODEL, transport=server)
+    assert client.version == -1 and not client.health() and client.tp_size == 1
+    server.status["/flush_cache"] = 400
+    with pytest.raises(RuntimeError, match=r"^SGLang at http://fake POST /flush_cache answered 400"):
+        client.update_weights([], version=0)
+    assert client.version == -1
 
 
-# ------------------------------------------------------------------ the in-process backend
+# ------------------------------------------------------------------ the in-process engine
 
 
 class FakeLoop:
@@ -388,11 +369,13 @@ class FakeLoop:
 
 
 class FakeEngine:
-    """Records what ``SGLangEngine`` asks of ``sglang.Engine``."""
+    """Records what ``SGLangEngine`` asks of ``sglang.Engine``; ``healthy`` False makes
+    ``get_server_info`` fail."""
 
     def __init__(self):
         self.loop = FakeLoop()
         self.calls = []
+        self.healthy = True
         manager = types.SimpleNamespace()
         manager.abort_request = lambda **kw: self.calls.append(("abort_request", kw))
 
@@ -425,13 +408,23 @@ class FakeEngine:
     def resume_memory_occupation(self):
         self.calls.append(("resume_memory_occupation", None))
 
+    def begin_weight_update(self):
+        self.calls.append(("begin_weight_update", None))
+        return True, ""
+
+    def end_weight_update(self):
+        self.calls.append(("end_weight_update", None))
+        return False, "packed weights incomplete"
+
     def get_server_info(self):
+        if not self.healthy:
+            raise RuntimeError("scheduler died")
         return {}
 
 
 @pytest.fixture
 def fake_io_struct(monkeypatch):
-    """The two request classes the in-process backend imports from SGLang."""
+    """The two request classes the in-process engine imports from SGLang."""
     module = types.ModuleType("sglang.srt.managers.io_struct")
     module.PauseGenerationReqInput = lambda mode="abort": types.SimpleNamespace(mode=mode)
     module.ContinueGenerationReqInput = types.SimpleNamespace
@@ -440,9 +433,9 @@ def fake_io_struct(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", module)
 
 
-def test_in_process_backend_calls_the_documented_engine_api(fake_io_struct):
+def test_in_process_engine_calls_the_documented_engine_api(fake_io_struct):
     fake = FakeEngine()
-    engine = SGLangEngine(InProcessBackend(fake), suite.MODEL, version=0)
+    engine = SGLangEngine(fake, suite.MODEL, version=0)
     [s] = engine.generate([[1, 2]], SamplingParams(max_new_tokens=1, seed=1))
     assert s.token_ids == [9] and s.finish_reason == "length"
     name, kwargs = fake.calls[0]
@@ -461,6 +454,19 @@ def test_in_process_backend_calls_the_documented_engine_api(fake_io_struct):
     engine.resume_memory()
     assert [name for name, _ in fake.calls[-2:]] == ["release_memory_occupation",
                                                      "resume_memory_occupation"]
+
+
+def test_in_process_weight_sessions_and_health(fake_io_struct, caplog):
+    fake = FakeEngine()
+    engine = SGLangEngine(fake, suite.MODEL, version=0, weight_update_session=True)
+    assert engine.health()
+    with pytest.raises(RuntimeError, match="SGLang end_weight_update failed: packed weights incomplete"):
+        engine.update_weights(list(suite.random_weights(3).items())[:1], version=1)
+    assert [name for name, _ in fake.calls] == ["begin_weight_update", "update_weights_from_tensor",
+                                                "end_weight_update"]
+    assert engine.version == 0  # nothing flushed, version kept
+    fake.healthy = False
+    assert not engine.health() and "SGLang engine health check failed" in caplog.text
 
 
 def test_in_process_needs_sglang(monkeypatch):

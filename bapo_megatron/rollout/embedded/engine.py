@@ -48,7 +48,7 @@ class EmbeddedEngine:
         self._kept_buffers: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path, *, version: int = 0, **kwargs) -> "EmbeddedEngine":
+    def from_pretrained(cls, folder: str | Path, *, version: int = 0, **kwargs) -> EmbeddedEngine:
         """An engine holding the weights of the HF folder ``folder`` (config.json + safetensors)."""
         engine = cls(ModelConfig.from_hf_config(folder), **kwargs)
         loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=engine.dtype)

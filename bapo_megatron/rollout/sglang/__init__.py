@@ -1,1 +1,37 @@
-"""SGLang: the in-process engine and the HTTP server client."""
+"""SGLang: the in-process engine (``sglang.Engine``) and the HTTP server client.
+
+The family's builders for :mod:`bapo_megatron.rollout.registry` live here; each imports its
+adapter only when called, so registering the family imports neither the adapters nor sglang.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bapo_megatron.rollout.protocol import RolloutEngine
+    from bapo_megatron.rollout.registry import EngineSetup
+
+FAMILY = "sglang"
+"""Its ``rollout.engine`` kinds: ``sglang`` (in process) and ``sglang-server``."""
+
+
+def start_in_process(setup: EngineSetup) -> RolloutEngine:
+    """``sglang.Engine`` in this process on the run's HF folder, sized by the rollout settings."""
+    from bapo_megatron.rollout.sglang.engine import SGLangEngine
+
+    rollout = setup.rollout
+    return SGLangEngine.in_process(setup.hf_folder(), dtype=setup.engine_dtype,
+                                   tp_size=rollout.engine_tensor_parallel_size,
+                                   mem_fraction_static=rollout.gpu_memory_utilization,
+                                   bucket_bytes=rollout.weight_bucket_mib * 2**20)
+
+
+def connect_server(setup: EngineSetup) -> RolloutEngine:
+    """A client of the replica's SGLang server (no weights yet: version -1)."""
+    from bapo_megatron.rollout.sglang.server_client import SGLangServerClient
+
+    rollout = setup.rollout
+    return SGLangServerClient(setup.url, setup.model, tp_size=rollout.engine_tensor_parallel_size,
+                              timeout=setup.http_timeout,
+                              bucket_bytes=rollout.weight_bucket_mib * 2**20)

@@ -1,6 +1,8 @@
-"""SGLang as a rollout engine: one adapter over two backends, the in-process ``sglang.Engine``
-(colocated runs, here) and a client of SGLang's HTTP server (disaggregated runs,
-:mod:`bapo_megatron.rollout.sglang.server_client`).
+"""SGLang's in-process ``sglang.Engine`` as a rollout engine (colocated runs), and how the
+protocol maps onto SGLang's requests and answers: the client of SGLang's HTTP server
+(disaggregated runs, :mod:`bapo_megatron.rollout.sglang.server_client`) shares that part, and
+is built the same way (both are :class:`~bapo_megatron.rollout.resubmission.ResubmittingEngine`
+subclasses, as the vLLM adapters are).
 
 NOT RUN HERE. SGLang cannot run on the CPU machines this project is developed on (see
 ``docs/rollout-engines.md``); this module is written against SGLang 0.5.x's documented API and
@@ -29,9 +31,7 @@ What SGLang gives, and how it maps onto the protocol:
   :meth:`~SGLangEngine.resume` sends ``continue_generation``.
 - Weights: ``update_weights_from_tensor`` in buckets of at most ``bucket_bytes``, then one
   ``flush_cache``; optionally inside ``begin_weight_update`` / ``end_weight_update`` (newer
-  SGLang versions want that for packed/quantized weights). The HTTP client also builds
-  ``update_weights_from_disk`` and the NCCL path (``init_weights_update_group`` +
-  ``update_weights_from_distributed``).
+  SGLang versions want that for packed/quantized weights).
 - Memory: ``release_memory_occupation`` / ``resume_memory_occupation`` (both weights and KV
   cache; weights must be updated again afterwards, as the protocol says).
 """
@@ -40,24 +40,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.rollout.protocol import SamplingParams
-from bapo_megatron.rollout.resubmission import (
-    EngineOutput,
-    ResubmittingEngine,
-    RoundRequest,
-    checked_tensors,
-    expected_shapes,
-    wait_cutting,
-)
-from bapo_megatron.weights.checksum import Checksum
+from bapo_megatron.rollout.resubmission import EngineOutput, ResubmittingEngine, RoundRequest
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +105,11 @@ def parse_generate_response(response: Any, count: int, *,
 
 def _parse_one(item: Any, where: str) -> EngineOutput:
     if not isinstance(item, dict):
-        raise ValueError(f"{where}: expected an output dict, got {type(item).__name__}")
+        raise ValueError(  # noqa: TRY004 - a malformed answer, reported like every other
+            f"{where}: expected an output dict, got {type(item).__name__}")
     meta = item.get("meta_info")
     if not isinstance(meta, dict):
-        raise ValueError(f"{where}: missing 'meta_info'")
+        raise ValueError(f"{where}: missing 'meta_info'")  # noqa: TRY004 - as above
     finish = meta.get("finish_reason")
     kind = finish.get("type") if isinstance(finish, dict) else finish
     if kind not in ("stop", "length", "abort"):
@@ -183,48 +175,72 @@ def weight_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_byt
         yield bucket
 
 
-# ------------------------------------------------------------------ backends
+def load_in_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                    send: Callable[[list[tuple[str, torch.Tensor]]], None], *,
+                    session: tuple[Callable[[], None], Callable[[], None]] | None) -> None:
+    """``send`` the tensors bucket by bucket (:func:`weight_buckets`), inside ``session``'s
+    ``(begin, end)`` calls when given (end runs even when a bucket fails)."""
+    if session is not None:
+        session[0]()
+    try:
+        for bucket in weight_buckets(tensors, bucket_bytes):
+            send(bucket)
+    finally:
+        if session is not None:
+            session[1]()
 
 
-class SGLangBackend(Protocol):
-    """What :class:`SGLangEngine` needs from SGLang: the in-process engine
-    (:class:`InProcessBackend`) or the HTTP server
-    (:class:`bapo_megatron.rollout.sglang.server_client.SGLangHTTPClient`)."""
-
-    def generate(self, request: dict[str, Any]) -> Any:
-        """Run one :func:`generate_request`; return SGLang's answer."""
-
-    def abort_all(self) -> None: ...
-    def pause(self) -> None: ...
-    def resume(self) -> None: ...
-    def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]], *,
-                                   flush_cache: bool) -> None: ...
-    def begin_weight_update(self) -> None: ...
-    def end_weight_update(self) -> None: ...
-    def flush_cache(self) -> None: ...
-    def release_memory(self) -> None: ...
-    def resume_memory(self) -> None: ...
-    def health(self) -> bool: ...
+# ------------------------------------------------------------------ the in-process engine
 
 
-class InProcessBackend:
-    """``sglang.Engine`` in this process (its scheduler runs in subprocesses). ``Engine.generate``
-    runs the engine's asyncio loop in the calling thread; :meth:`abort_all` and :meth:`pause`,
-    called from another thread meanwhile, schedule their calls on that loop."""
+class SGLangEngine(ResubmittingEngine):
+    """A :class:`~bapo_megatron.rollout.protocol.RolloutEngine` on an in-process ``sglang.Engine``
+    (its scheduler runs in subprocesses); build it with :meth:`in_process`.
 
-    runs_in_caller_thread = True
-    """``Engine.generate`` drives the engine's event loop, which stays on the caller's thread;
-    abort and pause reach it through that loop, after the request was submitted."""
+    ``Engine.generate`` runs the engine's asyncio loop in the calling thread; :meth:`abort` and
+    :meth:`pause`, called from another thread meanwhile, schedule their calls on that loop.
+    ``model`` describes the served model (vocabulary and HF tensor shapes, checked before any
+    tensor is sent). ``version`` is the policy version of the weights the engine starts with
+    (-1: none yet, :meth:`update_weights` must come first). With ``weight_update_session``,
+    updates are wrapped in ``begin_weight_update`` / ``end_weight_update``.
+    """
 
-    def __init__(self, engine: Any) -> None:
+    engine_name = "SGLang"
+
+    def __init__(self, engine: Any, model: ModelConfig, *, version: int = -1,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 weight_update_session: bool = False) -> None:
+        super().__init__(model, version=version)
         self.engine = engine
+        self.bucket_bytes = bucket_bytes
+        self.weight_update_session = weight_update_session
 
-    def generate(self, request: dict[str, Any]) -> Any:
-        return self.engine.generate(input_ids=request["input_ids"],
-                                    sampling_params=request["sampling_params"],
-                                    return_logprob=request["return_logprob"])
+    @classmethod
+    def in_process(cls, model_path: str | Path, *, version: int = 0,
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, **engine_kwargs: Any) -> SGLangEngine:
+        """Start ``sglang.Engine(model_path=..., skip_tokenizer_init=True, **engine_kwargs)``
+        holding the HF folder's weights as policy ``version``."""
+        try:
+            import sglang
+        except ImportError as error:
+            raise ImportError("SGLangEngine.in_process needs the optional package sglang "
+                              "(see docs/rollout-engines.md)") from error
+        engine = sglang.Engine(model_path=str(model_path), skip_tokenizer_init=True, **engine_kwargs)
+        return cls(engine, ModelConfig.from_hf_config(model_path), version=version,
+                   bucket_bytes=bucket_bytes)
 
-    def _on_loop(self, call) -> None:
+    # -------------------------------------------------------------- generation and control
+
+    def _submit(self, requests: list[RoundRequest], params: SamplingParams) -> list[EngineOutput]:
+        # On the caller's thread: Engine.generate drives the engine's event loop, which stays
+        # there; abort and pause reach it through that loop, after the request was submitted.
+        body = generate_request(requests, params)
+        response = self.engine.generate(input_ids=body["input_ids"],
+                                        sampling_params=body["sampling_params"],
+                                        return_logprob=body["return_logprob"])
+        return parse_generate_response(response, len(requests))
+
+    def _on_loop(self, call: Callable[[], Any]) -> None:
         """Run the coroutine-or-value factory ``call`` on the engine's loop: thread-safely while
         a ``generate`` runs it, else to completion here."""
         loop = self.engine.loop
@@ -235,42 +251,49 @@ class InProcessBackend:
             if asyncio.iscoroutine(result):
                 loop.run_until_complete(result)
 
-    def abort_all(self) -> None:
+    def _on_abort(self) -> None:
         self._on_loop(lambda: self.engine.tokenizer_manager.abort_request(abort_all=True))
 
-    def pause(self) -> None:
+    def _on_pause(self) -> None:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
         manager = self.engine.tokenizer_manager
         self._on_loop(lambda: manager.pause_generation(PauseGenerationReqInput(mode="abort")))
 
-    def resume(self) -> None:
+    def _on_resume(self) -> None:
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput
 
         manager = self.engine.tokenizer_manager
         self._on_loop(lambda: manager.continue_generation(ContinueGenerationReqInput()))
 
-    def update_weights_from_tensor(self, named_tensors, *, flush_cache: bool) -> None:
-        result = self.engine.update_weights_from_tensor(named_tensors=named_tensors,
-                                                        load_format=None, flush_cache=flush_cache)
-        check_update_result(result, "update_weights_from_tensor")
+    # -------------------------------------------------------------- weights and memory
 
-    def begin_weight_update(self) -> None:
-        check_update_result(self.engine.begin_weight_update(), "begin_weight_update")
-
-    def end_weight_update(self) -> None:
-        check_update_result(self.engine.end_weight_update(), "end_weight_update")
-
-    def flush_cache(self) -> None:
+    def _load_weights(self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """``update_weights_from_tensor`` in buckets (checked while they stream), then one
+        ``flush_cache``."""
+        session = None
+        if self.weight_update_session:
+            session = (lambda: check_update_result(self.engine.begin_weight_update(),
+                                                   "begin_weight_update"),
+                       lambda: check_update_result(self.engine.end_weight_update(),
+                                                   "end_weight_update"))
+        load_in_buckets(tensors, self.bucket_bytes, self._send_bucket, session=session)
         check_update_result(self.engine.flush_cache(), "flush_cache")
 
-    def release_memory(self) -> None:
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        result = self.engine.update_weights_from_tensor(named_tensors=bucket, load_format=None,
+                                                        flush_cache=False)
+        check_update_result(result, "update_weights_from_tensor")
+
+    def _release(self) -> None:
+        """``release_memory_occupation``: frees weights and KV cache."""
         self.engine.release_memory_occupation()
 
-    def resume_memory(self) -> None:
+    def _resume(self) -> None:
+        """``resume_memory_occupation``."""
         self.engine.resume_memory_occupation()
 
-    def health(self) -> bool:
+    def _alive(self) -> bool:
         try:
             self.engine.get_server_info()
         except Exception:  # any failure means not healthy
@@ -282,100 +305,3 @@ class InProcessBackend:
 def _spawn(result: Any) -> None:
     if asyncio.iscoroutine(result):
         asyncio.ensure_future(result)
-
-
-# ------------------------------------------------------------------ the adapter
-
-
-class SGLangEngine(ResubmittingEngine):
-    """A :class:`~bapo_megatron.rollout.protocol.RolloutEngine` over an :class:`SGLangBackend`.
-
-    ``model`` describes the served model (vocabulary and HF tensor shapes, checked before any
-    tensor is sent). ``version`` is the policy version of the weights the engine starts with
-    (-1: none yet, :meth:`update_weights` must come first). With ``weight_update_session``,
-    updates are wrapped in ``begin_weight_update`` / ``end_weight_update``.
-    """
-
-    engine_name = "SGLang"
-
-    def __init__(self, backend: SGLangBackend, model: ModelConfig, *, version: int = -1,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 weight_update_session: bool = False) -> None:
-        super().__init__(model, version=version)
-        self.backend = backend
-        self.bucket_bytes = bucket_bytes
-        self.weight_update_session = weight_update_session
-        self._shapes = expected_shapes(model)
-
-    @classmethod
-    def in_process(cls, model_path: str | Path, *, version: int = 0, **engine_kwargs: Any
-                   ) -> SGLangEngine:
-        """Start ``sglang.Engine(model_path=..., skip_tokenizer_init=True, **engine_kwargs)``
-        holding the HF folder's weights as policy ``version``."""
-        try:
-            import sglang
-        except ImportError as error:
-            raise ImportError("SGLangEngine.in_process needs the optional package sglang "
-                              "(see docs/rollout-engines.md)") from error
-        engine = sglang.Engine(model_path=str(model_path), skip_tokenizer_init=True, **engine_kwargs)
-        return cls(InProcessBackend(engine), ModelConfig.from_hf_config(model_path), version=version)
-
-    # -------------------------------------------------------------- generation and control
-
-    def _submit(self, requests: list[RoundRequest], params: SamplingParams) -> list[EngineOutput]:
-        body = generate_request(requests, params)
-        if getattr(self.backend, "runs_in_caller_thread", False):
-            response = self.backend.generate(body)
-        else:
-            # Over HTTP the call runs on a helper thread so that this one can keep aborting while
-            # a pause or abort is pending: a /generate that reaches SGLang just after
-            # pause_generation would otherwise wait for continue_generation.
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-generate") as pool:
-                [response] = wait_cutting([pool.submit(self.backend.generate, body)], self._cut,
-                                          self.backend.abort_all)
-        return parse_generate_response(response, len(requests))
-
-    def _on_abort(self) -> None:
-        self.backend.abort_all()
-
-    def _on_pause(self) -> None:
-        self.backend.pause()
-
-    def _on_resume(self) -> None:
-        self.backend.resume()
-
-    # -------------------------------------------------------------- weights and memory
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
-                       checksum: bool = False) -> str | None:
-        """Check HF names and shapes, send the tensors with ``update_weights_from_tensor`` in
-        buckets, flush the cache, set the version (only when all of it succeeded)."""
-        self._check_not_released()
-        total = Checksum() if checksum else None
-        tensors = checked_tensors(named_tensors, self.model_config, self._shapes, total)
-        if self.weight_update_session:
-            self.backend.begin_weight_update()
-        try:
-            for bucket in weight_buckets(tensors, self.bucket_bytes):
-                self.backend.update_weights_from_tensor(bucket, flush_cache=False)
-        finally:
-            if self.weight_update_session:
-                self.backend.end_weight_update()
-        self.backend.flush_cache()
-        self.version = int(version)
-        return total.hexdigest() if total is not None else None
-
-    def release_memory(self) -> None:
-        """``release_memory_occupation``: frees weights and KV cache."""
-        self.backend.release_memory()
-        self._released = True
-
-    def resume_memory(self) -> None:
-        """``resume_memory_occupation``; :meth:`update_weights` must follow."""
-        if self._released:
-            self.backend.resume_memory()
-            self._released = False
-            self.version = -1
-
-    def health(self) -> bool:
-        return not self._released and self.version >= 0 and self.backend.health()

@@ -1,1 +1,38 @@
-"""vLLM: the in-process engine (``vllm.LLM``) and the OpenAI-compatible server client."""
+"""vLLM: the in-process engine (``vllm.LLM``), the OpenAI-compatible server client, and the
+worker extension both load.
+
+The family's builders for :mod:`bapo_megatron.rollout.registry` live here; each imports its
+adapter only when called, so registering the family imports neither the adapters nor vllm.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bapo_megatron.rollout.protocol import RolloutEngine
+    from bapo_megatron.rollout.registry import EngineSetup
+
+FAMILY = "vllm"
+"""Its ``rollout.engine`` kinds: ``vllm`` (in process) and ``vllm-server``."""
+
+
+def start_in_process(setup: EngineSetup) -> RolloutEngine:
+    """``vllm.LLM`` in this process on the run's HF folder, sized by the rollout settings."""
+    from bapo_megatron.rollout.vllm.engine import VLLMEngine
+
+    rollout = setup.rollout
+    return VLLMEngine.from_pretrained(setup.hf_folder(), dtype=setup.engine_dtype,
+                                      tensor_parallel_size=rollout.engine_tensor_parallel_size,
+                                      gpu_memory_utilization=rollout.gpu_memory_utilization,
+                                      max_model_len=setup.model.max_position_embeddings,
+                                      enable_sleep_mode=True)
+
+
+def connect_server(setup: EngineSetup) -> RolloutEngine:
+    """A client of the replica's vLLM server, writing weight updates under the work folder."""
+    from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
+
+    return VLLMServerClient.connect(setup.url, setup.model,
+                                    weights_dir=setup.work_dir / f"vllm_weights_dp{setup.dp_rank}",
+                                    timeout=setup.http_timeout)

