@@ -44,7 +44,7 @@ from bapo_megatron.rollout.sglang.server_client import (
     distributed_update_request,
     tensor_update_request,
 )
-from bapo_megatron.weights.checksum import checksum
+from bapo_megatron.rollout.checksum import checksum
 
 
 def test_adapters_import_without_engine_packages():

@@ -57,7 +57,7 @@ from bapo_megatron.rollout.resubmission import (
     expected_shapes,
     wait_cutting,
 )
-from bapo_megatron.weights.checksum import Checksum
+from bapo_megatron.rollout.checksum import Checksum
 
 log = logging.getLogger(__name__)
 

@@ -62,7 +62,7 @@ from bapo_megatron.rollout.resubmission import (
     checked_tensors,
     expected_shapes,
 )
-from bapo_megatron.weights.checksum import Checksum
+from bapo_megatron.rollout.checksum import Checksum
 
 log = logging.getLogger(__name__)
 
