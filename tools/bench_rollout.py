@@ -61,9 +61,6 @@ import time
 from pathlib import Path
 
 # The package is imported from this checkout, installed or not (as the other tools do).
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 ENGINES = ("embedded", "vllm")
 # --quick: a tiny configuration for the smoke test (a few seconds; head size 32 for vLLM)
