@@ -48,6 +48,7 @@ from typing import Any, Protocol
 import torch
 
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.rollout.checksum import Checksum
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.resubmission import (
     EngineOutput,
@@ -57,7 +58,6 @@ from bapo_megatron.rollout.resubmission import (
     expected_shapes,
     wait_cutting,
 )
-from bapo_megatron.rollout.checksum import Checksum
 
 log = logging.getLogger(__name__)
 

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.rollout.checksum import Checksum
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.resubmission import (
     EngineOutput,
@@ -62,7 +63,6 @@ from bapo_megatron.rollout.resubmission import (
     checked_tensors,
     expected_shapes,
 )
-from bapo_megatron.rollout.checksum import Checksum
 
 log = logging.getLogger(__name__)
 

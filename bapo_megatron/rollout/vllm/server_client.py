@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.rollout.checksum import Checksum
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.resubmission import (
     EngineOutput,
@@ -57,7 +58,6 @@ from bapo_megatron.rollout.resubmission import (
     wait_cutting,
 )
 from bapo_megatron.rollout.vllm.engine import check_fused_groups, check_truncation
-from bapo_megatron.rollout.checksum import Checksum
 
 log = logging.getLogger(__name__)
 
