@@ -31,9 +31,6 @@ from pathlib import Path
 
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2-pp2": (2, 2)}
 # The ranks import the package from this checkout, installed or not (as the other tools do).
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

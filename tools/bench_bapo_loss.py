@@ -24,7 +24,8 @@ The last line printed is one JSON object; its `targets` per size say whether b/a
 c/b >= 10 (null when the search took fewer than 20 steps), b decided with exactly one
 reduction, c reduced steps + 1 times, and b and c chose the same bounds.
 
-Usage: python3 tools/bench_bapo_loss.py [--sizes 64K,1M,8M] [--repeats 5] [--threads N]
+Usage (from the checkout, whose tests/ it imports):
+    PYTHONPATH=. python3 tools/bench_bapo_loss.py [--sizes 64K,1M,8M] [--repeats 5] [--threads N]
 """
 
 from __future__ import annotations
@@ -33,15 +34,9 @@ import argparse
 import itertools
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from bapo_megatron.algo import (
     SearchPlan,

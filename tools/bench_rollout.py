@@ -61,9 +61,6 @@ import time
 from pathlib import Path
 
 # The package is imported from this checkout, installed or not (as the other tools do).
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 ENGINES = ("embedded", "vllm")
 # --quick: a tiny configuration for the smoke test (a few seconds; head size 32 for vLLM)
@@ -167,8 +164,8 @@ def export_phase(args: argparse.Namespace, consumers: dict) -> dict:
     from bapo_megatron.actor.model import build_model
     from bapo_megatron.config import ParallelConfig
     from bapo_megatron.distributed.context import ParallelContext
-    from bapo_megatron.weights.checksum import named_tensors_of
     from bapo_megatron.weights.export import export_weights
+    from bapo_megatron.weights.sync import named_tensors_of
 
     model = update_model(args)
     bucket_bytes = max(1, int(args.bucket_mib * 2**20))
@@ -189,7 +186,7 @@ def export_phase(args: argparse.Namespace, consumers: dict) -> dict:
                 start = time.perf_counter()
                 update(named_tensors_of(buckets), version)
                 update_s[name].append(time.perf_counter() - start)
-            tensors = {k: v for bucket in buckets for k, v in bucket.tensors.items()}
+            tensors = dict(named_tensors_of(buckets))
             del buckets
             for name, update in consumers.items():
                 version += 1

@@ -43,7 +43,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 WORLD, TP, PP = 4, 2, 2
 
 
@@ -70,7 +69,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def worker(args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(ROOT))
     import torch
     import torch.distributed as dist
 

@@ -1,58 +1,10 @@
-"""Draw PNG panels of training runs from their TensorBoard logs, as in the BAPO paper's figures.
+"""Draw PNG panels of training runs from their TensorBoard logs.
 
-    # two runs overlaid (a run's output folder or its tensorboard/ folder)
-    python tools/plot_runs.py runs/bapo runs/grpo --out plots/
-    # seeds as groups: the mean with a min-max band (or --band std), TensorBoard-style smoothing
-    python tools/plot_runs.py bapo=runs/bapo-s0,runs/bapo-s1,runs/bapo-s2 \\
-        grpo=runs/grpo-s0,runs/grpo-s1,runs/grpo-s2 --out plots/ --smooth 0.6
-
-Panels: training reward, entropy, positive contribution (rho after and before the bound search),
-clip fractions (positive tokens above c_high, negative tokens below c_low), gradient norm, c_low
-and c_high; one PNG each and overview.png with all. Tags a run lacks are skipped with a note. The
-library code is :mod:`bapo_megatron.repro.plots`.
+Same as the console script ``bapo-plot-runs``; the command line is
+:mod:`bapo_megatron.repro.plots_cli`.
 """
 
-from __future__ import annotations
-
-import argparse
-import os
-import sys
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", metavar="RUN",
-                        help="DIR, or LABEL=DIR1,DIR2,... for a group of seeds")
-    parser.add_argument("--out", default="plots", help="folder for the PNG files (default plots)")
-    parser.add_argument("--band", choices=["minmax", "std"], default="minmax",
-                        help="band around a group's mean: min-max over seeds or +-1 std")
-    parser.add_argument("--smooth", type=float, default=0.0,
-                        help="EMA smoothing weight in [0, 1), as TensorBoard's slider (default 0)")
-    parser.add_argument("--dpi", type=int, default=100, help="pixels per inch (default 100)")
-    parser.add_argument("--rho0", type=float, default=None,
-                        help="draw the bound search's target rho0 in the positive-contribution "
-                             "panel")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str]) -> list[str]:
-    args = parse_args(argv)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from bapo_megatron.repro.plots import parse_run_spec, plot_runs
-
-    try:
-        groups = [parse_run_spec(spec) for spec in args.runs]
-        result = plot_runs(groups, args.out, band=args.band, smooth=args.smooth, dpi=args.dpi,
-                            rho0=args.rho0)
-    except ValueError as err:  # a bad run spec or folder, or bad options
-        print(f"plot_runs.py: error: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-    for note in result.notes:
-        print(f"note: {note}", flush=True)
-    for path in result.files:
-        print(f"wrote {path}", flush=True)
-    return [str(path) for path in result.files]
-
+from bapo_megatron.repro.plots_cli import main
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

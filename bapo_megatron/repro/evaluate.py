@@ -374,6 +374,7 @@ def open_engine(source: CheckpointSource, kind: str, *, pad_token_id: int, work_
         from bapo_megatron.weights.convert import megatron_to_hf
         from bapo_megatron.weights.export import export_weights
         from bapo_megatron.weights.megatron_checkpoint import load_megatron_checkpoint
+        from bapo_megatron.weights.sync import named_tensors_of
 
         with _one_process(context) as ctx:
             if kind == "embedded":
@@ -382,8 +383,7 @@ def open_engine(source: CheckpointSource, kind: str, *, pad_token_id: int, work_
                 engine = EmbeddedEngine(dataclasses.replace(model, params_dtype="float32"),
                                         pad_token_id=pad_token_id)
                 buckets = export_weights(chunks, model, ctx, version=0)
-                engine.update_weights([pair for bucket in buckets
-                                       for pair in bucket.tensors.items()], version=0)
+                engine.update_weights(list(named_tensors_of(buckets)), version=0)
                 return engine
             folder = work_dir / "hf"
             files = None if source.files is not None and (source.files / "config.json").is_file() \

@@ -149,7 +149,7 @@ def plan_runs(settings: SweepSettings, out: Path) -> list[RunSpec]:
 def _tiny_config(settings: SweepSettings, overrides: list[str]):
     from bapo_megatron.config.loading import load_config
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # the checkout (bapo_megatron/repro/sweep.py)
     return load_config(root / "examples" / "tiny_cpu" / "train.yaml", [
         f"warmup.steps={settings.warmup_steps}", f"warmup.lr={settings.warmup_lr}",
         f"warmup.batch_size={settings.warmup_batch_size}", f"actor.micro_batch_size={settings.micro_batch_size}",
@@ -226,7 +226,7 @@ def base_config(settings: SweepSettings, start: Path, path: Path) -> Path:
 
 def run_environment() -> dict[str, str]:
     """One thread per run, the repository importable, no inherited torchrun variables."""
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

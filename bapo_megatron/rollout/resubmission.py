@@ -34,8 +34,8 @@ from typing import Any, Literal
 import torch
 
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.rollout.checksum import Checksum
 from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams, check_prompts, check_ready
-from bapo_megatron.weights.checksum import Checksum
 
 EngineFinish = Literal["stop", "length", "abort"]
 """How an engine ended one request, normalized from its own vocabulary."""

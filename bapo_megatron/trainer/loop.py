@@ -47,12 +47,12 @@ from bapo_megatron.rollout.registry import build_engine
 from bapo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from bapo_megatron.trainer.replicas import (
     holds_engine,
-    push_weights,
     share_from_engine_rank,
     stop_if_any_engine_failed,
 )
 from bapo_megatron.trainer.tracking import MetricsLogger, PhaseTimer
 from bapo_megatron.trainer.warmup import run_warmup
+from bapo_megatron.weights.sync import push_weights
 
 log = logging.getLogger("bapo_megatron.train")
 

@@ -1,7 +1,8 @@
 """HF checkpoint folder <-> Megatron distributed checkpoint, at the layout of the calling ranks.
 
-Both directions run on every rank of a :class:`~bapo_megatron.distributed.context.ParallelContext` (one
-process is the TP1/PP1 case) and build the actor's chunks for this rank:
+Both directions run on every rank of a
+:class:`~bapo_megatron.distributed.context.ParallelContext` (one process is the TP1/PP1 case) and
+build the actor's chunks for this rank:
 
 - :func:`hf_to_megatron`: each rank reads from the HF files only its own tensor-parallel slices
   of its own stage's tensors (memory-mapped, one tensor at a time), merges them into its shards

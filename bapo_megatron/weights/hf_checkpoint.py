@@ -76,7 +76,7 @@ class HFCheckpoint:
         self._stack = stack
 
     @classmethod
-    def open(cls, folder: str | Path, **overrides: Any) -> "HFCheckpoint":
+    def open(cls, folder: str | Path, **overrides: Any) -> HFCheckpoint:
         """Validate the folder from its config and the safetensors headers (nothing is loaded)
         and open it; ``overrides`` go to :func:`read_model_config` (e.g. ``params_dtype``)."""
         folder = Path(folder)
@@ -95,7 +95,7 @@ class HFCheckpoint:
             raise
         return cls(folder, model, name_map, handles, locations, dtype, stack)
 
-    def __enter__(self) -> "HFCheckpoint":
+    def __enter__(self) -> HFCheckpoint:
         return self
 
     def __exit__(self, *exc: object) -> None:

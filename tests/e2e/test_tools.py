@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# The scripts import the package (and bench_bapo_loss.py tests/) from this checkout, which the
+# editable install may not point at.
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                                 os.environ.get("PYTHONPATH")]))}
 
 
 def test_loss_benchmark_smoke():
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench_bapo_loss.py"), "--sizes", "64K",
          "--repeats", "1", "--threads", "1"],
-        check=True, capture_output=True, text=True, timeout=300,
+        check=True, capture_output=True, text=True, timeout=300, env=ENV,
     ).stdout
     report = json.loads(out.strip().splitlines()[-1])
     res = report["sizes"]["64K"]
@@ -29,7 +34,7 @@ def test_actor_step_benchmark_smoke():
         [sys.executable, str(ROOT / "tools" / "bench_actor_step.py"), "--layouts", "tp1",
          "--steps", "1", "--warmup", "1", "--sequences", "2", "--length", "16", "--layers", "2",
          "--hidden", "64", "--vocab", "128"],
-        check=True, capture_output=True, text=True, timeout=300,
+        check=True, capture_output=True, text=True, timeout=300, env=ENV,
     ).stdout
     report = json.loads(out.strip().splitlines()[-1])
     tp1 = report["layouts"]["tp1"]
@@ -44,7 +49,7 @@ def test_weights_benchmark_smoke(tmp_path):
          "--hidden", "64", "--layers", "4", "--ffn", "128", "--heads", "4", "--kv-heads", "2",
          "--vocab", "128", "--repeats", "1", "--bucket-mib", "0.05", "--workdir", str(tmp_path),
          "--timeout", "240"],
-        check=True, capture_output=True, text=True, timeout=300,
+        check=True, capture_output=True, text=True, timeout=300, env=ENV,
     ).stdout
     report = json.loads(out.strip().splitlines()[-1])
     assert report["benchmark"] == "weights"
@@ -65,7 +70,7 @@ def test_rollout_benchmark_smoke():
 
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench_rollout.py"), "--quick"],
-        check=True, capture_output=True, text=True, timeout=300,
+        check=True, capture_output=True, text=True, timeout=300, env=ENV,
     ).stdout
     report = json.loads(out.strip().splitlines()[-1])
     assert report["benchmark"] == "rollout"

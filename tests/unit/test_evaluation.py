@@ -162,14 +162,11 @@ def _without_origin(report: dict) -> dict:
 
 
 def _tool_main(argv: list[str]) -> dict:
-    """tools/evaluate.py's main() in this process (a second interpreter start is slow here)."""
-    import importlib.util
+    """The command line (tools/evaluate.py, bapo-evaluate) in this process (a second interpreter
+    start is slow here)."""
+    from bapo_megatron.repro.evaluate_cli import run
 
-    tool = Path(__file__).resolve().parents[2] / "tools" / "evaluate.py"
-    spec = importlib.util.spec_from_file_location("evaluate_tool", tool)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    return run(argv)
 
 
 def _args(out: Path) -> list[str]:

@@ -16,8 +16,8 @@ from bapo_megatron.config import ActorConfig, ModelConfig, OptimizerConfig, Para
 from bapo_megatron.distributed.context import ParallelContext  # noqa: E402
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine  # noqa: E402
 from bapo_megatron.rollout.protocol import SamplingParams  # noqa: E402
-from bapo_megatron.weights.checksum import named_tensors_of  # noqa: E402
 from bapo_megatron.weights.export import export_weights  # noqa: E402
+from bapo_megatron.weights.sync import named_tensors_of  # noqa: E402
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU run")

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.rollout.checksum import checksum
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from bapo_megatron.rollout.embedded.sampling import next_tokens
 from bapo_megatron.rollout.protocol import SamplingParams
-from bapo_megatron.weights.checksum import checksum
 
 MODEL = ModelConfig(model_type="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=128,
                     num_attention_heads=4, num_query_groups=2, vocab_size=128,

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import tests.unit.test_rollout_engines as suite
+from bapo_megatron.rollout.checksum import checksum
 from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams
 from bapo_megatron.rollout.resubmission import (
     EngineOutput,
@@ -37,7 +38,6 @@ from bapo_megatron.rollout.sglang.engine import (
     weight_buckets,
 )
 from bapo_megatron.rollout.sglang.server_client import SGLangServerClient, tensor_update_request
-from bapo_megatron.weights.checksum import checksum
 
 
 def test_adapters_import_without_engine_packages():

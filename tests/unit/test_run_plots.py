@@ -5,7 +5,6 @@ be the mean of its seeds with the chosen band."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 from PIL import Image
 
 from bapo_megatron.files.atomic import new_file_mode
+from bapo_megatron.repro import plots_cli
 from bapo_megatron.repro.plots import (
     OVERVIEW_COLUMNS,
     PANEL_SIZE,
@@ -46,11 +46,8 @@ def _expected_pixels(columns: int = 1, rows: int = 1, dpi: int = 100) -> tuple[i
 
 
 def _tool_main(argv: list[str]) -> list[str]:
-    tool = Path(__file__).resolve().parents[2] / "tools" / "plot_runs.py"
-    spec = importlib.util.spec_from_file_location("plot_runs_tool", tool)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    """The command line (tools/plot_runs.py, bapo-plot-runs) in this process."""
+    return plots_cli.run(argv)
 
 
 def test_group_and_single_run_give_every_panel(tmp_path, capsys):

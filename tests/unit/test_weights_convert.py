@@ -423,22 +423,24 @@ def test_interrupted_conversion_leaves_nothing_that_looks_complete(hf_folders, t
 
 @needs_cpu
 def test_command_line_converts_both_ways_and_reports_bad_input(hf_folders, tmp_path, capsys):
-    import importlib.util
+    import os
     import subprocess
     import sys
 
-    tool = Path(__file__).resolve().parents[2] / "tools" / "convert_checkpoint.py"
+    from bapo_megatron.weights import convert_cli as cli
+
+    root = Path(__file__).resolve().parents[2]
     source, _ = hf_folders["qwen2-untied"]
-    # as a script in its own process
-    done = subprocess.run([sys.executable, str(tool), "hf-to-megatron", str(source),
-                           str(tmp_path / "megatron"), "--params-dtype", "bfloat16",
-                           "--no-progress"], capture_output=True, text=True, timeout=300)
+    # the tools/ wrapper as a script in its own process (the checkout importable, as installed)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(root / "tools" / "convert_checkpoint.py"),
+                           "hf-to-megatron", str(source), str(tmp_path / "megatron"),
+                           "--params-dtype", "bfloat16", "--no-progress"],
+                          capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     assert "wrote Megatron checkpoint" in done.stdout and "bfloat16" in done.stdout
     # its main() in this process (a second interpreter start is slow on these machines)
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", tool)
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
     args = ["megatron-to-hf", str(tmp_path / "megatron"), str(tmp_path / "back"), "--dtype",
             "float32", "--max-shard-size", "40KB", "--no-progress"]
     cli.main(args)
@@ -454,3 +456,16 @@ def test_command_line_converts_both_ways_and_reports_bad_input(hf_folders, tmp_p
     assert failed.value.code == 2
     assert f"error: output {tmp_path / 'back'} already exists" in capsys.readouterr().err
     assert cli.byte_size("512MiB") == 512 * 2**20 and cli.byte_size("2GB") == 2 * 10**9
+
+
+@needs_cpu
+def test_command_line_creates_the_missing_parent_folders_of_its_output(hf_folders, tmp_path,
+                                                                        capsys):
+    from bapo_megatron.weights import convert_cli
+
+    source, _ = hf_folders["qwen2-untied"]
+    out = tmp_path / "not" / "yet" / "megatron"
+    convert_cli.main(["hf-to-megatron", str(source), str(out), "--no-progress"])
+    assert f"wrote Megatron checkpoint {out}" in capsys.readouterr().out
+    assert megatron_checkpoint.read_checkpoint_info(out).model.model_type == "qwen2"
+    assert sorted(p.name for p in (tmp_path / "not" / "yet").iterdir()) == ["megatron"]

@@ -18,9 +18,9 @@ import torch
 import transformers
 
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.rollout.checksum import Checksum
 from bapo_megatron.rollout.embedded.sampling import next_tokens
 from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams, check_prompts, check_ready
-from bapo_megatron.weights.checksum import Checksum
 
 log = logging.getLogger(__name__)
 

@@ -1,19 +1,14 @@
-"""What engines share when they load weights: a checksum of what was loaded, and flattening the
-live export's buckets into (name, tensor) pairs."""
+"""The checksum an engine returns from ``update_weights(..., checksum=True)``: SHA-256 over the
+names, dtypes, shapes and bytes of the tensors it loaded, in load order. Every engine computes it
+the same way, so the checksums of two engines (or of an engine and the tensors sent to it) can be
+compared."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
-
-
-def named_tensors_of(buckets: Iterable) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs of an iterable of export buckets
-    (:class:`bapo_megatron.weights.export.WeightBucket`, anything with a ``tensors`` dict)."""
-    for bucket in buckets:
-        yield from bucket.tensors.items()
 
 
 class Checksum:

@@ -1,0 +1,206 @@
+"""The package's shape: no import cycles (between modules, and between subpackages), the core
+imports without the optional heavy packages, and every console script names a callable."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "bapo_megatron"
+
+
+def module_files() -> dict[str, Path]:
+    """Dotted name -> file of every module of the package (a package is its __init__.py)."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _runs_at_import(node: ast.stmt) -> list[ast.stmt]:
+    """The statements of a top-level statement that run when the module is imported: imports
+    inside ``if``/``try`` count, except under ``if TYPE_CHECKING``; function and class bodies
+    are lazy."""
+    if isinstance(node, ast.If):
+        if isinstance(node.test, ast.Name | ast.Attribute) and "TYPE_CHECKING" in ast.unparse(
+                node.test):
+            return list(node.orelse)
+        return [s for part in (node.body, node.orelse) for child in part
+                for s in _runs_at_import(child)]
+    if isinstance(node, ast.Try):
+        parts = [node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)]
+        return [s for part in parts for child in part for s in _runs_at_import(child)]
+    return [node]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports at import time (``from a import b`` counts
+    as importing ``a`` and, if it is a module, ``a.b``). A package's parents, imported before it
+    by Python, are not edges: an ``__init__`` that re-exports its children is no cycle."""
+    modules = module_files()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for top in ast.parse(path.read_text(), str(path)).body:
+            for node in _runs_at_import(top):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    base = node.module or ""
+                    if node.level:
+                        anchor = here.split(".")[:len(here.split(".")) - node.level + 1]
+                        base = ".".join(anchor + ([base] if base else []))
+                    names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+                else:
+                    continue
+                targets.update(names)
+        graph[name] = {t for t in targets & set(modules) if t != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` (its nodes, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def subpackage(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def test_cycle_finder_finds_a_cycle_and_accepts_a_dag():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_no_import_cycle_between_modules():
+    graph = import_graph()
+    assert "bapo_megatron.weights.sync" in graph["bapo_megatron.trainer.loop"]  # sanity
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_import_cycle_between_subpackages():
+    packages: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        packages.setdefault(subpackage(module), set()).update(
+            subpackage(t) for t in targets if subpackage(t) != subpackage(module)
+            and t != "bapo_megatron")
+    packages.pop("bapo_megatron", None)
+    cycle = find_cycle(packages)
+    assert cycle is None, "import cycle between subpackages: " + " -> ".join(cycle)
+
+
+def test_the_root_package_holds_only_its_init_and_subpackages():
+    assert sorted(p.name for p in PACKAGE.glob("*.py")) == ["__init__.py"]
+
+
+_BLOCKING_IMPORT = textwrap.dedent("""
+    import importlib, importlib.abc, sys
+
+    BLOCKED = {blocked!r}
+
+    class Blocked(importlib.abc.MetaPathFinder):
+        # as if not installed (libraries test for ModuleNotFoundError)
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ModuleNotFoundError(f"blocked: {{name}}", name=name)
+
+    sys.meta_path.insert(0, Blocked())
+    for name in {modules!r}:
+        importlib.import_module(name)
+    print(sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED))
+""")
+
+
+def _import_blocking(modules: list[str], blocked: list[str]) -> str:
+    """Import ``modules`` in a new interpreter where ``blocked`` are not installed; its stderr."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                                     os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONWARNINGS", None)
+    done = subprocess.run([sys.executable, "-c", _BLOCKING_IMPORT.format(blocked=blocked,
+                                                                          modules=modules)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    return done.stderr
+
+
+def test_every_module_imports_without_vllm_sglang_and_transformer_engine():
+    # The adapters (rollout/vllm, rollout/sglang, Megatron's TE spec) import them inside the
+    # functions that need them, so even their modules import without them.
+    modules = [name for name in module_files() if not name.endswith(".__main__")]
+    assert "bapo_megatron.rollout.vllm.engine" in modules
+    stderr = _import_blocking(modules, ["vllm", "sglang", "transformer_engine"])
+    # Megatron-Core's fallback warnings are silenced by the package (megatron_patches/)
+    assert "not installed" not in stderr, stderr[-3000:]
+
+
+def test_algorithm_and_config_import_with_torch_alone():
+    _import_blocking(["bapo_megatron.algo", "bapo_megatron.config",
+                      "bapo_megatron.config.loading"],
+                     ["megatron", "transformer_engine", "vllm", "sglang", "apex", "transformers"])
+
+
+def _console_scripts() -> dict[str, str]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+@pytest.mark.parametrize("script", sorted(_console_scripts()))
+def test_console_script_names_a_callable(script):
+    module, _, function = _console_scripts()[script].partition(":")
+    assert function, f"[project.scripts] {script}: expected module:function"
+    assert callable(getattr(importlib.import_module(module), function))
+
+
+def test_tool_wrappers_run_the_package_command_lines_without_path_edits():
+    tools = ["convert_checkpoint", "evaluate", "plot_runs", "sweep"]
+    for path in (ROOT / "tools").glob("*.py"):
+        assert "sys.path" not in path.read_text(), path
+    code = textwrap.dedent(f"""
+        import contextlib, io, runpy, sys
+        for tool in {tools!r}:
+            sys.argv = [tool, "--help"]
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                try:
+                    runpy.run_path("tools/" + tool + ".py", run_name="__main__")
+                except SystemExit as done:
+                    assert done.code == 0, (tool, done.code)
+            assert out.getvalue().startswith("usage: " + tool), (tool, out.getvalue()[:200])
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
