@@ -196,7 +196,8 @@ def test_known_answers_through_the_command_line(known_answers, tmp_path):
     # the unscorable answer: every check raised, counted, and scored incorrect
     assert problems["unscorable"]["scoring_errors"] == K and report["scoring_errors"] == K
     assert report["scoring_error_messages"][0].startswith(
-        "problem 'unscorable' sample 0: ValueError")
+        "problem 'unscorable' sample 0: reward 'math_lenient' on response ")
+    assert "ValueError: ground truth" in report["scoring_error_messages"][0]
     assert report["timeouts"] == 0 and report["truncated"] == 0
     # 3 malformed rows and one prompt too long for the model's 64 positions
     assert report["bad_rows"] == 4
