@@ -7,12 +7,15 @@ pipeline and context rank 0), next to that rank's part of the actor.
   stage exports them. No rank collects a whole stage (only the engine keeps what it loads).
 - :func:`share_from_engine_rank`: what the engine rank produced (scored groups, rollout
   statistics) is broadcast to the replica's other ranks, which all need the batch.
-- :func:`stop_if_any_engine_failed`: an engine rank that failed tells every rank of the run, so
-  they all stop with its error instead of waiting in a collective for a rank that is gone.
+- :func:`stop_if_any_engine_failed` (and :func:`engine_failures_stop_every_rank`,
+  :func:`call_engine` around engine-rank work): an engine rank that failed tells every rank of
+  the run, so they all stop with its error instead of waiting in a collective for a rank that is
+  gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -56,7 +59,7 @@ def push_weights(actor: Actor, engine: RolloutEngine | None, *, version: int, bu
         stream = _engine_stream(buckets, context)
         try:
             loaded = engine.update_weights(stream, version=version, checksum=checksum)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - every rank stops with it
             failure = error
         _drain(stream)  # after a refusal, the other ranks still wait in the stream's exchanges
     stop_if_any_engine_failed(failure, context, during=f"the weight update to version {version}")
@@ -68,6 +71,29 @@ def stop_if_any_engine_failed(failure: BaseException | None, context: ParallelCo
     """Collective over the world: raise :class:`EngineFailure` on every rank if any rank passes
     a ``failure`` (its engine's error; None elsewhere)."""
     raise_if_any_rank_failed(failure, where=f"stopped during {during}", error_type=EngineFailure)
+
+
+@contextlib.contextmanager
+def engine_failures_stop_every_rank(context: ParallelContext, *, during: str) -> Iterator[None]:
+    """Collective over the world at the end of the block: an ``Exception`` raised in the block
+    (on an engine rank, or any other) is caught, and then every rank raises
+    :class:`EngineFailure` naming it, instead of the others waiting for the failed rank."""
+    failure = None
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - every rank stops with it, none waits for this one
+        failure = error
+    stop_if_any_engine_failed(failure, context, during=during)
+
+
+def call_engine(engine: RolloutEngine | None, method: str, context: ParallelContext, *,
+                during: str) -> None:
+    """Collective over the world: ``engine.<method>()`` on the engine ranks (``engine`` is None
+    elsewhere); if it raises on any rank, every rank raises :class:`EngineFailure` naming the
+    call and the error."""
+    with engine_failures_stop_every_rank(context, during=f"engine.{method}() {during}"):
+        if engine is not None:
+            getattr(engine, method)()
 
 
 def _drain(items: Iterable) -> None:
