@@ -11,33 +11,35 @@ metadata classes, sizes and dtypes such a file holds, and refuses the folder oth
 
 from __future__ import annotations
 
-import collections
 import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint.metadata as dcp_metadata
 
 METADATA_FILE = ".metadata"
 
-# What torch_dist metadata files hold: the dataclasses and enums of torch.distributed
-# .checkpoint.metadata, torch.Size, dtypes, layouts and memory formats, ordered dicts.
-_ALLOWED_MODULES = {dcp_metadata.__name__}
-_ALLOWED = {("torch", "Size"): torch.Size, ("collections", "OrderedDict"): collections.OrderedDict,
-            ("builtins", "set"): set, ("builtins", "frozenset"): frozenset}
-_TORCH_CONSTANT_TYPES = (torch.dtype, torch.layout, torch.memory_format)
+# What torch_dist metadata files hold (the classes a save records, listed by name: other classes
+# of these modules, such as the file-system writer, do things when constructed), plus torch.Size,
+# dtypes and the layout lookup torch pickles tensor properties with.
+_ALLOWED_CLASSES = {
+    "torch.distributed.checkpoint.metadata": (
+        "Metadata", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "MetadataIndex", "_MEM_FORMAT_ENCODING"),
+    "torch.distributed.checkpoint.planner": (
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+}
+_ALLOWED = {(module, name) for module, names in _ALLOWED_CLASSES.items() for name in names}
+_ALLOWED |= {("torch", "Size"), ("torch.serialization", "_get_layout"),
+             ("collections", "OrderedDict")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES and "." not in name:
-            found = getattr(dcp_metadata, name, None)
-            if isinstance(found, type):
-                return found
         if (module, name) in _ALLOWED:
-            return _ALLOWED[module, name]
-        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANT_TYPES):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not a checkpoint metadata type")
 
