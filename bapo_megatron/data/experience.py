@@ -9,12 +9,14 @@ version it was sampled with.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
 import torch
 
 from bapo_megatron.actor.batch import PolicyBatch
+from bapo_megatron.data.prompts import PromptRow
 from bapo_megatron.rollout.protocol import RolloutSample
 
 
@@ -31,6 +33,38 @@ class Group:
     def oldest_version(self) -> int:
         """Oldest policy version any of its tokens was sampled with."""
         return min((min(s.versions) for s in self.samples if s.versions), default=0)
+
+    def to_plain(self) -> dict:
+        """The group as plain data (dicts, lists, numbers, strings), as checkpoints store it."""
+        return {"prompt_id": self.prompt_id, "samples": [sample_to_plain(s) for s in self.samples],
+                "rewards": list(self.rewards), "advantages": list(self.advantages)}
+
+    @classmethod
+    def from_plain(cls, plain: dict) -> Group:
+        """Undo :meth:`to_plain`."""
+        return cls(prompt_id=plain["prompt_id"],
+                   samples=[sample_from_plain(s) for s in plain["samples"]],
+                   rewards=list(plain["rewards"]), advantages=list(plain["advantages"]))
+
+
+def sample_to_plain(sample: RolloutSample) -> dict:
+    """A rollout sample as a plain dict of its fields (lists copied)."""
+    return dataclasses.asdict(sample)
+
+
+def sample_from_plain(plain: dict) -> RolloutSample:
+    """Undo :func:`sample_to_plain`."""
+    return RolloutSample(**plain)
+
+
+def row_to_plain(row: PromptRow) -> dict:
+    """A prompt row as a plain dict of its fields."""
+    return dataclasses.asdict(row)
+
+
+def row_from_plain(plain: dict) -> PromptRow:
+    """Undo :func:`row_to_plain`."""
+    return PromptRow(**plain)
 
 
 def prompt_order(num_prompts: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
@@ -112,7 +146,9 @@ class ReplayBuffer:
         return rng.sample(self.groups, min(count, len(self.groups)))
 
     def state_dict(self) -> dict:
-        return {"groups": list(self.groups)}
+        """The buffer's groups as plain data (see :meth:`Group.to_plain`)."""
+        return {"groups": [group.to_plain() for group in self.groups]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.groups = list(state["groups"])
+        """Undo :meth:`state_dict`."""
+        self.groups = [Group.from_plain(group) for group in state["groups"]]

@@ -14,59 +14,62 @@ so a folder with that name is always complete; a killed run leaves only a hidden
   ``trainer`` section: its own format version, the step, world size and layout, whether the
   optimizer was distributed, ``Actor.skipped_steps`` and the learning-rate scheduler's state;
 - ``rank_<rank:05d>.pt``, one per rank (``torch.save``): the step, the rank, its RNG states
-  (torch CPU, CUDA when present, Python ``random``, NumPy, Megatron's model-parallel tracker) and
-  the caller's ``trainer_state``, which may differ from rank to rank (a replay buffer held by
-  some ranks, a data-loader position...).
+  (:mod:`~bapo_megatron.trainer.rng_state`) and the caller's ``trainer_state``, which may differ
+  from rank to rank (a replay buffer held by some ranks, a data-loader position...).
+
+Loading a checkpoint never runs code from it: the per-rank files hold plain data only (tensors,
+numbers, strings, None, lists/tuples/dicts of them; :func:`save_checkpoint` refuses anything
+else) and are read with ``torch.load(weights_only=True)``. Files of format version 1, which held
+pickled Python objects, are refused. Megatron's own files: ``common.pt`` is read by
+``torch.load`` with torch's default ``weights_only=True`` (torch >= 2.6, with Megatron's
+allow-list of plain classes); ``.metadata``, which torch's ``FileSystemReader`` unpickles in
+full, is first checked by :func:`~bapo_megatron.megatron_patches.checkpoint_metadata.check_metadata`.
 
 The per-rank files tie a checkpoint to the world size and layout it was saved at: rank r's RNG
 and trainer state only mean something to the same rank r of the same layout, so
 :func:`load_checkpoint` refuses another layout (the weights alone still load anywhere through
 :func:`~bapo_megatron.weights.megatron_checkpoint.load_megatron_checkpoint`).
 
-Megatron's optimizer checkpoints assume fused (Transformer Engine/Apex) Adams, which keep no
-per-parameter ``step``; the torch ``AdamW`` it falls back to without them (always on the CPU)
-does. Four consequences are handled here (docs/megatron-cpu.md lists the failures), and one
-case is refused:
-
-- a fresh optimizer has no state until its first step; Megatron's ``init_state_fn`` creates the
-  moments but not ``step``, which the distributed optimizer's ``state_dict`` asserts on and torch's
-  Adam then lacks: :func:`_init_adam_state` creates all three, exactly as torch's first step would;
-- the plain optimizer does not save a ``step`` of 0 (before the first step), which torch's Adam
-  cannot load without: :func:`_add_zero_common_step` supplies it;
-- the distributed optimizer is saved in its ``dp_reshardable`` format (the default
-  ``fully_sharded_model_space`` needs ``flattened_range``, which the torch_dist format dropped;
-  ``fully_reshardable`` loses ``step``), and loading it copies into views of leaf parameters, so
-  it runs under ``torch.no_grad()``;
-- that format keeps ``step`` only in the param groups and puts back the fresh optimizer's per-param
-  ``step`` tensors: :func:`_restore_adam_steps` resets them from the groups;
-- a bf16 model with float32 parameters (the local spec's norms, i.e. without Transformer Engine)
-  and the non-distributed optimizer: Megatron's ``Float16OptimizerWithFloat16Params`` cannot
-  build its sharded state dict then, so :func:`save_checkpoint` refuses before writing; the
-  distributed optimizer checkpoints that model exactly.
+Megatron's optimizer checkpoints assume fused Adams; the repairs torch's Adam needs are in
+:mod:`bapo_megatron.megatron_patches.optimizer_state`. Two more choices follow from them: the
+distributed optimizer is saved in its ``dp_reshardable`` format (the default
+``fully_sharded_model_space`` needs ``flattened_range``, which the torch_dist format dropped;
+``fully_reshardable`` loses ``step``), and loading it copies into views of leaf parameters, so it
+runs under ``torch.no_grad()``. One case is refused: a bf16 model with float32 parameters (the
+local spec's norms, i.e. without Transformer Engine) and the non-distributed optimizer, whose
+``Float16OptimizerWithFloat16Params`` cannot build its sharded state dict; :func:`save_checkpoint`
+refuses before writing (the distributed optimizer checkpoints that model exactly).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import random
+import pickle
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from megatron.core import dist_checkpointing, tensor_parallel
-from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, MegatronOptimizer
+from megatron.core import dist_checkpointing
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
 from bapo_megatron.actor.actor import Actor
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.distributed.collectives import barrier, on_every_rank
 from bapo_megatron.files.atomic import staged_folder
+from bapo_megatron.megatron_patches.checkpoint_metadata import check_metadata
 from bapo_megatron.megatron_patches.child_processes import checkpoint_writer_queue_ends_with_us
 from bapo_megatron.megatron_patches.cpu_runtime import cuda_sites_on_cpu
+from bapo_megatron.megatron_patches.optimizer_state import (
+    add_zero_common_step,
+    init_adam_state,
+    restore_adam_steps,
+    torch_adams,
+)
+from bapo_megatron.trainer import rng_state
 from bapo_megatron.weights.megatron_checkpoint import (
     FORMAT_VERSION as WEIGHTS_FORMAT_VERSION,
 )
@@ -78,8 +81,10 @@ from bapo_megatron.weights.megatron_checkpoint import (  # the weights part of t
     state_keys,
 )
 
-TRAINER_FORMAT_VERSION = 1
-"""Version of the ``trainer`` section and of the per-rank files; bumped on incompatible changes."""
+TRAINER_FORMAT_VERSION = 2
+"""Version of the ``trainer`` section and of the per-rank files; bumped on incompatible changes.
+Version 1 pickled Python objects (NumPy arrays, rollout samples) into the per-rank files."""
+_PICKLED_FORMAT_VERSION = 1
 STEP_FOLDER = "step_{step:08d}"
 _STEP_FOLDER_NAME = re.compile(r"step_(\d{8,})")
 RANK_FILE = "rank_{rank:05d}.pt"
@@ -125,7 +130,8 @@ def save_checkpoint(root: str | Path, step: int, actor: Actor, trainer_state: di
     """Save the run after ``step`` to ``root/step_<step:08d>/`` and return that folder.
 
     Collective over the world: every rank calls it with its own ``actor`` and ``trainer_state``
-    (any picklable dict; it may differ per rank). The folder appears only once complete; one left
+    (a dict of plain data: tensors, numbers, strings, None and lists/tuples/dicts of them; it may
+    differ per rank). The folder appears only once complete; one left
     from an earlier run at the same step is replaced then. Afterwards, rank 0 deletes the oldest
     ``step_*`` folders below ``step`` so that ``keep_last`` remain, this one included (None keeps
     all; folders of later steps, from another history, are left alone).
@@ -176,13 +182,35 @@ def _check_can_save(step: int, actor: Actor, trainer_state: dict, keep_last: int
 
 
 def _write_rank_file(staging: Path, step: int, rank: int, trainer_state: dict) -> None:
-    """This rank's file (RNG states, ``trainer_state``); ``ValueError`` if it cannot be pickled."""
+    """This rank's file (RNG states, ``trainer_state``); ``ValueError`` if ``trainer_state``
+    holds anything but plain data."""
     try:
-        torch.save({"format_version": TRAINER_FORMAT_VERSION, "step": step, "rank": rank,
-                    "rng": _rng_states(), "trainer_state": trainer_state},
-                   staging / RANK_FILE.format(rank=rank))
-    except Exception as err:  # noqa: BLE001 - pickling fails with many exception types
-        raise ValueError(f"trainer_state of rank {rank} cannot be saved: {err!r}") from None
+        _check_plain(trainer_state, "trainer_state")
+    except ValueError as err:
+        raise ValueError(f"trainer_state of rank {rank} cannot be saved: {err}") from None
+    torch.save({"format_version": TRAINER_FORMAT_VERSION, "step": step, "rank": rank,
+                "rng": rng_state.capture(), "trainer_state": trainer_state},
+               staging / RANK_FILE.format(rank=rank))
+
+
+_PLAIN_LEAVES = (type(None), bool, int, float, str, torch.Tensor)
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """``ValueError`` naming the first part of ``value`` that is not plain data: what
+    ``torch.load(weights_only=True)`` reads back without unpickling a Python object."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if type(key) not in (str, int):
+                raise ValueError(f"{where} has the key {key!r}; keys must be strings or integers")
+            _check_plain(item, f"{where}[{key!r}]")
+    elif type(value) in (list, tuple):
+        for index, item in enumerate(value):
+            _check_plain(item, f"{where}[{index}]")
+    elif type(value) not in _PLAIN_LEAVES and not isinstance(value, torch.Tensor):
+        raise ValueError(f"{where} is a {type(value).__name__}; a checkpoint holds only tensors, "
+                         "numbers, strings, None and lists/tuples/dicts of them (so that loading "
+                         "it never unpickles Python objects)")
 
 
 def _sharded_state(actor: Actor, *, is_loading: bool) -> dict:
@@ -191,58 +219,11 @@ def _sharded_state(actor: Actor, *, is_loading: bool) -> dict:
     modules = [_unwrap(chunk) for chunk in actor.chunks]
     state = {key: module.sharded_state_dict()
              for key, module in zip(state_keys(len(modules)), modules)}
-    _init_adam_state(actor.optimizer)
+    init_adam_state(actor.optimizer)
     with cuda_sites_on_cpu():
         state["optimizer"] = actor.optimizer.sharded_state_dict(state, is_loading=is_loading,
                                                                 metadata=_OPTIMIZER_METADATA)
     return state
-
-
-def _torch_adams(optimizer: MegatronOptimizer) -> list[torch.optim.Adam]:
-    """The torch Adam(W)s inside Megatron's (chained) optimizer; empty with fused Adams."""
-    inners = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [inner.optimizer for inner in inners if isinstance(inner.optimizer, torch.optim.Adam)]
-
-
-def _init_adam_state(optimizer: MegatronOptimizer) -> None:
-    """Give every parameter of a torch Adam that has not stepped yet the state its first step
-    would create (zero moments, ``step`` 0): a checkpoint of a fresh optimizer is then complete,
-    and one can be loaded into it. Stepping from this state is identical to stepping from none."""
-    for adam in _torch_adams(optimizer):
-        for group in adam.param_groups:
-            for param in group["params"]:
-                state = adam.state[param]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(param)
-                    state["exp_avg_sq"] = torch.zeros_like(param)
-                    state["step"] = torch.tensor(0.0)  # what torch's Adam starts with
-
-
-def _add_zero_common_step(loaded: dict) -> None:
-    """Megatron's plain optimizer saves Adam's shared ``step`` as ``common_step`` only when it is
-    not 0 (``if step:``), and torch's Adam refuses moments without a step: give the state of a
-    checkpoint taken before the first step its 0. Walks chained optimizers ({index: state})."""
-    if "state" in loaded and "param_groups" in loaded:
-        state = loaded["state"]
-        if state and "common_step" not in state and not any("step" in s for s in state.values()):
-            state["common_step"] = torch.tensor(0.0)
-        return
-    for value in loaded.values():
-        if isinstance(value, dict):
-            _add_zero_common_step(value)
-
-
-def _restore_adam_steps(optimizer: MegatronOptimizer) -> None:
-    """After loading the distributed optimizer: one ``step`` tensor per parameter, from the
-    param group's saved ``step`` (the ``dp_reshardable`` load leaves the fresh values, and torch
-    Adam increments each parameter's tensor in place, so they must not be shared)."""
-    for adam in _torch_adams(optimizer):
-        for group in adam.param_groups:
-            if "step" not in group:
-                continue
-            for param in group["params"]:
-                if "step" in adam.state[param]:
-                    adam.state[param]["step"] = torch.tensor(float(group["step"]))
 
 
 def _info_json(step: int, actor: Actor) -> dict:
@@ -312,6 +293,7 @@ def load_checkpoint(folder: str | Path, actor: Actor) -> tuple[int, dict]:
     info = read_trainer_info(folder)
     _check_matches_run(folder, info, actor)
     _check_files(folder, info.world_size)
+    check_metadata(folder)
     rank_state = on_every_rank(lambda: _read_rank_file(folder, info.step, actor.context.rank),
                                where=f"checkpoint {folder}", catch=ValueError,
                                error_type=ValueError, describe=str)
@@ -323,16 +305,16 @@ def load_checkpoint(folder: str | Path, actor: Actor) -> tuple[int, dict]:
     for key, chunk in zip(keys, actor.chunks):
         _unwrap(chunk).load_state_dict(loaded[key], strict=True)
     distributed = actor.optimizer_config.use_distributed_optimizer
-    if not distributed and _torch_adams(actor.optimizer):
-        _add_zero_common_step(loaded["optimizer"])
+    if not distributed and torch_adams(actor.optimizer):
+        add_zero_common_step(loaded["optimizer"])
     # no_grad: the distributed optimizer copies into views of the (leaf, requires-grad) params.
     with cuda_sites_on_cpu(), torch.no_grad():
         actor.optimizer.load_state_dict(loaded["optimizer"])
     if distributed:
-        _restore_adam_steps(actor.optimizer)
+        restore_adam_steps(actor.optimizer)
     _load_scheduler(actor, info.scheduler)
     actor.skipped_steps = info.skipped_steps
-    _set_rng_states(rank_state["rng"])  # last: nothing after it draws random numbers
+    rng_state.restore(rank_state["rng"])  # last: nothing after it draws random numbers
     return info.step, rank_state["trainer_state"]
 
 
@@ -348,6 +330,14 @@ def read_trainer_info(folder: str | Path) -> TrainerInfo:
                          "with load_megatron_checkpoint), not one a run can resume from")
     try:
         version = trainer["format_version"]
+        if version == _PICKLED_FORMAT_VERSION:
+            raise ValueError(
+                f"{path}: trainer.format_version is 1, whose per-rank files "
+                f"({folder / RANK_FILE.format(rank=0)}...) hold pickled Python objects that only "
+                "load by unpickling them, which can run any code the file carries; they are not "
+                "loaded. Start a fresh run from its weights (train.load_checkpoint="
+                f"{folder}, checkpoint.resume=false, another train.output_dir), or resume it "
+                "with the bapo-megatron version that wrote it")
         if version != TRAINER_FORMAT_VERSION:
             raise ValueError(f"{path}: trainer.format_version {version} is not "
                              f"{TRAINER_FORMAT_VERSION}")
@@ -416,13 +406,21 @@ def _read_rank_file(folder: Path, step: int, rank: int) -> dict:
     """This rank's file, checked to belong to ``step`` and ``rank``."""
     path = folder / RANK_FILE.format(rank=rank)
     try:
-        # Written by save_checkpoint and holding arbitrary trainer_state objects: full pickle.
-        state = torch.load(path, weights_only=False)
-    except Exception as err:  # noqa: BLE001 - any unpickling failure means a damaged file
+        # Plain data only: a Python object in the file is refused, never constructed.
+        state = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(f"{path} cannot be read safely: it holds pickled Python objects, which "
+                         "loading would have to construct by running code named in the file, "
+                         f"so it is refused ({str(err).splitlines()[0]})") from None
+    except Exception as err:  # noqa: BLE001 - any other failure means a damaged file
         raise ValueError(f"{path} cannot be read: {err!r}") from None
     if not isinstance(state, dict) or not {"format_version", "step", "rank", "rng",
                                            "trainer_state"} <= set(state):
         raise ValueError(f"{path} is malformed: not a per-rank trainer checkpoint file")
+    try:
+        _check_plain(state, "the file")  # weights_only also lets a few allow-listed classes in
+    except ValueError as err:
+        raise ValueError(f"{path} is malformed: {err}") from None
     if state["format_version"] != TRAINER_FORMAT_VERSION:
         raise ValueError(f"{path}: format_version {state['format_version']} is not "
                          f"{TRAINER_FORMAT_VERSION}")
@@ -436,32 +434,3 @@ def _load_scheduler(actor: Actor, saved: dict[str, Any]) -> None:
     """Restore the schedule's progress (its shape was checked by :func:`_check_matches_run`)."""
     actor.scheduler.num_steps = 0  # load_state_dict advances by the saved count
     actor.scheduler.load_state_dict(saved)
-
-
-# ------------------------------------------------------------------------------------ RNG
-
-
-def _rng_states() -> dict[str, Any]:
-    """Every generator a training step may draw from, on this rank."""
-    states = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        # Megatron's named states (dropout inside tensor-parallel regions); CPU generator states
-        # on the CPU (cpu_patches), CUDA ones on a GPU.
-        "megatron_tracker": {name: state.clone() for name, state in
-                             tensor_parallel.get_cuda_rng_tracker().get_states().items()},
-    }
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state()
-    return states
-
-
-def _set_rng_states(states: dict[str, Any]) -> None:
-    """Put back what :func:`_rng_states` recorded."""
-    torch.set_rng_state(states["torch"])
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(dict(states["megatron_tracker"]))
-    if torch.cuda.is_available() and "cuda" in states:
-        torch.cuda.set_rng_state(states["cuda"])

@@ -27,6 +27,7 @@ from megatron.core import dist_checkpointing
 
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.files.atomic import staged_folder
+from bapo_megatron.megatron_patches.checkpoint_metadata import check_metadata
 from bapo_megatron.megatron_patches.child_processes import checkpoint_writer_queue_ends_with_us
 from bapo_megatron.weights.hf_checkpoint import DTYPE_NAMES, copy_files
 
@@ -116,6 +117,7 @@ def load_megatron_checkpoint(chunks: Sequence[torch.nn.Module], model: ModelConf
     modules = [_unwrap(chunk) for chunk in chunks]
     keys = state_keys(len(modules))
     state = {key: module.sharded_state_dict() for key, module in zip(keys, modules)}
+    check_metadata(folder)  # the one file torch's reader unpickles in full
     loaded = dist_checkpointing.load(state, str(folder))
     for key, module in zip(keys, modules):
         module.load_state_dict(loaded[key], strict=True)

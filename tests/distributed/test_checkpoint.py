@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import pickle
 import shutil
 from pathlib import Path
 
@@ -230,3 +231,69 @@ def test_resume_in_two_processes_continues_exactly(tmp_path):
             assert {RANK_FILE.format(rank=0), RANK_FILE.format(rank=1)} <= set(got["files"])
     for layout in LAYOUTS:  # every rank saw the same run
         assert results[0][layout]["continued"] == results[1][layout]["continued"]
+
+
+class _CreatesFile:
+    """Unpickling it opens (creates) ``marker``: what a crafted checkpoint file could run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+@needs_cpu
+def test_loading_never_unpickles_objects_from_the_checkpoint(context, tmp_path):
+    """Issue 20: a per-rank file (of the current format or of format 1) or Megatron's
+    ``.metadata`` whose unpickling would run code is refused, naming the file, and the code
+    does not run."""
+    actor = build(context, seed=5)
+    good = save_checkpoint(tmp_path / "good", 0, actor, {"x": 1}, keep_last=None)
+    saved = torch.load(good / RANK_FILE.format(rank=0), weights_only=True)
+
+    def crafted_rank_file(folder: Path, marker: Path) -> None:
+        torch.save(dict(saved, trainer_state={"x": _CreatesFile(marker)}),
+                   folder / RANK_FILE.format(rank=0))
+
+    def format_1(folder: Path, marker: Path) -> None:
+        crafted_rank_file(folder, marker)
+        _edit_json(folder, lambda info: info["trainer"].update(format_version=1))
+
+    def crafted_metadata(folder: Path, marker: Path) -> None:
+        (folder / ".metadata").write_bytes(pickle.dumps(_CreatesFile(marker)))
+
+    cases = {
+        "rank file": (crafted_rank_file, (r"rank_00000\.pt cannot be read safely: it holds "
+                                         r"pickled Python objects")),
+        "format 1": (format_1, (r"trainer\.format_version is 1, whose per-rank files "
+                               r".*rank_00000\.pt.*unpickling.*train\.load_checkpoint=")),
+        "megatron metadata": (crafted_metadata, r"\.metadata is refused.*(builtins|io)\.open"),
+    }
+    for name, (craft, message) in cases.items():
+        folder = tmp_path / name.replace(" ", "-")
+        shutil.copytree(good, folder)
+        marker = tmp_path / f"{folder.name}.marker"
+        craft(folder, marker)
+        with pytest.raises(ValueError, match=message):
+            load_checkpoint(folder, build(context, seed=6))
+        assert not marker.exists(), f"{name}: loading ran code from the file"
+    # The same .metadata check guards the weights-only load (evaluation, conversion,
+    # train.load_checkpoint).
+    marker = tmp_path / "weights.marker"
+    crafted_metadata(tmp_path / "megatron-metadata", marker)
+    with pytest.raises(ValueError, match=r"\.metadata is refused"):
+        load_megatron_checkpoint(build(context, seed=6).chunks, model_config(),
+                                 tmp_path / "megatron-metadata")
+    assert not marker.exists()
+
+
+@needs_cpu
+def test_trainer_state_must_be_plain_data(context, tmp_path):
+    actor = build(context, seed=5)
+    with pytest.raises(ValueError, match=r"trainer_state of rank 0 cannot be saved: "
+                                         r"trainer_state\['replay'\]\[0\] is a PosixPath"):
+        save_checkpoint(tmp_path, 1, actor, {"replay": [Path("x")]}, keep_last=None)
+    with pytest.raises(ValueError, match=r"trainer_state has the key \(1, 2\)"):
+        save_checkpoint(tmp_path, 1, actor, {(1, 2): 0}, keep_last=None)
+    assert not any(tmp_path.iterdir())

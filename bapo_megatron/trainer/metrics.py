@@ -1,0 +1,127 @@
+"""The training loop's per-step metrics, summed (or maximized) over data-parallel replicas.
+
+Each replica sees only its share of the step's groups, so every statistic is first gathered as
+sums and counts on each replica (:class:`RolloutCounts`, :class:`LogprobGap`), reduced over the
+data-parallel group with :mod:`bapo_megatron.distributed.collectives`, and only then turned into
+means: every rank logs the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from bapo_megatron.distributed.collectives import max_over, sum_over
+from bapo_megatron.distributed.context import ParallelContext
+
+
+@dataclass
+class RolloutCounts:
+    """Sums over one replica's finished samples of a rollout step."""
+
+    samples: float = 0.0
+    reward: float = 0.0
+    correct: float = 0.0
+    length: float = 0.0
+    length_right: float = 0.0
+    right: float = 0.0
+    length_wrong: float = 0.0
+    wrong: float = 0.0
+    truncated: float = 0.0
+    groups: float = 0.0
+    informative_groups: float = 0.0
+    reward_timeouts: float = 0.0
+    reward_errors: float = 0.0
+    generated_tokens: float = 0.0
+
+
+def rollout_metrics(counts: RolloutCounts, context: ParallelContext) -> dict[str, float]:
+    """Reward, accuracy, lengths and rollout counts of the step, over every replica."""
+    names = [f.name for f in dataclasses.fields(RolloutCounts)]
+    totals = dict(zip(names, sum_over([getattr(counts, name) for name in names],
+                                      context.dp_group, context.device)))
+    samples = max(totals["samples"], 1.0)
+    return {
+        "reward/mean": totals["reward"] / samples,
+        "reward/accuracy": totals["correct"] / samples,
+        "response_length/mean": totals["length"] / samples,
+        "response_length/right": totals["length_right"] / max(totals["right"], 1.0),
+        "response_length/wrong": totals["length_wrong"] / max(totals["wrong"], 1.0),
+        "rollout/truncated_fraction": totals["truncated"] / samples,
+        "rollout/finished_groups": totals["groups"],
+        "rollout/informative_groups": totals["informative_groups"],
+        "rollout/generated_tokens": totals["generated_tokens"],
+        "reward/timeouts": totals["reward_timeouts"],
+        "reward/errors": totals["reward_errors"],
+    }
+
+
+@dataclass
+class LogprobGap:
+    """One replica's engine/actor log-prob gap and truncated importance weights of a step,
+    accumulated over the mini-batches whose old log-probs were recomputed."""
+
+    gap_sum: float = 0.0
+    """Sum of |actor - engine| log-prob over the tokens sampled with the current weights."""
+    gap_max: float = 0.0
+    gap_tokens: float = 0.0
+    weighted: bool = False
+    """Whether truncated importance weights were computed (``loss.truncated_is_cap``)."""
+    is_sum: float = 0.0
+    is_capped: float = 0.0
+    is_tokens: float = 0.0
+
+    def add_gap(self, gap: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Add the gaps ``gap`` of the ``tokens`` (a mask) sampled with the current weights."""
+        self.gap_sum += float(gap.abs().sum())
+        self.gap_max = max(self.gap_max, float(gap.abs().max()) if gap.numel() else 0.0)
+        self.gap_tokens += float(tokens.sum())
+
+    def add_weights(self, weights: torch.Tensor, capped: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Add the truncated importance ``weights``' sum, the capped count and the tokens."""
+        self.weighted = True
+        self.is_sum += float(weights)
+        self.is_capped += float(capped)
+        self.is_tokens += float(tokens)
+
+    def metrics(self, context: ParallelContext) -> dict[str, float]:
+        """The gap (and importance-weight) metrics over every replica."""
+        group, device = context.dp_group, context.device
+        total, tokens = sum_over([self.gap_sum, self.gap_tokens], group, device)
+        (largest,) = max_over([self.gap_max], group, device)
+        out = {}
+        if self.weighted:
+            weighted, capped, count = sum_over([self.is_sum, self.is_capped, self.is_tokens],
+                                               group, device)
+            out["is_weights/mean"] = weighted / max(count, 1.0)
+            out["is_weights/capped_fraction"] = capped / max(count, 1.0)
+        out["logprob_diff/tokens"] = tokens
+        if tokens:
+            out["logprob_diff/mean_abs"] = total / tokens
+            out["logprob_diff/max_abs"] = largest
+        return out
+
+
+def staleness(versions: torch.Tensor, version: int, context: ParallelContext) -> dict[str, float]:
+    """Policy versions between each response token's sampling and the update it trains."""
+    behind = (version - versions[versions >= 0]).double()
+    total, count = sum_over([float(behind.sum()), float(behind.numel())], context.dp_group,
+                            context.device)
+    (largest,) = max_over([float(behind.max()) if behind.numel() else 0.0], context.dp_group,
+                          context.device)
+    return {"staleness/mean": total / max(count, 1.0), "staleness/max": largest}
+
+
+def throughput(metrics: dict[str, float], trained_tokens: float) -> dict[str, float]:
+    """Tokens per second of the rollout step: generated per rollout second, trained (response
+    tokens of every update, epochs counted) per train second, and generated per step second."""
+    out = {}
+    if metrics.get("time/rollout"):
+        out["throughput/rollout_tokens_per_s"] = metrics["rollout/generated_tokens"] / metrics["time/rollout"]
+    if trained_tokens and metrics.get("time/train"):
+        out["throughput/train_tokens_per_s"] = trained_tokens / metrics["time/train"]
+    if metrics.get("time/step"):
+        out["throughput/tokens_per_s"] = metrics["rollout/generated_tokens"] / metrics["time/step"]
+    return out

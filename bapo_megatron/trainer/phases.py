@@ -1,0 +1,194 @@
+"""The phases of a rollout step that produce the training batches (see
+:mod:`bapo_megatron.trainer.loop`): generation, scoring and off-policy selection on each
+replica's engine rank (None on the other ranks), then the old log-probs on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+
+import torch
+
+from bapo_megatron.actor.batch import PolicyBatch
+from bapo_megatron.actor.logprobs import compute_logprobs
+from bapo_megatron.algo.advantages import grpo_advantages, informative_groups
+from bapo_megatron.data.experience import Group, prompts_at, split_groups, to_policy_batch
+from bapo_megatron.data.task import encode_prompt
+from bapo_megatron.distributed.collectives import sum_over
+from bapo_megatron.trainer.metrics import LogprobGap, RolloutCounts, rollout_metrics
+from bapo_megatron.trainer.replicas import share_from_engine_rank
+from bapo_megatron.trainer.setup import Run
+from bapo_megatron.trainer.state import PausedGroup
+
+Minibatch = tuple[PolicyBatch, torch.Tensor]
+"""A policy batch and the policy version of each of its response tokens (-1 elsewhere)."""
+
+
+@dataclass
+class Rollout:
+    """What the engine generated in one rollout step."""
+
+    finished: list[PausedGroup]
+    """Groups all of whose samples have finished (started now or continued from the carry)."""
+    generated_tokens: int
+
+
+@dataclass
+class Experience:
+    """Scored groups of one replica, and the rollout statistics they came with."""
+
+    groups: list[Group]
+    counts: RolloutCounts
+
+
+def seed(*parts: int) -> int:
+    """A 63-bit seed that is a pure function of ``parts``."""
+    return random.Random("/".join(map(str, parts))).getrandbits(63)
+
+
+def generate(run: Run, step: int) -> Rollout | None:
+    """1. Rollout: this replica's prompts of the step (with partial rollout, the groups paused
+    last step first). Every rank advances the data position."""
+    state, cfg, context = run.state, run.cfg, run.context
+    rollout = None
+    if run.engine is not None:
+        with run.timer.phase("rollout"):
+            indices = prompts_at(state.position + context.dp_rank * run.per_replica, run.per_replica,
+                                 len(run.task.rows), cfg.train.seed, cfg.data.shuffle)
+            finished, state.carry, generated = _generate(
+                run, [run.task.rows[i] for i in indices], seed=seed(cfg.train.seed, step, context.dp_rank))
+        rollout = Rollout(finished, generated)
+    state.position += cfg.rollout.prompts_per_step
+    return rollout
+
+
+def _generate(run: Run, rows, *, seed: int) -> tuple[list[PausedGroup], list[PausedGroup], int]:
+    """Start ``rows``, continue the carry (groups paused by the previous round), and return
+    (finished groups, still-paused groups, tokens generated). A group finishes when all its
+    samples have."""
+    engine, sampling, carry = run.engine, run.sampling, run.state.carry
+    budget = run.cfg.rollout.partial_tokens_per_round
+    before = sum(len(s.token_ids) for _, samples in carry for s in samples)
+    if carry:
+        paused = [s for _, samples in carry for s in samples]
+        engine.continue_generation(paused, dataclasses.replace(sampling, seed=seed + 1), round_tokens=budget)
+    prompts = [encode_prompt(run.task, row, run.cfg.data.system_prompt, sampling.max_new_tokens)
+               for row in rows]
+    samples = engine.generate(prompts, dataclasses.replace(sampling, seed=seed), round_tokens=budget)
+    n = sampling.n
+    groups = list(carry) + [(row, samples[i * n:(i + 1) * n]) for i, row in enumerate(rows)]
+    finished = [g for g in groups if not any(s.resumable for s in g[1])]
+    paused = [g for g in groups if any(s.resumable for s in g[1])]
+    generated = sum(len(s.token_ids) for _, samples in groups for s in samples) - before
+    return finished, paused, generated
+
+
+def score(run: Run, rollout: Rollout | None) -> Experience | None:
+    """2. Reward: rewards, GRPO advantages and rollout statistics of the finished groups
+    (groups whose samples all scored the same are dropped under ``filter_equal_groups``)."""
+    if rollout is None:
+        return None
+    with run.timer.phase("reward"):
+        experience = _score(run, rollout.finished)
+    experience.counts.generated_tokens = rollout.generated_tokens
+    return experience
+
+
+def _score(run: Run, finished: list[PausedGroup]) -> Experience:
+    algo, task = run.cfg.algorithm, run.task
+    counts = RolloutCounts()
+    if not finished:
+        return Experience([], counts)
+    flat = [(row, s) for row, samples in finished for s in samples]
+    texts = [task.tokenizer.decode(s.token_ids, skip_special_tokens=True) for _, s in flat]
+    scored = run.rewards.score(texts, [row.answer for row, _ in flat])
+    n = len(finished[0][1])
+    values = torch.tensor(scored.rewards, dtype=torch.float64).reshape(len(finished), n)
+    advantages = grpo_advantages(values, normalize_std=algo.normalize_std)
+    keep = informative_groups(values)
+    groups = [Group(prompt_id=row.id, samples=samples, rewards=values[i].tolist(),
+                    advantages=advantages[i].tolist())
+              for i, (row, samples) in enumerate(finished) if keep[i] or not algo.filter_equal_groups]
+    lengths = torch.tensor([len(s.token_ids) for _, s in flat], dtype=torch.float64)
+    right = values.reshape(-1) > 0.5
+    counts = RolloutCounts(
+        samples=len(flat), reward=float(values.sum()), correct=float(right.sum()),
+        length=float(lengths.sum()), length_right=float(lengths[right].sum()),
+        right=float(right.sum()), length_wrong=float(lengths[~right].sum()),
+        wrong=float((~right).sum()), truncated=float(sum(s.finish_reason == "length" for _, s in flat)),
+        groups=float(len(finished)), informative_groups=float(keep.sum()),
+        reward_timeouts=float(scored.timed_out), reward_errors=float(len(scored.errors)))
+    return Experience(groups, counts)
+
+
+def select_off_policy(run: Run, fresh: Experience | None, step: int) -> Experience | None:
+    """3. Off-policy selection: with ``rollout_lag``, the groups scored that many steps ago
+    train now; with ``replay_fraction``, groups drawn from the replay buffer join them (and the
+    chosen ones enter the buffer)."""
+    if fresh is None:
+        return None
+    algo, state = run.cfg.algorithm, run.state
+    chosen = fresh.groups
+    if algo.rollout_lag:
+        state.lag_queue.append(fresh.groups)
+        chosen = state.lag_queue.pop(0) if len(state.lag_queue) > algo.rollout_lag else []
+    if algo.replay_fraction:
+        count = round(len(chosen) * algo.replay_fraction / (1 - algo.replay_fraction))
+        draw = random.Random(seed(run.cfg.train.seed, step, run.context.dp_rank))
+        replayed = state.replay.sample(count, state.version, draw)
+        state.replay.add(chosen)
+        chosen = chosen + replayed
+    return Experience(chosen, fresh.counts)
+
+
+def old_logprobs(run: Run, experience: Experience | None, step: int
+                 ) -> tuple[list[Minibatch], dict[str, float]]:
+    """4. The engine rank's groups on every rank of its replica, as the step's mini-batches,
+    with the actor's old log-probs when the ratio is taken against the actor (or, every
+    ``logging.logprob_diff_interval`` steps, to measure the engine/actor gap); and the step's
+    rollout metrics."""
+    cfg, context = run.cfg, run.context
+    algo = cfg.algorithm
+    chosen, counts = share_from_engine_rank(
+        None if experience is None else (experience.groups, experience.counts), context)
+    metrics = rollout_metrics(counts, context)
+    # a mini-batch without a group on any replica (filtered groups, partial rollouts that
+    # did not finish) is skipped; one empty on some replicas only still trains on the others
+    parts = split_groups(chosen, algo.optimizer_steps_per_rollout)
+    groups_per_part = sum_over([float(len(part)) for part in parts], context.dp_group, context.device)
+    minibatches = [to_policy_batch(part, run.task.pad_token_id)
+                   for part, everywhere in zip(parts, groups_per_part) if everywhere]
+    measure_gap = cfg.logging.logprob_diff_interval and step % cfg.logging.logprob_diff_interval == 0
+    if minibatches and (algo.old_logprobs == "recompute" or measure_gap):
+        gap = LogprobGap()
+        with run.timer.phase("old_logprobs"):
+            minibatches = [(recompute(run, batch, versions == run.state.version, gap), versions)
+                           for batch, versions in minibatches]
+        metrics.update(gap.metrics(context))
+    return minibatches, metrics
+
+
+def recompute(run: Run, batch: PolicyBatch, current: torch.Tensor, gap: LogprobGap) -> PolicyBatch:
+    """``batch`` with the actor's log-probs as old log-probs (``recompute``; with
+    ``loss.truncated_is_cap``, capped importance weights) or unchanged (``engine``). The
+    actor/engine gap is added to ``gap`` either way, over the tokens sampled with the actor's
+    current weights (``current``): on older tokens it would also hold the policy's own drift
+    since they were sampled."""
+    cfg = run.cfg
+    recomputed, _ = compute_logprobs(run.actor.chunks, batch, run.actor.context,
+                                     micro_batch_size=cfg.actor.micro_batch_size,
+                                     temperature=cfg.actor.temperature, with_entropy=False)
+    mask = batch.response_mask
+    same_policy = mask & current
+    gap.add_gap((recomputed - batch.old_logprobs)[same_policy], same_policy)
+    if cfg.algorithm.old_logprobs == "engine":
+        return batch
+    weights = None
+    if cfg.loss.truncated_is_cap is not None:
+        cap = cfg.loss.truncated_is_cap
+        uncapped = torch.exp(recomputed - batch.old_logprobs)
+        weights = torch.where(mask, uncapped.clamp(max=cap), 0.0)
+        gap.add_weights(weights.sum(), (uncapped[mask] > cap).sum(), mask.sum())
+    return dataclasses.replace(batch, old_logprobs=torch.where(mask, recomputed, 0.0), is_weights=weights)

@@ -1,0 +1,87 @@
+"""What the training loop carries from one rollout step to the next, and saves in checkpoints.
+
+:class:`TrainerState` is the loop's whole progress on one rank; :meth:`TrainerState.to_checkpoint`
+is the checkpoint schema of it: plain data only (dicts with string keys, lists, numbers, strings,
+None), so a per-rank checkpoint file loads with ``torch.load(weights_only=True)`` and loading a
+checkpoint never unpickles Python objects (which could run code from the file).
+
+The state differs between ranks: the paused groups, the lag queue and the replay buffer live on
+each replica's engine rank only (the other ranks keep them empty).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from bapo_megatron.data.experience import (
+    Group,
+    ReplayBuffer,
+    row_from_plain,
+    row_to_plain,
+    sample_from_plain,
+    sample_to_plain,
+)
+from bapo_megatron.data.prompts import PromptRow
+from bapo_megatron.rollout.protocol import RolloutSample
+
+PausedGroup = tuple[PromptRow, list[RolloutSample]]
+"""A prompt's samples of which some are paused by partial rollout (to be continued next step)."""
+
+_COUNTERS = ("step", "version", "position")
+
+
+@dataclass
+class TrainerState:
+    """The training loop's progress on this rank."""
+
+    replay: ReplayBuffer
+    """Groups of earlier rollout steps, replayed into later batches (``algorithm.replay_*``)."""
+    step: int = 0
+    """Rollout steps done."""
+    version: int = 0
+    """Policy version: optimizer steps done (the version the engines' weights carry)."""
+    position: int = 0
+    """Prompts of the endless data stream visited so far (over all replicas)."""
+    carry: list[PausedGroup] = field(default_factory=list)
+    """Groups paused by partial rollout, continued at the next rollout step."""
+    lag_queue: list[list[Group]] = field(default_factory=list)
+    """Scored groups of the last ``algorithm.rollout_lag`` steps, waiting to be trained on."""
+
+    def to_checkpoint(self) -> dict[str, Any]:
+        """The state as plain data (the checkpoint schema; see the module docstring)."""
+        return {
+            "step": self.step,
+            "version": self.version,
+            "position": self.position,
+            "carry": [{"row": row_to_plain(row), "samples": [sample_to_plain(s) for s in samples]}
+                      for row, samples in self.carry],
+            "lag_queue": [[group.to_plain() for group in groups] for groups in self.lag_queue],
+            "replay": self.replay.state_dict(),
+        }
+
+    def load_checkpoint(self, saved: dict[str, Any], source: str) -> None:
+        """Take over what :meth:`to_checkpoint` wrote (``source`` names the file, for errors):
+        ``ValueError`` naming the field when something is missing or of the wrong kind."""
+        if not isinstance(saved, dict):
+            raise ValueError(  # noqa: TRY004 - a bad file, reported like every other field
+                f"{source}: trainer_state is a {type(saved).__name__}, not a dict")
+        missing = [key for key in (*_COUNTERS, "carry", "lag_queue", "replay") if key not in saved]
+        if missing:
+            raise ValueError(f"{source}: trainer_state lacks {', '.join(missing)}")
+        for key in _COUNTERS:
+            value = saved[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{source}: trainer_state.{key} is {value!r}, not an integer >= 0")
+        try:
+            carry = [(row_from_plain(paused["row"]),
+                      [sample_from_plain(s) for s in paused["samples"]])
+                     for paused in saved["carry"]]
+            lag_queue = [[Group.from_plain(group) for group in groups]
+                         for groups in saved["lag_queue"]]
+            self.replay.load_state_dict(saved["replay"])
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"{source}: trainer_state's paused groups, lag queue or replay "
+                             f"buffer are malformed ({err!r})") from None
+        self.step, self.version, self.position = (saved[key] for key in _COUNTERS)
+        self.carry, self.lag_queue = carry, lag_queue
