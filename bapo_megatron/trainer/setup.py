@@ -12,18 +12,20 @@ import torch.distributed as dist
 
 from bapo_megatron.actor.actor import Actor, build_actor
 from bapo_megatron.algo.search_plan import SearchPlan
-from bapo_megatron.config import Config, validate_layout
+from bapo_megatron.config import Config
 from bapo_megatron.data.experience import ReplayBuffer
 from bapo_megatron.data.task import Task, load_task
 from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.distributed.layout import validate_layout
 from bapo_megatron.rewards.pool import RewardPool
 from bapo_megatron.rollout.protocol import RolloutEngine, SamplingParams
 from bapo_megatron.rollout.registry import build_engine
 from bapo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint
-from bapo_megatron.trainer.replicas import holds_engine, push_weights
+from bapo_megatron.trainer.replicas import holds_engine
 from bapo_megatron.trainer.state import TrainerState
 from bapo_megatron.trainer.tracking import MetricsLogger, PhaseTimer
 from bapo_megatron.trainer.warmup import run_warmup
+from bapo_megatron.weights.sync import push_weights
 
 log = logging.getLogger("bapo_megatron.train")
 
