@@ -35,8 +35,9 @@ LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2-pp2": (2, 2)}
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", default="tp1,tp2,pp2,tp2-pp2",
-                        help=f"comma-separated, from {sorted(LAYOUTS)}")
+    parser.add_argument(
+        "--layouts", default="tp1,tp2,pp2,tp2-pp2", help=f"comma-separated, from {sorted(LAYOUTS)}"
+    )
     parser.add_argument("--steps", type=int, default=5, help="timed steps per preset")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per preset first")
     parser.add_argument("--sequences", type=int, default=8)
@@ -71,21 +72,38 @@ def worker(args: argparse.Namespace) -> None:
     from bapo_megatron.distributed.context import ParallelContext
 
     tp, pp = int(os.environ["BENCH_TP"]), int(os.environ["BENCH_PP"])
-    context = ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=tp,
-                                                        pipeline_model_parallel_size=pp))
-    model = ModelConfig(model_type="qwen2", num_layers=args.layers, hidden_size=args.hidden,
-                        ffn_hidden_size=4 * args.hidden, num_attention_heads=8, num_query_groups=4,
-                        vocab_size=args.vocab, max_position_embeddings=max(args.length, 64))
-    actor = build_actor(model, ActorConfig(micro_batch_size=args.micro_batch_size), OptimizerConfig(lr=1e-6),
-                        context)
+    context = ParallelContext.initialize(
+        ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    )
+    model = ModelConfig(
+        model_type="qwen2",
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        ffn_hidden_size=4 * args.hidden,
+        num_attention_heads=8,
+        num_query_groups=4,
+        vocab_size=args.vocab,
+        max_position_embeddings=max(args.length, 64),
+    )
+    actor = build_actor(
+        model,
+        ActorConfig(micro_batch_size=args.micro_batch_size),
+        OptimizerConfig(lr=1e-6),
+        context,
+    )
     g = torch.Generator().manual_seed(0)
     n, s = args.sequences, args.length
     tokens = torch.randint(0, args.vocab, (n, s), generator=g)
     mask = torch.zeros(n, s, dtype=torch.bool)
-    mask[:, s // 4:] = True
-    old = torch.where(mask, -torch.log(torch.tensor(float(args.vocab))) + 0.5 * torch.randn(n, s, generator=g), 0.0)
-    batch = PolicyBatch(tokens=tokens, response_mask=mask, old_logprobs=old,
-                        advantages=torch.randn(n, generator=g))
+    mask[:, s // 4 :] = True
+    old = torch.where(
+        mask,
+        -torch.log(torch.tensor(float(args.vocab))) + 0.5 * torch.randn(n, s, generator=g),
+        0.0,
+    )
+    batch = PolicyBatch(
+        tokens=tokens, response_mask=mask, old_logprobs=old, advantages=torch.randn(n, generator=g)
+    )
 
     search_seconds = [0.0]
 
@@ -96,14 +114,17 @@ def worker(args: argparse.Namespace) -> None:
                 return fn(*a, **k)
             finally:
                 search_seconds[0] += time.perf_counter() - start
+
         return wrapper
 
     # The search proper: statistics of each micro-batch and the bound choice (bench-only timers).
     train_step_module.search_statistics = timed(train_step_module.search_statistics)
     train_step_module.choose_bounds = timed(train_step_module.choose_bounds)
 
-    presets = {"paper": ClipSearchConfig.from_preset("paper", granularity="step"),
-               "grpo": ClipSearchConfig.from_preset("grpo")}
+    presets = {
+        "paper": ClipSearchConfig.from_preset("paper", granularity="step"),
+        "grpo": ClipSearchConfig.from_preset("grpo"),
+    }
     times = {name: [] for name in presets}
     search_share = []
     for step in range(args.warmup + args.steps):
@@ -111,14 +132,17 @@ def worker(args: argparse.Namespace) -> None:
             search_seconds[0] = 0.0
             torch.distributed.barrier()
             start = time.perf_counter()
-            train_step_module.train_step(actor, batch, LossConfig(clip=clip), SearchPlan.from_config(clip))
+            train_step_module.train_step(
+                actor, batch, LossConfig(clip=clip), SearchPlan.from_config(clip)
+            )
             elapsed = time.perf_counter() - start
             if step >= args.warmup:
                 times[name].append(elapsed)
                 if name == "paper" and context.is_last_stage():
                     search_share.append(search_seconds[0] / elapsed)
-    result = dict(times=times, search_share=search_share, last_stage=context.is_last_stage(),
-                  tokens=n * s)
+    result = dict(
+        times=times, search_share=search_share, last_stage=context.is_last_stage(), tokens=n * s
+    )
     context.teardown()
     Path(args.worker_out.format(rank=os.environ["RANK"])).write_text(json.dumps(result))
 
@@ -130,28 +154,52 @@ def run_layout(name: str, args: argparse.Namespace, argv: list[str], workdir: Pa
     tp, pp = LAYOUTS[name]
     world = tp * pp
     outs = [workdir / f"{name}-rank{rank}.json" for rank in range(world)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
-           "BENCH_TP": str(tp), "BENCH_PP": str(pp), "PYTHONWARNINGS": "ignore"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "NUMBA_NUM_THREADS": "1",
+        "BENCH_TP": str(tp),
+        "BENCH_PP": str(pp),
+        "PYTHONWARNINGS": "ignore",
+    }
     # torchrun starts the ranks and stops them all when one fails.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           __file__, *argv, "--worker-out", str(workdir / f"{name}-rank{{rank}}.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        __file__,
+        *argv,
+        "--worker-out",
+        str(workdir / f"{name}-rank{{rank}}.json"),
+    ]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"layout {name} did not finish within {args.timeout:.0f} s") from None
     if done.returncode != 0 or not all(o.exists() for o in outs):
-        raise RuntimeError(f"layout {name} failed (exit {done.returncode}):\n{done.stdout[-4000:]}"
-                           f"\n{done.stderr[-4000:]}")
+        raise RuntimeError(
+            f"layout {name} failed (exit {done.returncode}):\n{done.stdout[-4000:]}"
+            f"\n{done.stderr[-4000:]}"
+        )
     results = [json.loads(o.read_text()) for o in outs]
     # A step ends when its slowest rank ends: per step, the max over ranks.
-    step = {name_: [max(r["times"][name_][i] for r in results) for i in range(args.steps)]
-            for name_ in ("paper", "grpo")}
+    step = {
+        name_: [max(r["times"][name_][i] for r in results) for i in range(args.steps)]
+        for name_ in ("paper", "grpo")
+    }
     shares = [x for r in results if r["last_stage"] for x in r["search_share"]]
     paper, grpo = statistics.median(step["paper"]), statistics.median(step["grpo"])
-    return dict(processes=world, step_ms=round(1e3 * paper, 2), fixed_clip_step_ms=round(1e3 * grpo, 2),
-                tokens_per_s=round(results[0]["tokens"] / paper, 1),
-                search_share=round(statistics.median(shares), 4),
-                step_vs_fixed_clip=round(paper / grpo, 3))
+    return dict(
+        processes=world,
+        step_ms=round(1e3 * paper, 2),
+        fixed_clip_step_ms=round(1e3 * grpo, 2),
+        tokens_per_s=round(results[0]["tokens"] / paper, 1),
+        search_share=round(statistics.median(shares), 4),
+        step_vs_fixed_clip=round(paper / grpo, 3),
+    )
 
 
 def main(argv: list[str]) -> None:
@@ -168,10 +216,12 @@ def main(argv: list[str]) -> None:
         for name in names:
             report[name] = run_layout(name, args, argv, Path(tmp))
             r = report[name]
-            print(f"{name:8s} {r['processes']} proc  step {r['step_ms']:9.2f} ms  "
-                  f"fixed-clip step {r['fixed_clip_step_ms']:9.2f} ms  {r['tokens_per_s']:10.1f} tok/s  "
-                  f"search {100 * r['search_share']:5.2f}% of step  paper/fixed {r['step_vs_fixed_clip']:.3f}",
-                  flush=True)
+            print(
+                f"{name:8s} {r['processes']} proc  step {r['step_ms']:9.2f} ms  "
+                f"fixed-clip step {r['fixed_clip_step_ms']:9.2f} ms  {r['tokens_per_s']:10.1f} tok/s  "
+                f"search {100 * r['search_share']:5.2f}% of step  paper/fixed {r['step_vs_fixed_clip']:.3f}",
+                flush=True,
+            )
     config = {k: v for k, v in vars(args).items() if k != "worker_out"}
     print(json.dumps(dict(benchmark="actor_step", config=config, layouts=report)))
 

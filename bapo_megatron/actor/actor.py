@@ -35,19 +35,36 @@ class Actor:
         """This rank's parameter shards by their Megatron names (``chunk<i>.`` prefixed when the
         rank holds several virtual pipeline chunks)."""
         prefix = len(self.chunks) > 1
-        return {(f"chunk{i}." if prefix else "") + name: param
-                for i, chunk in enumerate(self.chunks)
-                for name, param in chunk.module.named_parameters()}
+        return {
+            (f"chunk{i}." if prefix else "") + name: param
+            for i, chunk in enumerate(self.chunks)
+            for name, param in chunk.module.named_parameters()
+        }
 
 
-def build_actor(model: ModelConfig, actor: ActorConfig, optimizer: OptimizerConfig,
-                context: ParallelContext, *, initialize: bool = True) -> Actor:
+def build_actor(
+    model: ModelConfig,
+    actor: ActorConfig,
+    optimizer: OptimizerConfig,
+    context: ParallelContext,
+    *,
+    initialize: bool = True,
+) -> Actor:
     """Build the model for ``context``'s layout (weights from ``actor.seed``, or left as
     allocated with ``initialize=False`` when the caller loads them all next), wrap it in
     Megatron's DDP and create the optimizer and schedule."""
     chunks = build_model(model, context.config, context, seed=actor.seed, initialize=initialize)
     config = chunks[0].config
     wrapped = wrap_data_parallel(chunks, config, optimizer, context)
-    megatron_optimizer, scheduler = build_optimizer(wrapped, optimizer, config.params_dtype, context)
-    return Actor(context=context, model_config=model, actor_config=actor, optimizer_config=optimizer,
-                 chunks=wrapped, optimizer=megatron_optimizer, scheduler=scheduler)
+    megatron_optimizer, scheduler = build_optimizer(
+        wrapped, optimizer, config.params_dtype, context
+    )
+    return Actor(
+        context=context,
+        model_config=model,
+        actor_config=actor,
+        optimizer_config=optimizer,
+        chunks=wrapped,
+        optimizer=megatron_optimizer,
+        scheduler=scheduler,
+    )

@@ -36,32 +36,50 @@ class PolicyBatch:
     def __post_init__(self) -> None:
         tokens, mask = self.tokens, self.response_mask
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
-            raise ValueError(f"batch.tokens: expected a [sequences, tokens] tensor, got "
-                             f"{getattr(tokens, 'shape', type(tokens).__name__)}")
+            raise ValueError(
+                f"batch.tokens: expected a [sequences, tokens] tensor, got "
+                f"{getattr(tokens, 'shape', type(tokens).__name__)}"
+            )
         if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
             raise ValueError(f"batch.tokens: expected integer token ids, got {tokens.dtype}")
         if not isinstance(mask, torch.Tensor) or mask.shape != tokens.shape:
-            raise ValueError(f"batch.response_mask: expected shape {tuple(tokens.shape)}, got "
-                             f"{getattr(mask, 'shape', type(mask).__name__)}")
+            raise ValueError(
+                f"batch.response_mask: expected shape {tuple(tokens.shape)}, got "
+                f"{getattr(mask, 'shape', type(mask).__name__)}"
+            )
         if mask.dtype != torch.bool:
             raise ValueError(f"batch.response_mask: expected a bool tensor, got {mask.dtype}")
         if tokens.shape[1] < 2 and tokens.shape[0] > 0:
-            raise ValueError("batch.tokens: sequences need at least 2 tokens (a prompt token and a "
-                             f"response token), got length {tokens.shape[1]}")
+            raise ValueError(
+                "batch.tokens: sequences need at least 2 tokens (a prompt token and a "
+                f"response token), got length {tokens.shape[1]}"
+            )
         if tokens.numel() and bool(mask[:, 0].any()):
-            raise ValueError("batch.response_mask: column 0 is marked as a response token, but the "
-                             "first token has no preceding position to predict it")
+            raise ValueError(
+                "batch.response_mask: column 0 is marked as a response token, but the "
+                "first token has no preceding position to predict it"
+            )
         for name in ("old_logprobs", "is_weights"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, torch.Tensor) or value.shape != tokens.shape
-                                      or not value.is_floating_point()):
-                raise ValueError(f"batch.{name}: expected a float tensor of shape {tuple(tokens.shape)}, "
-                                 f"got {getattr(value, 'shape', type(value).__name__)}")
+            if value is not None and (
+                not isinstance(value, torch.Tensor)
+                or value.shape != tokens.shape
+                or not value.is_floating_point()
+            ):
+                raise ValueError(
+                    f"batch.{name}: expected a float tensor of shape {tuple(tokens.shape)}, "
+                    f"got {getattr(value, 'shape', type(value).__name__)}"
+                )
         adv = self.advantages
-        if adv is not None and (not isinstance(adv, torch.Tensor) or not adv.is_floating_point()
-                                or adv.shape not in (tokens.shape, tokens.shape[:1])):
-            raise ValueError(f"batch.advantages: expected a float tensor of shape {tuple(tokens.shape)} "
-                             f"or {tuple(tokens.shape[:1])}, got {getattr(adv, 'shape', type(adv).__name__)}")
+        if adv is not None and (
+            not isinstance(adv, torch.Tensor)
+            or not adv.is_floating_point()
+            or adv.shape not in (tokens.shape, tokens.shape[:1])
+        ):
+            raise ValueError(
+                f"batch.advantages: expected a float tensor of shape {tuple(tokens.shape)} "
+                f"or {tuple(tokens.shape[:1])}, got {getattr(adv, 'shape', type(adv).__name__)}"
+            )
 
     @property
     def num_sequences(self) -> int:
@@ -73,11 +91,12 @@ class PolicyBatch:
             if getattr(self, name) is None:
                 raise ValueError(f"batch.{name} is required for a training step")
 
-    def select(self, rows: slice) -> "PolicyBatch":
+    def select(self, rows: slice) -> PolicyBatch:
         """The sequences ``rows`` (a slice), every field sliced alike."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return dataclasses.replace(self, **{name: value[rows] for name, value in values.items()
-                                            if value is not None})
+        return dataclasses.replace(
+            self, **{name: value[rows] for name, value in values.items() if value is not None}
+        )
 
 
 def microbatch_count(num_sequences: int, micro_batch_size: int) -> int:
@@ -85,8 +104,9 @@ def microbatch_count(num_sequences: int, micro_batch_size: int) -> int:
     return math.ceil(num_sequences / micro_batch_size)
 
 
-def split_microbatches(batch: PolicyBatch, micro_batch_size: int, num_microbatches: int,
-                       seq_multiple: int = 1) -> list[PolicyBatch]:
+def split_microbatches(
+    batch: PolicyBatch, micro_batch_size: int, num_microbatches: int, seq_multiple: int = 1
+) -> list[PolicyBatch]:
     """``num_microbatches`` micro-batches of exactly ``micro_batch_size`` sequences each.
 
     Sequences are taken in order; the short last micro-batch and any further ones (data-parallel
@@ -96,8 +116,10 @@ def split_microbatches(batch: PolicyBatch, micro_batch_size: int, num_microbatch
     exchange activations of one fixed shape, hence equal shapes throughout.
     """
     if num_microbatches < microbatch_count(batch.num_sequences, micro_batch_size):
-        raise ValueError(f"{batch.num_sequences} sequences do not fit in {num_microbatches} "
-                         f"micro-batches of {micro_batch_size}")
+        raise ValueError(
+            f"{batch.num_sequences} sequences do not fit in {num_microbatches} "
+            f"micro-batches of {micro_batch_size}"
+        )
     rows = num_microbatches * micro_batch_size
     length = max(batch.tokens.shape[1], 2)
     length = -(-length // seq_multiple) * seq_multiple
@@ -121,5 +143,7 @@ def split_microbatches(batch: PolicyBatch, micro_batch_size: int, num_microbatch
         advantages=padded(adv, adv is None or adv.dim() == 2),
         is_weights=padded(batch.is_weights, True),
     )
-    return [full.select(slice(i * micro_batch_size, (i + 1) * micro_batch_size))
-            for i in range(num_microbatches)]
+    return [
+        full.select(slice(i * micro_batch_size, (i + 1) * micro_batch_size))
+        for i in range(num_microbatches)
+    ]

@@ -16,14 +16,24 @@ from bapo_megatron.algo.vocab_parallel import token_logprobs_and_entropy
 from bapo_megatron.distributed.context import ParallelContext
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, context: ParallelContext, *,
-                   temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    context: ParallelContext,
+    *,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-aligned ``[b, s]`` log-probs (and entropy) from this rank's logits ``[b, s, V/TP]``
     (position t predicts token t + 1). Differentiable; collectives over the TP group only."""
     logprobs, entropy = token_logprobs_and_entropy(
-        logits[:, :-1], tokens[:, 1:].to(logits.device),
-        vocab_start=context.tp_rank * logits.shape[-1], group=context.tp_group,
-        temperature=temperature, with_entropy=with_entropy)
+        logits[:, :-1],
+        tokens[:, 1:].to(logits.device),
+        vocab_start=context.tp_rank * logits.shape[-1],
+        group=context.tp_group,
+        temperature=temperature,
+        with_entropy=with_entropy,
+    )
     return _shift_right(logprobs), (_shift_right(entropy) if with_entropy else None)
 
 
@@ -37,9 +47,15 @@ def seq_multiple(context: ParallelContext) -> int:
 
 
 @torch.no_grad()
-def compute_logprobs(chunks: list[torch.nn.Module], batch: PolicyBatch, context: ParallelContext, *,
-                     micro_batch_size: int, temperature: float, with_entropy: bool = True
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def compute_logprobs(
+    chunks: list[torch.nn.Module],
+    batch: PolicyBatch,
+    context: ParallelContext,
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward-only pass over this data-parallel rank's ``batch``: ``(logprobs, entropy)``, each
     ``[n, s]`` float32 on the CPU, on every rank of the pipeline (the last stage computes them
     and broadcasts). Used to recompute old log-probs and to check rollout engines."""
@@ -53,8 +69,9 @@ def compute_logprobs(chunks: list[torch.nn.Module], batch: PolicyBatch, context:
     microbatches = split_microbatches(batch, micro_batch_size, count, seq_multiple(context))
 
     def per_microbatch(microbatch: PolicyBatch, logits: torch.Tensor):
-        logprobs, entropy = token_logprobs(logits, microbatch.tokens, context,
-                                           temperature=temperature, with_entropy=with_entropy)
+        logprobs, entropy = token_logprobs(
+            logits, microbatch.tokens, context, temperature=temperature, with_entropy=with_entropy
+        )
         outputs = {"logprobs": logprobs.float()}
         if with_entropy:
             outputs["entropy"] = entropy.float()
@@ -62,8 +79,9 @@ def compute_logprobs(chunks: list[torch.nn.Module], batch: PolicyBatch, context:
 
     outputs = run_schedule(chunks, microbatches, per_microbatch, context, forward_only=True)
     padded_len = microbatches[0].tokens.shape[1]
-    result = torch.empty(2 if with_entropy else 1, count * micro_batch_size, padded_len,
-                         device=context.device)
+    result = torch.empty(
+        2 if with_entropy else 1, count * micro_batch_size, padded_len, device=context.device
+    )
     if context.is_last_stage():
         result[0] = torch.cat([out["logprobs"] for out in outputs])
         if with_entropy:

@@ -21,9 +21,13 @@ def _leave_as_allocated(weight: torch.Tensor) -> None:
     """The init method of a model whose weights are all loaded next: no random draw."""
 
 
-def to_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
-                          use_cpu_initialization: bool | None = None,
-                          initialize: bool = True) -> TransformerConfig:
+def to_transformer_config(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    use_cpu_initialization: bool | None = None,
+    initialize: bool = True,
+) -> TransformerConfig:
     """Megatron's ``TransformerConfig`` for a Llama/Qwen2 decoder split as ``parallel`` says.
 
     Architecture: pre-norm RMSNorm (``layernorm_epsilon`` = rms_norm_eps), SwiGLU MLP
@@ -69,9 +73,15 @@ def to_transformer_config(model: ModelConfig, parallel: ParallelConfig, *,
         context_parallel_size=parallel.context_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         use_cpu_initialization=use_cpu_initialization,
-        **({} if initialize else {"init_method": _leave_as_allocated,
-                                  "output_layer_init_method": _leave_as_allocated,
-                                  "embedding_init_method": _leave_as_allocated}),
+        **(
+            {}
+            if initialize
+            else {
+                "init_method": _leave_as_allocated,
+                "output_layer_init_method": _leave_as_allocated,
+                "embedding_init_method": _leave_as_allocated,
+            }
+        ),
         cuda_graph_scope=[],  # no CUDA graphs; the default "full" only triggers a deprecation warning
         # Batched p2p posts a send to the next and one to the previous stage together; at PP2
         # both are the same peer, and gloo (CPU) matches same-tag messages in posting order, so

@@ -44,8 +44,14 @@ def layer_spec() -> ModuleSpec:
     return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
 
 
-def build_model(model: ModelConfig, parallel: ParallelConfig, context: ParallelContext, *,
-                seed: int = DEFAULT_SEED, initialize: bool = True) -> list[GPTModel]:
+def build_model(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    context: ParallelContext,
+    *,
+    seed: int = DEFAULT_SEED,
+    initialize: bool = True,
+) -> list[GPTModel]:
     """This rank's model chunks: one ``GPTModel``, or ``virtual_pipeline_model_parallel_size``
     of them (Megatron's interleaved schedule takes the list).
 
@@ -64,8 +70,10 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, context: ParallelC
     """
     validate_layout(model, parallel, context.world_size)
     if parallel != context.config:
-        raise ValueError("build_model: `parallel` differs from the layout the ParallelContext "
-                         "was initialized with")
+        raise ValueError(
+            "build_model: `parallel` differs from the layout the ParallelContext "
+            "was initialized with"
+        )
     config = to_transformer_config(model, parallel, initialize=initialize)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed + 100 * context.pp_rank)
@@ -101,8 +109,9 @@ def global_parameter_name(chunk: GPTModel, local_name: str) -> str:
     return ".".join(parts)
 
 
-def tensor_parallel_shard(name: str, full: torch.Tensor, param: torch.nn.Parameter,
-                          tp_rank: int, tp_size: int) -> torch.Tensor:
+def tensor_parallel_shard(
+    name: str, full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_size: int
+) -> torch.Tensor:
     """The slice of the whole-model tensor ``full`` that tensor-parallel rank ``tp_rank`` holds
     as ``param`` (named ``name``).
 
@@ -121,8 +130,9 @@ def tensor_parallel_shard(name: str, full: torch.Tensor, param: torch.nn.Paramet
 
 
 @torch.no_grad()
-def load_whole_model_weights(chunks: list[torch.nn.Module], weights: dict[str, torch.Tensor],
-                             context: ParallelContext) -> None:
+def load_whole_model_weights(
+    chunks: list[torch.nn.Module], weights: dict[str, torch.Tensor], context: ParallelContext
+) -> None:
     """Copy this rank's shards of ``weights`` (every parameter of the TP1/PP1 model, by its
     Megatron name) into ``chunks``. With tied embeddings the last stage's output layer is the
     embedding matrix. Raises ``ValueError`` naming a missing tensor or a shape mismatch."""
@@ -133,9 +143,12 @@ def load_whole_model_weights(chunks: list[torch.nn.Module], weights: dict[str, t
                 name = "embedding.word_embeddings.weight"  # tied: a copy on the last stage
             if name not in weights:
                 raise ValueError(f"weights: no tensor for parameter {name!r}")
-            shard = tensor_parallel_shard(local_name, weights[name], param, context.tp_rank,
-                                          context.tp_size)
+            shard = tensor_parallel_shard(
+                local_name, weights[name], param, context.tp_rank, context.tp_size
+            )
             if shard.shape != param.shape:
-                raise ValueError(f"weights[{name!r}]: shard shape {tuple(shard.shape)} does not fit "
-                                 f"parameter shape {tuple(param.shape)} at TP rank {context.tp_rank}")
+                raise ValueError(
+                    f"weights[{name!r}]: shard shape {tuple(shard.shape)} does not fit "
+                    f"parameter shape {tuple(param.shape)} at TP rank {context.tp_rank}"
+                )
             param.copy_(shard)

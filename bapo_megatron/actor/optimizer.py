@@ -29,8 +29,12 @@ from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.megatron_patches.cpu_runtime import cuda_sites_on_cpu
 
 
-def wrap_data_parallel(chunks: list[torch.nn.Module], config: TransformerConfig,
-                       optimizer: OptimizerConfig, context: ParallelContext) -> list[DistributedDataParallel]:
+def wrap_data_parallel(
+    chunks: list[torch.nn.Module],
+    config: TransformerConfig,
+    optimizer: OptimizerConfig,
+    context: ParallelContext,
+) -> list[DistributedDataParallel]:
     """Wrap each model chunk in Megatron's DDP (fp32 gradient buffers, reduced after the last
     micro-batch) and hook the gradient finalization into ``config`` for the schedules."""
     ddp_config = DistributedDataParallelConfig(
@@ -41,18 +45,24 @@ def wrap_data_parallel(chunks: list[torch.nn.Module], config: TransformerConfig,
     # Before DDP reads it: sum gradients over data-parallel ranks instead of averaging.
     config.calculate_per_token_loss = True
     wrapped = [
-        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
-                                # Only the first chunk gets buckets sized for overlap; the rest
-                                # are reduced together at the end (Megatron's own convention).
-                                disable_bucketing=index > 0, pg_collection=context.process_groups)
+        DistributedDataParallel(
+            config=config,
+            ddp_config=ddp_config,
+            module=chunk,
+            # Only the first chunk gets buckets sized for overlap; the rest
+            # are reduced together at the end (Megatron's own convention).
+            disable_bucketing=index > 0,
+            pg_collection=context.process_groups,
+        )
         for index, chunk in enumerate(chunks)
     ]
 
     def finalize(model, num_tokens, pg_collection=None, force_all_reduce=False):
         # The schedules pass the summed token count for per-token losses; ours are normalized
         # already, so it must not scale the gradients again.
-        finalize_model_grads(model, None, pg_collection=context.process_groups,
-                             force_all_reduce=force_all_reduce)
+        finalize_model_grads(
+            model, None, pg_collection=context.process_groups, force_all_reduce=force_all_reduce
+        )
 
     config.finalize_model_grads_func = finalize
     no_sync = [chunk.no_sync for chunk in wrapped]
@@ -60,9 +70,12 @@ def wrap_data_parallel(chunks: list[torch.nn.Module], config: TransformerConfig,
     return wrapped
 
 
-def build_optimizer(chunks: list[DistributedDataParallel], optimizer: OptimizerConfig,
-                    params_dtype: torch.dtype, context: ParallelContext
-                    ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
+def build_optimizer(
+    chunks: list[DistributedDataParallel],
+    optimizer: OptimizerConfig,
+    params_dtype: torch.dtype,
+    context: ParallelContext,
+) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
     """Megatron's Adam over the DDP-wrapped chunks and its learning-rate/weight-decay schedule."""
     megatron_config = MegatronOptimizerConfig(
         optimizer="adam",
@@ -80,9 +93,12 @@ def build_optimizer(chunks: list[DistributedDataParallel], optimizer: OptimizerC
     with cuda_sites_on_cpu():
         # The separate gloo groups Megatron would create for the distributed optimizer's
         # checkpoints cannot be combined with explicit groups; the default groups serve.
-        megatron_optimizer = get_megatron_optimizer(megatron_config, chunks,
-                                                    use_gloo_process_groups=False,
-                                                    pg_collection=context.process_groups)
+        megatron_optimizer = get_megatron_optimizer(
+            megatron_config,
+            chunks,
+            use_gloo_process_groups=False,
+            pg_collection=context.process_groups,
+        )
     decays = optimizer.lr_decay_steps is not None
     scheduler = OptimizerParamScheduler(
         megatron_optimizer,
@@ -113,8 +129,9 @@ class StepOutcome:
     """Learning rate the step used."""
 
 
-def optimizer_step(optimizer: MegatronOptimizer, scheduler: OptimizerParamScheduler,
-                   clip_grad: float) -> StepOutcome:
+def optimizer_step(
+    optimizer: MegatronOptimizer, scheduler: OptimizerParamScheduler, clip_grad: float
+) -> StepOutcome:
     """Apply the accumulated gradients: compute the global norm (over every model-parallel
     rank), skip the update when it is inf/nan, otherwise clip to ``clip_grad`` (0: no clipping)
     and step; the schedule advances only on applied steps. Every rank reaches the same decision,
@@ -125,13 +142,16 @@ def optimizer_step(optimizer: MegatronOptimizer, scheduler: OptimizerParamSchedu
         grad_norm = float(optimizer.get_grad_norm())
         if found_inf or not math.isfinite(grad_norm):
             optimizer.zero_grad()
-            return StepOutcome(grad_norm=grad_norm if not found_inf else math.inf, skipped=True, lr=lr)
+            return StepOutcome(
+                grad_norm=grad_norm if not found_inf else math.inf, skipped=True, lr=lr
+            )
         if clip_grad > 0:
             for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
                 params = inner.get_parameters()
                 if params:
-                    clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=clip_grad,
-                                                            total_norm=grad_norm)
+                    clip_grads.clip_grad_by_total_norm_fp32(
+                        params, max_norm=clip_grad, total_norm=grad_norm
+                    )
         optimizer.step_with_ready_grads()
     scheduler.step(increment=1)
     return StepOutcome(grad_norm=grad_norm, skipped=False, lr=lr)

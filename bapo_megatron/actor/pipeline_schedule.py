@@ -22,8 +22,14 @@ from bapo_megatron.distributed.context import ParallelContext
 MicrobatchFn = Callable[[PolicyBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def run_schedule(chunks: list[torch.nn.Module], microbatches: list[PolicyBatch], fn: MicrobatchFn,
-                 context: ParallelContext, *, forward_only: bool) -> list[dict[str, torch.Tensor]]:
+def run_schedule(
+    chunks: list[torch.nn.Module],
+    microbatches: list[PolicyBatch],
+    fn: MicrobatchFn,
+    context: ParallelContext,
+    *,
+    forward_only: bool,
+) -> list[dict[str, torch.Tensor]]:
     """Forward (and, unless ``forward_only``, backward) every micro-batch through the pipeline.
 
     All micro-batches must share one shape (see :func:`~bapo_megatron.actor.batch.split_microbatches`).
@@ -49,8 +55,7 @@ def run_schedule(chunks: list[torch.nn.Module], microbatches: list[PolicyBatch],
 
     # The interleaved schedule takes one iterator per model chunk, each over all micro-batches.
     iterators = [iter(microbatches) for _ in chunks]
-    forward_backward = get_forward_backward_func(
-        pp_size=context.pp_size, vp_size=context.vpp_size)
+    forward_backward = get_forward_backward_func(pp_size=context.pp_size, vp_size=context.vpp_size)
     return forward_backward(
         forward_step_func=forward_step,
         data_iterator=iterators if len(chunks) > 1 else iterators[0],

@@ -35,7 +35,9 @@ from bapo_megatron.config import LossConfig
 _COUNT_METRICS = ("bapo/tokens", "bapo/positive_tokens", "bapo/negative_tokens")
 
 
-def train_step(actor: Actor, batch: PolicyBatch, loss: LossConfig, plan: SearchPlan) -> dict[str, float]:
+def train_step(
+    actor: Actor, batch: PolicyBatch, loss: LossConfig, plan: SearchPlan
+) -> dict[str, float]:
     """Train on ``batch`` (this data-parallel rank's sequences; ranks may hold different numbers,
     including none) for one optimizer step and return the step's metrics, the same on every
     rank: `loss`, `entropy` (mean over response tokens), `response_tokens`, `grad_norm`, `lr`,
@@ -57,15 +59,24 @@ def train_step(actor: Actor, batch: PolicyBatch, loss: LossConfig, plan: SearchP
         decision, extremes = _decide_for_step(actor, microbatches, plan, reduce)
 
     def per_microbatch(microbatch: PolicyBatch, logits: torch.Tensor):
-        logprobs, entropy = token_logprobs(logits, microbatch.tokens, context,
-                                           temperature=temperature, with_entropy=True)
+        logprobs, entropy = token_logprobs(
+            logits, microbatch.tokens, context, temperature=temperature, with_entropy=True
+        )
         mask = microbatch.response_mask.to(logprobs.device)
         value, metrics = bapo_loss(
-            logprobs, microbatch.old_logprobs.to(logprobs.device),
-            microbatch.advantages.to(logprobs.device), mask,
-            plan=plan, normalizer=normalizer, aggregation=loss.aggregation, reduce=reduce,
-            is_weights=None if microbatch.is_weights is None else microbatch.is_weights.to(logprobs.device),
-            decision=decision)
+            logprobs,
+            microbatch.old_logprobs.to(logprobs.device),
+            microbatch.advantages.to(logprobs.device),
+            mask,
+            plan=plan,
+            normalizer=normalizer,
+            aggregation=loss.aggregation,
+            reduce=reduce,
+            is_weights=None
+            if microbatch.is_weights is None
+            else microbatch.is_weights.to(logprobs.device),
+            decision=decision,
+        )
         metrics["entropy_sum"] = torch.where(mask, entropy.detach(), 0.0).sum().double()
         metrics["loss"] = value.detach().double()
         return value, metrics
@@ -83,20 +94,31 @@ def train_step(actor: Actor, batch: PolicyBatch, loss: LossConfig, plan: SearchP
         metrics = _step_metrics(outputs, decision, extremes, context)
         metrics["response_tokens"] = tokens
     metrics = _from_last_stage(metrics, context)
-    metrics.update(grad_norm=outcome.grad_norm, lr=outcome.lr, skipped=float(outcome.skipped),
-                   skipped_steps=float(actor.skipped_steps), num_microbatches=float(count))
+    metrics.update(
+        grad_norm=outcome.grad_norm,
+        lr=outcome.lr,
+        skipped=float(outcome.skipped),
+        skipped_steps=float(actor.skipped_steps),
+        num_microbatches=float(count),
+    )
     return metrics
 
 
-def _agree_on_step(batch: PolicyBatch, micro_batch_size: int, aggregation: str, context) -> tuple[int, float, float]:
+def _agree_on_step(
+    batch: PolicyBatch, micro_batch_size: int, aggregation: str, context
+) -> tuple[int, float, float]:
     """(largest micro-batch count, global response tokens, global responding sequences) over
     the data x context parallel group, in one collective."""
     mask = batch.response_mask
-    local = torch.tensor([
-        float(microbatch_count(batch.num_sequences, micro_batch_size)),
-        float(loss_normalizer(mask, "token-mean")),
-        float(loss_normalizer(mask, "seq-mean-token-sum")),
-    ], dtype=torch.float64, device=context.device)
+    local = torch.tensor(
+        [
+            float(microbatch_count(batch.num_sequences, micro_batch_size)),
+            float(loss_normalizer(mask, "token-mean")),
+            float(loss_normalizer(mask, "seq-mean-token-sum")),
+        ],
+        dtype=torch.float64,
+        device=context.device,
+    )
     if context.dp_cp_size == 1:
         gathered = local[None]
     else:
@@ -109,25 +131,33 @@ def _agree_on_step(batch: PolicyBatch, micro_batch_size: int, aggregation: str, 
     return count, float(gathered[:, 1].sum()), float(gathered[:, 2].sum())
 
 
-def _decide_for_step(actor: Actor, microbatches: list[PolicyBatch], plan: SearchPlan,
-                     reduce) -> tuple[BoundDecision | None, torch.Tensor | None]:
+def _decide_for_step(
+    actor: Actor, microbatches: list[PolicyBatch], plan: SearchPlan, reduce
+) -> tuple[BoundDecision | None, torch.Tensor | None]:
     """Granularity `step`: search statistics of every micro-batch from a no-grad forward pass,
     reduced once, then the bounds. Last stage only (elsewhere: None, None)."""
     context = actor.context
     temperature = actor.actor_config.temperature
 
     def per_microbatch(microbatch: PolicyBatch, logits: torch.Tensor):
-        logprobs, _ = token_logprobs(logits, microbatch.tokens, context,
-                                     temperature=temperature, with_entropy=False)
+        logprobs, _ = token_logprobs(
+            logits, microbatch.tokens, context, temperature=temperature, with_entropy=False
+        )
         device = logprobs.device
         stats, extremes = search_statistics(
-            logprobs, microbatch.old_logprobs.to(device), microbatch.advantages.to(device),
-            microbatch.response_mask.to(device), plan=plan,
-            is_weights=None if microbatch.is_weights is None else microbatch.is_weights.to(device))
+            logprobs,
+            microbatch.old_logprobs.to(device),
+            microbatch.advantages.to(device),
+            microbatch.response_mask.to(device),
+            plan=plan,
+            is_weights=None if microbatch.is_weights is None else microbatch.is_weights.to(device),
+        )
         return logprobs.sum(), {"stats": stats, "extremes": extremes}
 
     with torch.no_grad():
-        outputs = run_schedule(actor.chunks, microbatches, per_microbatch, context, forward_only=True)
+        outputs = run_schedule(
+            actor.chunks, microbatches, per_microbatch, context, forward_only=True
+        )
     if not context.is_last_stage():
         return None, None
     stats = torch.stack([out["stats"] for out in outputs]).sum(0)
@@ -136,21 +166,29 @@ def _decide_for_step(actor: Actor, microbatches: list[PolicyBatch], plan: Search
     return choose_bounds(reduce(stats), plan), extremes
 
 
-def _step_metrics(outputs: list[dict[str, torch.Tensor]], decision: BoundDecision | None,
-                  extremes: torch.Tensor | None, context) -> dict[str, float]:
+def _step_metrics(
+    outputs: list[dict[str, torch.Tensor]],
+    decision: BoundDecision | None,
+    extremes: torch.Tensor | None,
+    context,
+) -> dict[str, float]:
     """The step's metrics on a last-stage rank, reduced over data x context parallel."""
     if decision is not None:  # one decision for the whole step: its metrics are the step's
         search = {key: value.double() for key, value in decision.metrics.items()}
     else:  # one decision per micro-batch (each already global): combine them
         search = _combine_microbatch_decisions(outputs)
-        extremes = torch.stack([
-            torch.stack([out["bapo/ratio_min_local"] for out in outputs]).min(),
-            torch.stack([out["bapo/ratio_max_local"] for out in outputs]).max(),
-        ])
-    sums = torch.stack([
-        torch.stack([out["loss"] for out in outputs]).sum(),
-        torch.stack([out["entropy_sum"] for out in outputs]).sum(),
-    ])
+        extremes = torch.stack(
+            [
+                torch.stack([out["bapo/ratio_min_local"] for out in outputs]).min(),
+                torch.stack([out["bapo/ratio_max_local"] for out in outputs]).max(),
+            ]
+        )
+    sums = torch.stack(
+        [
+            torch.stack([out["loss"] for out in outputs]).sum(),
+            torch.stack([out["entropy_sum"] for out in outputs]).sum(),
+        ]
+    )
     extremes = torch.stack([-extremes[0], extremes[1]]).double()  # both reduced with MAX
     if context.dp_cp_size > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=context.dp_cp_group)
@@ -165,7 +203,9 @@ def _step_metrics(outputs: list[dict[str, torch.Tensor]], decision: BoundDecisio
     return metrics
 
 
-def _combine_microbatch_decisions(outputs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _combine_microbatch_decisions(
+    outputs: list[dict[str, torch.Tensor]],
+) -> dict[str, torch.Tensor]:
     keys = [key for key in outputs[0] if key.startswith("bapo/") and not key.endswith("_local")]
     weights = torch.stack([out["bapo/tokens"].double() for out in outputs])
     total = weights.sum()

@@ -5,12 +5,16 @@ from __future__ import annotations
 import torch
 
 
-def grpo_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """Advantages of ``rewards`` [groups, n] (n samples of each prompt): r - mean of its group,
     divided by the group's standard deviation (unbiased) + ``eps`` when ``normalize_std``
     (Dr. GRPO's variant leaves it out). A group whose rewards are all equal gets zeros."""
     if rewards.dim() != 2 or rewards.shape[1] < 1:
-        raise ValueError(f"rewards: expected shape [groups, samples per prompt], got {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards: expected shape [groups, samples per prompt], got {tuple(rewards.shape)}"
+        )
     if not rewards.is_floating_point():
         rewards = rewards.double()
     centered = rewards - rewards.mean(dim=1, keepdim=True)

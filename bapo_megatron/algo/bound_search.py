@@ -40,7 +40,9 @@ def _suffix_sum(x: torch.Tensor) -> torch.Tensor:
     return padded.flip(0).cumsum(0).flip(0)
 
 
-def _contributions(parts: dict[str, torch.Tensor], plan: SearchPlan, grids: dict[str, torch.Tensor]):
+def _contributions(
+    parts: dict[str, torch.Tensor], plan: SearchPlan, grids: dict[str, torch.Tensor]
+):
     """P at every c_high candidate and N at every c_low candidate."""
     num_high, num_low = len(plan.c_high_values), len(plan.c_low_values)
     pos_wr, pos_w = parts["pos_weighted_ratio"], parts["pos_weight"]
@@ -80,7 +82,9 @@ def choose_bounds(stats: torch.Tensor, plan: SearchPlan) -> BoundDecision:
     """Pick (c_low, c_high) from statistics already reduced over the data x context group."""
     layout = StatsLayout.of(plan)
     if stats.shape != (layout.size,):
-        raise ValueError(f"stats: expected shape ({layout.size},) for this plan, got {tuple(stats.shape)}")
+        raise ValueError(
+            f"stats: expected shape ({layout.size},) for this plan, got {tuple(stats.shape)}"
+        )
     stats = stats.to(torch.float64)
     grids = plan.tensors(stats.device)
     parts = layout.split(stats)
@@ -124,4 +128,3 @@ def choose_bounds(stats: torch.Tensor, plan: SearchPlan) -> BoundDecision:
         "bapo/approx_kl": parts["kl_sum"] / torch.maximum(tokens, one),
     }
     return BoundDecision(c_low=c_low, c_high=c_high, steps=chosen, metrics=metrics)
-

@@ -40,7 +40,7 @@ class StatsLayout:
     num_low: int  # c_low candidates
 
     @classmethod
-    def of(cls, plan: SearchPlan) -> "StatsLayout":
+    def of(cls, plan: SearchPlan) -> StatsLayout:
         return cls(num_high=len(plan.c_high_values), num_low=len(plan.c_low_values))
 
     @property
@@ -66,9 +66,15 @@ class StatsLayout:
         pos, neg = rows[:, : self.positive_buckets], rows[:, self.positive_buckets :]
         extras = stats[CHANNELS * self.row :]
         return {
-            "pos_weighted_ratio": pos[0], "pos_weight": pos[1], "pos_count": pos[2],
-            "neg_weighted_ratio": neg[0], "neg_weight": neg[1], "neg_count": neg[2],
-            "zero_count": extras[0], "ratio_sum": extras[1], "kl_sum": extras[2],
+            "pos_weighted_ratio": pos[0],
+            "pos_weight": pos[1],
+            "pos_count": pos[2],
+            "neg_weighted_ratio": neg[0],
+            "neg_weight": neg[1],
+            "neg_count": neg[2],
+            "zero_count": extras[0],
+            "ratio_sum": extras[1],
+            "kl_sum": extras[2],
         }
 
 
@@ -98,7 +104,9 @@ def contribution_stats(
     """
     for name, tensor in (("log_ratio", log_ratio), ("advantages", advantages), ("mask", mask)):
         if tensor.shape != ratio.shape:
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match ratio {tuple(ratio.shape)}")
+            raise ValueError(
+                f"{name}: shape {tuple(tensor.shape)} does not match ratio {tuple(ratio.shape)}"
+            )
     ratio, log_ratio = ratio.detach().reshape(-1), log_ratio.detach().reshape(-1)
     advantages, mask = advantages.detach().reshape(-1), mask.reshape(-1)
     if backend == "auto":
@@ -146,12 +154,22 @@ def _torch_stats(ratio, log_ratio, advantages, mask, plan):
     ]
     r64 = torch.where(mask, ratio, 0).to(torch.float64)
     kl = torch.where(mask, r64 - 1 - log_ratio.to(torch.float64), 0)
-    extras = torch.stack([
-        (mask & (advantages == 0)).sum().to(torch.float64), r64.sum(), kl.sum(),
-    ])
+    extras = torch.stack(
+        [
+            (mask & (advantages == 0)).sum().to(torch.float64),
+            r64.sum(),
+            kl.sum(),
+        ]
+    )
     stats = torch.cat(channels + [extras])
-    extremes = torch.stack([
-        torch.where(mask, ratio, float("inf")).amin() if ratio.numel() else ratio.new_tensor(float("inf")),
-        torch.where(mask, ratio, float("-inf")).amax() if ratio.numel() else ratio.new_tensor(float("-inf")),
-    ]).to(torch.float64)
+    extremes = torch.stack(
+        [
+            torch.where(mask, ratio, float("inf")).amin()
+            if ratio.numel()
+            else ratio.new_tensor(float("inf")),
+            torch.where(mask, ratio, float("-inf")).amax()
+            if ratio.numel()
+            else ratio.new_tensor(float("-inf")),
+        ]
+    ).to(torch.float64)
     return stats, extremes

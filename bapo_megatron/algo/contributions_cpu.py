@@ -75,8 +75,9 @@ def _lookup(x, origin, inv_width, base, edges, inclusive):
 
 
 @numba.njit(cache=True, nogil=True)
-def _histogram(ratio, log_ratio, adv, mask, high_table, low_table, num_high, num_low,
-               dual_clip, has_dual):
+def _histogram(
+    ratio, log_ratio, adv, mask, high_table, low_table, num_high, num_low, dual_clip, has_dual
+):
     n = ratio.shape[0]
     pos_buckets = num_high + 1
     row = pos_buckets + num_low + 2
@@ -132,8 +133,13 @@ def _histogram(ratio, log_ratio, adv, mask, high_table, low_table, num_high, num
     return stats, r_min, r_max
 
 
-def histogram_stats(ratio: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor,
-                    mask: torch.Tensor, plan: SearchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def histogram_stats(
+    ratio: torch.Tensor,
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    plan: SearchPlan,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`contribution_stats` for 1-D CPU tensors."""
     layout = StatsLayout.of(plan)
     assert layout.size == CHANNELS * layout.row + EXTRAS
@@ -145,10 +151,15 @@ def histogram_stats(ratio: torch.Tensor, log_ratio: torch.Tensor, advantages: to
     m = mask.to(torch.bool).contiguous().numpy()
     dual = plan.config.dual_clip
     stats, r_min, r_max = _histogram(
-        r, lr, a, m,
+        r,
+        lr,
+        a,
+        m,
         grid_lookup(plan.c_high_values, np_dtype.__name__),
         grid_lookup(plan.c_low_values, np_dtype.__name__),
-        layout.num_high, layout.num_low,
-        np_dtype(dual if dual is not None else 0.0), dual is not None,
+        layout.num_high,
+        layout.num_low,
+        np_dtype(dual if dual is not None else 0.0),
+        dual is not None,
     )
     return torch.from_numpy(stats), torch.tensor([r_min, r_max], dtype=torch.float64)

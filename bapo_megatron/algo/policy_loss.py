@@ -36,15 +36,22 @@ from bapo_megatron.config import AGGREGATIONS
 LOG_RATIO_CLAMP = 20.0
 
 
-def importance_ratio(logp_new: torch.Tensor, logp_old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def importance_ratio(
+    logp_new: torch.Tensor, logp_old: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(r, log r)`` with log r clamped to [-20, 20]; at least float32 whatever the inputs."""
     dtype = torch.promote_types(torch.promote_types(logp_new.dtype, logp_old.dtype), torch.float32)
     log_ratio = (logp_new.to(dtype) - logp_old.to(dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return log_ratio.exp(), log_ratio
 
 
-def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, c_low: torch.Tensor | float,
-                      c_high: torch.Tensor | float, dual_clip: float | None = None) -> torch.Tensor:
+def clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    c_low: torch.Tensor | float,
+    c_high: torch.Tensor | float,
+    dual_clip: float | None = None,
+) -> torch.Tensor:
     """Per-token L_t = -A_t * clipped r_t; clipped tokens carry zero gradient (ties unclipped)."""
     # clamp() passes gradient where min <= r <= max, so r == c_high still counts as unclipped,
     # matching the search's P(c_high) = sum over r <= c_high.
@@ -64,8 +71,9 @@ def loss_normalizer(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
     return (mask.sum(-1) > 0).sum().to(torch.float64)
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str,
-              normalizer: torch.Tensor | float) -> torch.Tensor:
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, normalizer: torch.Tensor | float
+) -> torch.Tensor:
     """Sum this batch's part of the step's loss and divide by the step's global ``normalizer``.
 
     ``per_token`` and ``mask`` are [batch, tokens]; a zero normalizer (no response token anywhere)
@@ -82,13 +90,16 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str,
     return total / normalizer.clamp(min=1).to(per_token.dtype)
 
 
-def truncated_importance_weights(recomputed_logp: torch.Tensor, behaviour_logp: torch.Tensor,
-                                 cap: float) -> torch.Tensor:
+def truncated_importance_weights(
+    recomputed_logp: torch.Tensor, behaviour_logp: torch.Tensor, cap: float
+) -> torch.Tensor:
     """min(exp(recomputed - behaviour), cap), detached: corrects engine/trainer mismatch when the
     ratio is taken against log-probs recomputed by the actor."""
     if not cap > 0:
         raise ValueError(f"truncated importance weight cap must be > 0, got {cap}")
-    diff = (recomputed_logp.detach() - behaviour_logp.detach()).clamp(-LOG_RATIO_CLAMP, math.log(cap))
+    diff = (recomputed_logp.detach() - behaviour_logp.detach()).clamp(
+        -LOG_RATIO_CLAMP, math.log(cap)
+    )
     return diff.exp()
 
 
@@ -141,9 +152,16 @@ def bapo_loss(
             stats, extremes = contribution_stats(ratio, log_ratio, advantages, mask, plan, backend)
             decision = choose_bounds(reduce(stats), plan)
         metrics["bapo/ratio_min_local"], metrics["bapo/ratio_max_local"] = extremes[0], extremes[1]
-    per_token = clipped_surrogate(ratio, advantages, decision.c_low, decision.c_high, plan.config.dual_clip)
+    per_token = clipped_surrogate(
+        ratio, advantages, decision.c_low, decision.c_high, plan.config.dual_clip
+    )
     loss = aggregate(per_token, mask, aggregation, normalizer)
-    metrics = {**decision.metrics, "bapo/c_low": decision.c_low, "bapo/c_high": decision.c_high, **metrics}
+    metrics = {
+        **decision.metrics,
+        "bapo/c_low": decision.c_low,
+        "bapo/c_high": decision.c_high,
+        **metrics,
+    }
     return loss, metrics
 
 
@@ -173,8 +191,9 @@ def search_statistics(
         return contribution_stats(ratio, log_ratio, advantages, mask.bool(), plan, backend)
 
 
-def _effective_advantages(advantages: torch.Tensor, is_weights: torch.Tensor | None,
-                          ratio: torch.Tensor) -> torch.Tensor:
+def _effective_advantages(
+    advantages: torch.Tensor, is_weights: torch.Tensor | None, ratio: torch.Tensor
+) -> torch.Tensor:
     """Per-token A * w in the ratio's dtype, detached (per-sequence A copied to every token)."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(ratio)
@@ -184,8 +203,13 @@ def _effective_advantages(advantages: torch.Tensor, is_weights: torch.Tensor | N
     return advantages
 
 
-def check_loss_inputs(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
-                      mask: torch.Tensor, is_weights: torch.Tensor | None = None) -> None:
+def check_loss_inputs(
+    logp_new: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    is_weights: torch.Tensor | None = None,
+) -> None:
     """Raise ``ValueError`` naming the input for wrong shapes, dtypes or non-finite values at
     response tokens (values under mask = 0 are ignored, as padding may hold anything)."""
     if logp_new.dim() != 2:
@@ -196,12 +220,18 @@ def check_loss_inputs(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages
         named["is_weights"] = is_weights
     for name, tensor in named.items():
         if tensor.shape != shape:
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match logp_new {tuple(shape)}")
+            raise ValueError(
+                f"{name}: shape {tuple(tensor.shape)} does not match logp_new {tuple(shape)}"
+            )
     if advantages.shape not in (shape, shape[:1]):
         raise ValueError(
             f"advantages: shape {tuple(advantages.shape)} must be {tuple(shape)} or {tuple(shape[:1])}"
         )
-    for name, tensor in (("logp_new", logp_new), ("logp_old", logp_old), ("advantages", advantages)):
+    for name, tensor in (
+        ("logp_new", logp_new),
+        ("logp_old", logp_old),
+        ("advantages", advantages),
+    ):
         if not tensor.is_floating_point():
             raise ValueError(f"{name}: expected a floating-point tensor, got {tensor.dtype}")
     if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
@@ -223,7 +253,9 @@ def check_loss_inputs(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages
         count = int(bad.sum())
         if count:
             where = bad.nonzero()[0].tolist()
-            raise ValueError(f"{name}: {count} non-finite value(s) (nan/inf) at response tokens, first at {where}")
+            raise ValueError(
+                f"{name}: {count} non-finite value(s) (nan/inf) at response tokens, first at {where}"
+            )
 
 
 def _check_aggregation(aggregation: str) -> None:

@@ -3,7 +3,7 @@ over the data x context parallel group. One process passes :func:`identity_reduc
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -54,7 +54,7 @@ class SearchPlan:
     _device_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_config(cls, config: ClipSearchConfig) -> "SearchPlan":
+    def from_config(cls, config: ClipSearchConfig) -> SearchPlan:
         clamp = config.schedule == "reference"
         lows = candidate_values(config.c_low_start, config.c_low_max, config.c_low_step, clamp)
         highs = candidate_values(config.c_high_start, config.c_high_max, config.c_high_step, clamp)
@@ -72,8 +72,9 @@ class SearchPlan:
             # The authors' code: c_low to its max first, then c_high.
             path = [(k, 0) for k in range(last_low + 1)]
             path += [(last_low, j) for j in range(1, last_high + 1)]
-        return cls(config=config, c_low_values=tuple(lows), c_high_values=tuple(highs),
-                   path=tuple(path))
+        return cls(
+            config=config, c_low_values=tuple(lows), c_high_values=tuple(highs), path=tuple(path)
+        )
 
     @property
     def max_steps(self) -> int:

@@ -41,8 +41,9 @@ def _world_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _scaled(logits: torch.Tensor, temperature: float, dtype: torch.dtype,
-            pad: torch.Tensor | None) -> torch.Tensor:
+def _scaled(
+    logits: torch.Tensor, temperature: float, dtype: torch.dtype, pad: torch.Tensor | None
+) -> torch.Tensor:
     """z = logits / T in ``dtype``, padded columns at -inf (they get probability exactly 0)."""
     z = logits.to(dtype)
     z = z / temperature if temperature != 1.0 else z.clone()
@@ -53,9 +54,16 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     """Forward: both outputs with two collectives (MAX, then one stacked SUM). Backward: local."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
-                group: dist.ProcessGroup | None, temperature: float, vocab_size: int | None,
-                with_entropy: bool) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        vocab_start: int,
+        group: dist.ProcessGroup | None,
+        temperature: float,
+        vocab_size: int | None,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, ...]:
         dtype = torch.promote_types(logits.dtype, torch.float32)
         width = logits.shape[-1]
         distributed = _world_size(group) > 1
@@ -96,7 +104,8 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             bound = vocab_size if vocab_size is not None else "the sum of the shard widths"
             raise ValueError(
                 f"targets: every target must index the vocabulary [0, {bound}) and lie in exactly "
-                "one shard; found targets outside it (or shards that overlap or leave gaps)")
+                "one shard; found targets outside it (or shards that overlap or leave gaps)"
+            )
 
         log_s = stats[0].log()
         log_z = m + log_s  # log of the full partition function of z
@@ -182,16 +191,25 @@ def token_logprobs_and_entropy(
     if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
         raise ValueError(f"targets: expected an integer tensor, got {targets.dtype}")
     if logits.dim() < 1 or targets.shape != logits.shape[:-1]:
-        raise ValueError(f"targets: shape {tuple(targets.shape)} must be logits' shape without "
-                         f"its last (vocabulary) dim, {tuple(logits.shape[:-1])}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
-            and temperature > 0):
+        raise ValueError(
+            f"targets: shape {tuple(targets.shape)} must be logits' shape without "
+            f"its last (vocabulary) dim, {tuple(logits.shape[:-1])}"
+        )
+    if not (
+        isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0
+    ):
         raise ValueError(f"temperature: must be a finite number > 0, got {temperature!r}")
     if vocab_start < 0:
         raise ValueError(f"vocab_start: must be >= 0, got {vocab_start}")
     if vocab_size is not None and vocab_size <= 0:
         raise ValueError(f"vocab_size: must be > 0, got {vocab_size}")
     outputs = _VocabParallelLogProbEntropy.apply(
-        logits, targets.long(), int(vocab_start), group, float(temperature), vocab_size,
-        with_entropy)
+        logits,
+        targets.long(),
+        int(vocab_start),
+        group,
+        float(temperature),
+        vocab_size,
+        with_entropy,
+    )
     return outputs[0], (outputs[1] if with_entropy else None)

@@ -22,8 +22,24 @@ from bapo_megatron.config.run import (
 )
 
 __all__ = [
-    "AGGREGATIONS", "CLIP_PRESETS", "ENGINE_KINDS", "MODEL_TYPES", "ActorConfig",
-    "AlgorithmConfig", "CheckpointConfig", "ClipSearchConfig", "Config", "DataConfig",
-    "LoggingConfig", "LossConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig",
-    "RewardConfig", "RolloutConfig", "TrainConfig", "WarmupConfig", "load_config",
+    "AGGREGATIONS",
+    "CLIP_PRESETS",
+    "ENGINE_KINDS",
+    "MODEL_TYPES",
+    "ActorConfig",
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "ClipSearchConfig",
+    "Config",
+    "DataConfig",
+    "LoggingConfig",
+    "LossConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TrainConfig",
+    "WarmupConfig",
+    "load_config",
 ]

@@ -51,7 +51,9 @@ class OptimizerConfig:
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{prefix}.{name} must be a finite number >= 0, got {value!r}")
         if self.min_lr > self.lr:
-            raise ValueError(f"{prefix}.min_lr ({self.min_lr}) must not exceed {prefix}.lr ({self.lr})")
+            raise ValueError(
+                f"{prefix}.min_lr ({self.min_lr}) must not exceed {prefix}.lr ({self.lr})"
+            )
         for name in ("adam_beta1", "adam_beta2"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
@@ -83,7 +85,11 @@ class ActorConfig:
     def __post_init__(self) -> None:
         prefix = "actor"
         if self.micro_batch_size < 1:
-            raise ValueError(f"{prefix}.micro_batch_size must be a positive integer, got {self.micro_batch_size!r}")
+            raise ValueError(
+                f"{prefix}.micro_batch_size must be a positive integer, got {self.micro_batch_size!r}"
+            )
         if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(f"{prefix}.temperature must be a finite number > 0, got {self.temperature!r}")
+            raise ValueError(
+                f"{prefix}.temperature must be a finite number > 0, got {self.temperature!r}"
+            )
         require_at_least(self.seed, 0, f"{prefix}.seed")

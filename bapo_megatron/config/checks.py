@@ -14,39 +14,55 @@ def check_training(cfg: Config) -> None:
     """Raise ``ValueError`` naming the fields when ``cfg`` cannot drive a training run."""
     _check_sources(cfg)
     if cfg.rollout.engine == "vllm" and cfg.rollout.engine_tensor_parallel_size > 1:
-        raise ValueError("rollout.engine=vllm runs vLLM's single-process executor (one GPU); "
-                         "for rollout.engine_tensor_parallel_size > 1 start a vLLM server and "
-                         "use rollout.engine=vllm-server")
+        raise ValueError(
+            "rollout.engine=vllm runs vLLM's single-process executor (one GPU); "
+            "for rollout.engine_tensor_parallel_size > 1 start a vLLM server and "
+            "use rollout.engine=vllm-server"
+        )
     if cfg.loss.truncated_is_cap is not None and cfg.algorithm.old_logprobs != "recompute":
-        raise ValueError("loss.truncated_is_cap needs algorithm.old_logprobs=recompute (the "
-                         "weight is exp(recomputed - behaviour))")
+        raise ValueError(
+            "loss.truncated_is_cap needs algorithm.old_logprobs=recompute (the "
+            "weight is exp(recomputed - behaviour))"
+        )
     _check_schedule(cfg)
 
 
 def _check_sources(cfg: Config) -> None:
     """Where prompts, the architecture and the initial weights come from."""
     if cfg.data is None:
-        raise ValueError("data: a training run needs a data section (data.train_file or "
-                         "data.synthetic_task)")
+        raise ValueError(
+            "data: a training run needs a data section (data.train_file or data.synthetic_task)"
+        )
     if (cfg.model is None) == (cfg.train.model_path is None):
-        raise ValueError("give exactly one of the model section (random initial weights) and "
-                         "train.model_path (an HF folder)")
+        raise ValueError(
+            "give exactly one of the model section (random initial weights) and "
+            "train.model_path (an HF folder)"
+        )
     if cfg.data.synthetic_task is not None and cfg.model is None:
-        raise ValueError("data.synthetic_task brings its own tokenizer, so the model must be "
-                         "given in the model section, not train.model_path")
+        raise ValueError(
+            "data.synthetic_task brings its own tokenizer, so the model must be "
+            "given in the model section, not train.model_path"
+        )
     if cfg.train.load_checkpoint is not None and cfg.model is None:
-        raise ValueError("train.load_checkpoint needs the model section (the architecture the "
-                         "checkpoint's weights must match)")
+        raise ValueError(
+            "train.load_checkpoint needs the model section (the architecture the "
+            "checkpoint's weights must match)"
+        )
     if cfg.warmup.steps and cfg.train.load_checkpoint is not None:
-        raise ValueError("warmup.steps > 0 trains random initial weights; with "
-                         "train.load_checkpoint set warmup.steps=0")
+        raise ValueError(
+            "warmup.steps > 0 trains random initial weights; with "
+            "train.load_checkpoint set warmup.steps=0"
+        )
     if cfg.warmup.steps and cfg.data.synthetic_task is None:
-        raise ValueError("warmup.steps > 0 needs data.synthetic_task (the warm-up trains on "
-                         "its reference responses)")
+        raise ValueError(
+            "warmup.steps > 0 needs data.synthetic_task (the warm-up trains on "
+            "its reference responses)"
+        )
     for name in ("params_dtype", "max_position_embeddings"):
         if getattr(cfg.train, name) is not None and cfg.train.model_path is None:
-            raise ValueError(f"train.{name} applies to train.model_path; with a model "
-                             f"section set model.{name}")
+            raise ValueError(
+                f"train.{name} applies to train.model_path; with a model section set model.{name}"
+            )
 
 
 def _check_schedule(cfg: Config) -> None:
@@ -57,18 +73,25 @@ def _check_schedule(cfg: Config) -> None:
             f"rollout.samples_per_prompt={rollout.samples_per_prompt} cannot train: GRPO "
             "advantages compare each response with the other responses to its prompt (reward "
             "minus the group's mean), so a group of one gives every response the advantage 0 (and "
-            "nan once divided by its standard deviation); use at least 2")
+            "nan once divided by its standard deviation); use at least 2"
+        )
     steps = algorithm.optimizer_steps_per_rollout
     if rollout.prompts_per_step % steps:
-        raise ValueError(f"rollout.prompts_per_step ({rollout.prompts_per_step}) must be a "
-                         f"multiple of algorithm.optimizer_steps_per_rollout ({steps}): each "
-                         "mini-batch takes whole groups")
+        raise ValueError(
+            f"rollout.prompts_per_step ({rollout.prompts_per_step}) must be a "
+            f"multiple of algorithm.optimizer_steps_per_rollout ({steps}): each "
+            "mini-batch takes whole groups"
+        )
     if algorithm.rollout_lag >= cfg.train.steps:
         raise ValueError(
             f"algorithm.rollout_lag ({algorithm.rollout_lag}) must be smaller than train.steps "
             f"({cfg.train.steps}): the first {algorithm.rollout_lag} rollout steps only generate, "
-            "so no optimizer step would run")
+            "so no optimizer step would run"
+        )
     if rollout.partial_tokens_per_round is not None and (
-            algorithm.rollout_lag or algorithm.replay_fraction):
-        raise ValueError("rollout.partial_tokens_per_round cannot be combined with "
-                         "algorithm.rollout_lag or algorithm.replay_fraction in one run")
+        algorithm.rollout_lag or algorithm.replay_fraction
+    ):
+        raise ValueError(
+            "rollout.partial_tokens_per_round cannot be combined with "
+            "algorithm.rollout_lag or algorithm.replay_fraction in one run"
+        )

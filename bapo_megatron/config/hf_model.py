@@ -70,12 +70,16 @@ def model_fields_from_hf(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     if isinstance(rope, Mapping):
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
-            raise ValueError(f"HF config {where}: rope_parameters.rope_type={rope_type!r} is not "
-                             "supported (only plain RoPE with rope_theta is implemented)")
+            raise ValueError(
+                f"HF config {where}: rope_parameters.rope_type={rope_type!r} is not "
+                "supported (only plain RoPE with rope_theta is implemented)"
+            )
         nested = rope.get("rope_theta")
         if nested is not None and rope_theta is not None and nested != rope_theta:
-            raise ValueError(f"HF config {where}: rope_theta={rope_theta!r} and "
-                             f"rope_parameters.rope_theta={nested!r} disagree")
+            raise ValueError(
+                f"HF config {where}: rope_theta={rope_theta!r} and "
+                f"rope_parameters.rope_theta={nested!r} disagree"
+            )
         rope_theta = nested if nested is not None else rope_theta
     if hf.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", "both families use a SwiGLU MLP with SiLU")
@@ -86,12 +90,19 @@ def model_fields_from_hf(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     if model_type == "llama" and hf.get("attention_bias"):
         # Llama's attention_bias puts a bias on o_proj as well; Megatron can bias q/k/v only
         # (add_qkv_bias) or every linear layer including the MLP (add_bias_linear).
-        refuse("attention_bias", "Llama's flag also biases o_proj, which has no Megatron "
-               "equivalent here")
+        refuse(
+            "attention_bias",
+            "Llama's flag also biases o_proj, which has no Megatron equivalent here",
+        )
     hidden, heads = need("hidden_size"), need("num_attention_heads")
     head_dim = hf.get("head_dim")
-    if head_dim is not None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0 \
-            and head_dim != hidden // heads:
+    if (
+        head_dim is not None
+        and isinstance(hidden, int)
+        and isinstance(heads, int)
+        and heads > 0
+        and head_dim != hidden // heads
+    ):
         refuse("head_dim", f"must equal hidden_size / num_attention_heads = {hidden // heads}")
 
     return {
@@ -116,7 +127,9 @@ def hf_config_fields(model: ModelConfig) -> dict[str, Any]:
     equivalent ``LlamaConfig`` / ``Qwen2Config``."""
     fields: dict[str, Any] = {
         "model_type": model.model_type,
-        "architectures": ["LlamaForCausalLM" if model.model_type == "llama" else "Qwen2ForCausalLM"],
+        "architectures": [
+            "LlamaForCausalLM" if model.model_type == "llama" else "Qwen2ForCausalLM"
+        ],
         "num_hidden_layers": model.num_layers,
         "hidden_size": model.hidden_size,
         "intermediate_size": model.ffn_hidden_size,
@@ -133,6 +146,7 @@ def hf_config_fields(model: ModelConfig) -> dict[str, Any]:
     if model.model_type == "llama":
         fields.update(attention_bias=False, mlp_bias=False, head_dim=model.head_dim)
     elif not model.qkv_bias:
-        raise ValueError("model.qkv_bias=false has no Qwen2 config.json equivalent (Qwen2 always "
-                         "biases q/k/v)")
+        raise ValueError(
+            "model.qkv_bias=false has no Qwen2 config.json equivalent (Qwen2 always biases q/k/v)"
+        )
     return fields

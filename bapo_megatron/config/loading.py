@@ -36,7 +36,8 @@ class _ConfigLoader(yaml.SafeLoader):
 _ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"))
+    list("-+0123456789"),
+)
 
 
 def _parse_yaml(text: str, where: str) -> Any:
@@ -72,7 +73,8 @@ def _refuse_duplicate_keys(node: yaml.Node, where: str, path: str, seen: set[int
                     raise ValueError(
                         f"{where}: key {dotted!r} is written twice, on lines "
                         f"{lines[(key_node.tag, key)]} and {line} (YAML would silently keep the "
-                        "last); keep one")
+                        "last); keep one"
+                    )
                 lines[(key_node.tag, key)] = line
             _refuse_duplicate_keys(value_node, where, dotted, seen)
     elif isinstance(node, yaml.SequenceNode):
@@ -80,8 +82,11 @@ def _refuse_duplicate_keys(node: yaml.Node, where: str, path: str, seen: set[int
             _refuse_duplicate_keys(item, where, f"{path}[{index}]", seen)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                cls: type[T] = Config) -> T:
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    cls: type[T] = Config,
+) -> T:
     """Build ``cls`` from the YAML file at ``path`` (optional) with ``overrides`` applied on top."""
     tree: dict[str, Any] = {}
     if path is not None:
@@ -90,7 +95,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ValueError(f"config file {path} does not exist")
         loaded = _parse_yaml(path.read_text(encoding="utf-8"), f"config file {path}")
         if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"config file {path}: expected a mapping at the top level, got {type(loaded).__name__}")
+            raise ValueError(
+                f"config file {path}: expected a mapping at the top level, got {type(loaded).__name__}"
+            )
         tree = loaded or {}
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -108,6 +115,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             raise ValueError(  # noqa: TRY004 - every config error is a ValueError
-                f"override {dotted}: {'.'.join(parts[: i + 1])} is a value, not a section")
+                f"override {dotted}: {'.'.join(parts[: i + 1])} is a value, not a section"
+            )
         node = child
     node[parts[-1]] = value

@@ -19,26 +19,58 @@ AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-
 # baselines the paper compares with (a fixed clip is a search with empty ranges).
 CLIP_PRESETS: dict[str, dict[str, object]] = {
     "paper": {
-        "schedule": "paper", "semantics": "gradient", "target_unit": "share", "target": 0.4,
-        "c_low_start": 0.6, "c_low_max": 0.9, "c_low_step": 0.02,
-        "c_high_start": 1.2, "c_high_max": 3.0, "c_high_step": 0.05, "dual_clip": None,
+        "schedule": "paper",
+        "semantics": "gradient",
+        "target_unit": "share",
+        "target": 0.4,
+        "c_low_start": 0.6,
+        "c_low_max": 0.9,
+        "c_low_step": 0.02,
+        "c_high_start": 1.2,
+        "c_high_max": 3.0,
+        "c_high_step": 0.05,
+        "dual_clip": None,
         "granularity": "step",
     },
     "reference": {
-        "schedule": "reference", "semantics": "surrogate", "target_unit": "ratio", "target": 1.0,
-        "c_low_start": 0.6, "c_low_max": 0.8, "c_low_step": 0.05,
-        "c_high_start": 1.2, "c_high_max": 2.0, "c_high_step": 0.05, "dual_clip": 3.0,
+        "schedule": "reference",
+        "semantics": "surrogate",
+        "target_unit": "ratio",
+        "target": 1.0,
+        "c_low_start": 0.6,
+        "c_low_max": 0.8,
+        "c_low_step": 0.05,
+        "c_high_start": 1.2,
+        "c_high_max": 2.0,
+        "c_high_step": 0.05,
+        "dual_clip": 3.0,
         "granularity": "microbatch",
     },
     "grpo": {
-        "schedule": "paper", "semantics": "gradient", "target_unit": "share", "target": 0.4,
-        "c_low_start": 0.8, "c_low_max": 0.8, "c_low_step": 0.02,
-        "c_high_start": 1.2, "c_high_max": 1.2, "c_high_step": 0.05, "dual_clip": None,
+        "schedule": "paper",
+        "semantics": "gradient",
+        "target_unit": "share",
+        "target": 0.4,
+        "c_low_start": 0.8,
+        "c_low_max": 0.8,
+        "c_low_step": 0.02,
+        "c_high_start": 1.2,
+        "c_high_max": 1.2,
+        "c_high_step": 0.05,
+        "dual_clip": None,
     },
     "clip-higher": {
-        "schedule": "paper", "semantics": "gradient", "target_unit": "share", "target": 0.4,
-        "c_low_start": 0.8, "c_low_max": 0.8, "c_low_step": 0.02,
-        "c_high_start": 1.28, "c_high_max": 1.28, "c_high_step": 0.05, "dual_clip": None,
+        "schedule": "paper",
+        "semantics": "gradient",
+        "target_unit": "share",
+        "target": 0.4,
+        "c_low_start": 0.8,
+        "c_low_max": 0.8,
+        "c_low_step": 0.02,
+        "c_high_start": 1.28,
+        "c_high_max": 1.28,
+        "c_high_step": 0.05,
+        "dual_clip": None,
     },
 }
 
@@ -87,7 +119,9 @@ class ClipSearchConfig:
     def __post_init__(self) -> None:
         prefix = "loss.clip"
         if self.schedule not in ("paper", "reference"):
-            raise ValueError(f"{prefix}.schedule must be 'paper' or 'reference', got {self.schedule!r}")
+            raise ValueError(
+                f"{prefix}.schedule must be 'paper' or 'reference', got {self.schedule!r}"
+            )
         if self.semantics not in ("gradient", "surrogate"):
             raise ValueError(
                 f"{prefix}.semantics must be 'gradient' or 'surrogate', got {self.semantics!r}"
@@ -96,13 +130,22 @@ class ClipSearchConfig:
             raise ValueError(
                 f"{prefix}.target_unit must be 'share' or 'ratio', got {self.target_unit!r}"
             )
-        for name in ("target", "c_low_start", "c_low_max", "c_low_step",
-                     "c_high_start", "c_high_max", "c_high_step"):
+        for name in (
+            "target",
+            "c_low_start",
+            "c_low_max",
+            "c_low_step",
+            "c_high_start",
+            "c_high_max",
+            "c_high_step",
+        ):
             value = getattr(self, name)
             if not math.isfinite(value):
                 raise ValueError(f"{prefix}.{name} must be a finite number, got {value!r}")
         if self.target_unit == "share" and not 0.0 < self.target < 1.0:
-            raise ValueError(f"{prefix}.target is a share P/(P+N) and must lie in (0, 1), got {self.target}")
+            raise ValueError(
+                f"{prefix}.target is a share P/(P+N) and must lie in (0, 1), got {self.target}"
+            )
         if self.target_unit == "ratio" and not self.target > 0.0:
             raise ValueError(f"{prefix}.target is a ratio P/N and must be > 0, got {self.target}")
         if not 0.0 < self.c_low_start <= self.c_low_max <= 1.0:
@@ -123,14 +166,20 @@ class ClipSearchConfig:
             raise ValueError(
                 f"{prefix}.granularity must be 'step' or 'microbatch', got {self.granularity!r}"
             )
-        if self.dual_clip is not None and not (self.dual_clip > 1.0 and math.isfinite(self.dual_clip)):
-            raise ValueError(f"{prefix}.dual_clip must be > 1 (or null to disable), got {self.dual_clip}")
+        if self.dual_clip is not None and not (
+            self.dual_clip > 1.0 and math.isfinite(self.dual_clip)
+        ):
+            raise ValueError(
+                f"{prefix}.dual_clip must be > 1 (or null to disable), got {self.dual_clip}"
+            )
 
     @classmethod
     def from_preset(cls, name: str, **overrides: object) -> ClipSearchConfig:
         """The named preset (`paper`, `reference`, `grpo`, `clip-higher`) with ``overrides`` applied."""
         if name not in CLIP_PRESETS:
-            raise ValueError(f"loss.clip.preset must be one of {sorted(CLIP_PRESETS)}, got {name!r}")
+            raise ValueError(
+                f"loss.clip.preset must be one of {sorted(CLIP_PRESETS)}, got {name!r}"
+            )
         return cls(preset=name, **{**CLIP_PRESETS[name], **overrides})
 
 
@@ -150,6 +199,10 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"loss.aggregation must be one of {list(AGGREGATIONS)}, got {self.aggregation!r}")
+            raise ValueError(
+                f"loss.aggregation must be one of {list(AGGREGATIONS)}, got {self.aggregation!r}"
+            )
         if self.truncated_is_cap is not None and not self.truncated_is_cap > 0:
-            raise ValueError(f"loss.truncated_is_cap must be > 0 or null, got {self.truncated_is_cap!r}")
+            raise ValueError(
+                f"loss.truncated_is_cap must be > 0 or null, got {self.truncated_is_cap!r}"
+            )

@@ -64,9 +64,18 @@ class ModelConfig:
     def __post_init__(self) -> None:
         prefix = "model"
         if self.model_type not in MODEL_TYPES:
-            raise ValueError(f"{prefix}.model_type must be one of {list(MODEL_TYPES)}, got {self.model_type!r}")
-        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                     "num_query_groups", "vocab_size", "max_position_embeddings"):
+            raise ValueError(
+                f"{prefix}.model_type must be one of {list(MODEL_TYPES)}, got {self.model_type!r}"
+            )
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{prefix}.{name} must be a positive integer, got {value!r}")
@@ -77,7 +86,9 @@ class ModelConfig:
         if self.qkv_bias is None:
             self.qkv_bias = self.model_type == "qwen2"
         if self.params_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"{prefix}.params_dtype must be 'float32' or 'bfloat16', got {self.params_dtype!r}")
+            raise ValueError(
+                f"{prefix}.params_dtype must be 'float32' or 'bfloat16', got {self.params_dtype!r}"
+            )
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"{prefix}.hidden_size ({self.hidden_size}) must be a multiple of "
@@ -100,7 +111,9 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_hf_config(cls, source: str | Path | Mapping[str, Any], **overrides: Any) -> ModelConfig:
+    def from_hf_config(
+        cls, source: str | Path | Mapping[str, Any], **overrides: Any
+    ) -> ModelConfig:
         """Read a Hugging Face ``config.json`` (LlamaConfig or Qwen2Config field names).
 
         ``source`` is the file, the checkpoint folder holding it, or the already parsed mapping;

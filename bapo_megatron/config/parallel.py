@@ -52,9 +52,15 @@ class ParallelConfig:
         prefix = "parallel"
         for name in ("collective_timeout_s", "stall_report_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{prefix}.{name} must be a number > 0, got {getattr(self, name)!r}")
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "context_parallel_size", "fp8_amax_history_len"):
+                raise ValueError(
+                    f"{prefix}.{name} must be a number > 0, got {getattr(self, name)!r}"
+                )
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "fp8_amax_history_len",
+        ):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{prefix}.{name} must be a positive integer, got {value!r}")
@@ -91,5 +97,8 @@ class ParallelConfig:
     @property
     def model_parallel_size(self) -> int:
         """Ranks holding one copy of the model: tensor x pipeline x context."""
-        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-                * self.context_parallel_size)
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )

@@ -57,12 +57,21 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         prefix = "rollout"
         if self.timeout_s is not None and not self.timeout_s > 0:
-            raise ValueError(f"{prefix}.timeout_s must be a positive number of seconds or null, "
-                             f"got {self.timeout_s!r}")
+            raise ValueError(
+                f"{prefix}.timeout_s must be a positive number of seconds or null, "
+                f"got {self.timeout_s!r}"
+            )
         if self.engine not in ENGINE_KINDS:
-            raise ValueError(f"{prefix}.engine must be one of {list(ENGINE_KINDS)}, got {self.engine!r}")
-        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens",
-                     "engine_tensor_parallel_size", "weight_bucket_mib"):
+            raise ValueError(
+                f"{prefix}.engine must be one of {list(ENGINE_KINDS)}, got {self.engine!r}"
+            )
+        for name in (
+            "prompts_per_step",
+            "samples_per_prompt",
+            "max_new_tokens",
+            "engine_tensor_parallel_size",
+            "weight_bucket_mib",
+        ):
             require_at_least(getattr(self, name), 1, f"{prefix}.{name}")
         require_at_least(self.top_k, 0, f"{prefix}.top_k")
         if not 0 < self.top_p <= 1:
@@ -70,7 +79,9 @@ class RolloutConfig:
         if self.partial_tokens_per_round is not None:
             require_at_least(self.partial_tokens_per_round, 1, f"{prefix}.partial_tokens_per_round")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"{prefix}.gpu_memory_utilization must lie in (0, 1], "
-                             f"got {self.gpu_memory_utilization!r}")
+            raise ValueError(
+                f"{prefix}.gpu_memory_utilization must lie in (0, 1], "
+                f"got {self.gpu_memory_utilization!r}"
+            )
         if self.engine.endswith("-server") and not self.server_urls:
             raise ValueError(f"{prefix}.engine={self.engine!r} needs {prefix}.server_urls")

@@ -40,11 +40,14 @@ class DataConfig:
     def __post_init__(self) -> None:
         prefix = "data"
         if (self.train_file is None) == (self.synthetic_task is None):
-            raise ValueError(f"{prefix}: give exactly one of {prefix}.train_file and "
-                             f"{prefix}.synthetic_task")
+            raise ValueError(
+                f"{prefix}: give exactly one of {prefix}.train_file and {prefix}.synthetic_task"
+            )
         if self.synthetic_task not in (None, "walk", "seek"):
-            raise ValueError(f"{prefix}.synthetic_task must be 'walk', 'seek' or null, "
-                             f"got {self.synthetic_task!r}")
+            raise ValueError(
+                f"{prefix}.synthetic_task must be 'walk', 'seek' or null, "
+                f"got {self.synthetic_task!r}"
+            )
         require_at_least(self.synthetic_size, 1, f"{prefix}.synthetic_size")
 
 
@@ -106,12 +109,21 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         prefix = "algorithm"
         if self.old_logprobs not in ("engine", "recompute"):
-            raise ValueError(f"{prefix}.old_logprobs must be 'engine' or 'recompute', got {self.old_logprobs!r}")
-        for name in ("optimizer_steps_per_rollout", "epochs", "replay_capacity", "replay_max_staleness"):
+            raise ValueError(
+                f"{prefix}.old_logprobs must be 'engine' or 'recompute', got {self.old_logprobs!r}"
+            )
+        for name in (
+            "optimizer_steps_per_rollout",
+            "epochs",
+            "replay_capacity",
+            "replay_max_staleness",
+        ):
             require_at_least(getattr(self, name), 1, f"{prefix}.{name}")
         require_at_least(self.rollout_lag, 0, f"{prefix}.rollout_lag")
         if not 0 <= self.replay_fraction < 1:
-            raise ValueError(f"{prefix}.replay_fraction must lie in [0, 1), got {self.replay_fraction!r}")
+            raise ValueError(
+                f"{prefix}.replay_fraction must lie in [0, 1), got {self.replay_fraction!r}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -164,10 +176,14 @@ class TrainConfig:
         if self.max_position_embeddings is not None:
             require_at_least(self.max_position_embeddings, 1, "train.max_position_embeddings")
         if not self.output_dir.strip():
-            raise ValueError(f"train.output_dir must name a folder, got {self.output_dir!r} (an empty "
-                             "path would put the run's files in the current directory)")
+            raise ValueError(
+                f"train.output_dir must name a folder, got {self.output_dir!r} (an empty "
+                "path would put the run's files in the current directory)"
+            )
         if self.params_dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(f"train.params_dtype must be 'float32', 'bfloat16' or null, got {self.params_dtype!r}")
+            raise ValueError(
+                f"train.params_dtype must be 'float32', 'bfloat16' or null, got {self.params_dtype!r}"
+            )
 
 
 @dataclass(kw_only=True)

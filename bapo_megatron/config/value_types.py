@@ -22,13 +22,18 @@ def build_dataclass(cls: type[T], data: Any, prefix: str) -> T:
     where = prefix or "<root>"
     if not isinstance(data, dict):
         raise ValueError(  # noqa: TRY004 - every config error is a ValueError
-            f"{where}: expected a mapping for {cls.__name__}, got {_describe(data)}")
+            f"{where}: expected a mapping for {cls.__name__}, got {_describe(data)}"
+        )
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(f"{where}: unknown field(s) {unknown}; {cls.__name__} has {sorted(fields)}")
-    kwargs = {name: _coerce(hints[name], value, _join(prefix, name)) for name, value in data.items()}
+        raise ValueError(
+            f"{where}: unknown field(s) {unknown}; {cls.__name__} has {sorted(fields)}"
+        )
+    kwargs = {
+        name: _coerce(hints[name], value, _join(prefix, name)) for name, value in data.items()
+    }
     try:
         if "preset" in kwargs and hasattr(cls, "from_preset"):
             return cls.from_preset(kwargs.pop("preset"), **kwargs)
@@ -65,7 +70,9 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
         if ellipsis is not Ellipsis:
             raise TypeError(f"{where}: only tuple[T, ...] fields are supported")  # internal
         if value is None or isinstance(value, dict):
-            raise ValueError(f"{where}: expected a list of {_type_name(item)}, got {_describe(value)}")
+            raise ValueError(
+                f"{where}: expected a list of {_type_name(item)}, got {_describe(value)}"
+            )
         if not isinstance(value, (list, tuple)):
             value = [value]  # a single item may be written without a list
         return tuple(_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value))
@@ -94,8 +101,14 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
     raise TypeError(f"{where}: unsupported field type {hint!r}")  # internal: extend _coerce
 
 
-_YAML_KINDS = {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
-               list: "a list", dict: "a mapping"}
+_YAML_KINDS = {
+    bool: "a boolean",
+    int: "an integer",
+    float: "a float",
+    str: "a string",
+    list: "a list",
+    dict: "a mapping",
+}
 
 
 def _describe(value: Any) -> str:
@@ -120,4 +133,6 @@ def _looks_numeric(text: str) -> bool:
 
 
 def _type_name(hint: Any) -> str:
-    return {str: "strings", int: "integers", float: "numbers", bool: "booleans"}.get(hint, repr(hint))
+    return {str: "strings", int: "integers", float: "numbers", bool: "booleans"}.get(
+        hint, repr(hint)
+    )

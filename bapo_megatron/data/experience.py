@@ -36,15 +36,22 @@ class Group:
 
     def to_plain(self) -> dict:
         """The group as plain data (dicts, lists, numbers, strings), as checkpoints store it."""
-        return {"prompt_id": self.prompt_id, "samples": [sample_to_plain(s) for s in self.samples],
-                "rewards": list(self.rewards), "advantages": list(self.advantages)}
+        return {
+            "prompt_id": self.prompt_id,
+            "samples": [sample_to_plain(s) for s in self.samples],
+            "rewards": list(self.rewards),
+            "advantages": list(self.advantages),
+        }
 
     @classmethod
     def from_plain(cls, plain: dict) -> Group:
         """Undo :meth:`to_plain`."""
-        return cls(prompt_id=plain["prompt_id"],
-                   samples=[sample_from_plain(s) for s in plain["samples"]],
-                   rewards=list(plain["rewards"]), advantages=list(plain["advantages"]))
+        return cls(
+            prompt_id=plain["prompt_id"],
+            samples=[sample_from_plain(s) for s in plain["samples"]],
+            rewards=list(plain["rewards"]),
+            advantages=list(plain["advantages"]),
+        )
 
 
 def sample_to_plain(sample: RolloutSample) -> dict:
@@ -83,7 +90,7 @@ def prompts_at(position: int, count: int, num_prompts: int, seed: int, shuffle: 
     while len(indices) < count:
         epoch, offset = divmod(position + len(indices), num_prompts)
         order = prompt_order(num_prompts, seed, epoch, shuffle)
-        indices.extend(order[offset: offset + count - len(indices)])
+        indices.extend(order[offset : offset + count - len(indices)])
     return indices
 
 

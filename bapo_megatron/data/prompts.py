@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,9 @@ class PromptSet:
 
 def _row(record: Any, where: str, index: int) -> PromptRow:
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected an object with 'prompt' and 'answer', got {type(record).__name__}")
+        raise ValueError(
+            f"{where}: expected an object with 'prompt' and 'answer', got {type(record).__name__}"
+        )
     # `problem` is read only when there is no `prompt` (a parquet column of nulls counts as none).
     key = "problem" if record.get("prompt") is None and "problem" in record else "prompt"
     prompt = record.get(key)
@@ -47,10 +50,15 @@ def _row(record: Any, where: str, index: int) -> PromptRow:
         raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {prompt!r}")
     answer = record.get("answer")
     # a float NaN/inf is how pandas and parquet write a missing number: never an answer
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or str(answer).strip() == "" \
-            or (isinstance(answer, float) and not math.isfinite(answer)):
-        raise ValueError(f"{where}: field 'answer' must be a non-empty string or a finite number, "
-                         f"got {answer!r}")
+    if (
+        isinstance(answer, bool)
+        or not isinstance(answer, (str, int, float))
+        or str(answer).strip() == ""
+        or (isinstance(answer, float) and not math.isfinite(answer))
+    ):
+        raise ValueError(
+            f"{where}: field 'answer' must be a non-empty string or a finite number, got {answer!r}"
+        )
     row_id = record.get("id")
     if row_id is None:  # a parquet file with ids on some rows only stores null on the others
         row_id = index
@@ -70,8 +78,14 @@ def _records(path: Path) -> list[tuple[str, Any]]:
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as err:
-                    records.append((where, ValueError(
-                        f"{where}: not valid UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})")))
+                    records.append(
+                        (
+                            where,
+                            ValueError(
+                                f"{where}: not valid UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})"
+                            ),
+                        )
+                    )
                     continue
                 if not line.strip():
                     continue
@@ -88,11 +102,17 @@ def _records(path: Path) -> list[tuple[str, Any]]:
         except Exception as err:  # noqa: BLE001 - any reader failure is a bad file
             raise ValueError(f"{path}: cannot be read as parquet ({err})") from None
         return [(f"{path} 0-based row {i}", record) for i, record in enumerate(table.to_pylist())]
-    raise ValueError(f"{path}: unsupported prompt file type {path.suffix!r}; expected .jsonl or .parquet")
+    raise ValueError(
+        f"{path}: unsupported prompt file type {path.suffix!r}; expected .jsonl or .parquet"
+    )
 
 
-def load_prompts(path: str | Path, *, skip_bad_rows: bool = False,
-                 check_row: Callable[[PromptRow], None] | None = None) -> PromptSet:
+def load_prompts(
+    path: str | Path,
+    *,
+    skip_bad_rows: bool = False,
+    check_row: Callable[[PromptRow], None] | None = None,
+) -> PromptSet:
     """Read a prompt set. Raises ``ValueError`` for a missing or unreadable file, an empty set,
     and (unless ``skip_bad_rows``) the first malformed row. ``check_row`` adds a condition of
     the caller's (a prompt that fits the model): its ``ValueError`` makes the row malformed, with
@@ -125,11 +145,14 @@ def prompt_token_ids(tokenizer, row: PromptRow, *, system: str | None = None) ->
     """The token ids of ``row``'s prompt as a user turn in the tokenizer's chat template, with
     the assistant turn opened (generation starts right after)."""
     messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": row.prompt}]
+        {"role": "user", "content": row.prompt}
+    ]
     try:
         ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     except Exception as err:  # noqa: BLE001 - tokenizers raise bare Exceptions for text they cannot encode
-        raise ValueError(f"the tokenizer cannot encode the prompt ({type(err).__name__}: {err})") from None
+        raise ValueError(
+            f"the tokenizer cannot encode the prompt ({type(err).__name__}: {err})"
+        ) from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

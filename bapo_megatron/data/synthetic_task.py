@@ -25,21 +25,26 @@ from bapo_megatron.data.prompts import PromptRow
 CHARACTERS = "0123456789 >:"
 PAD, EOS = "<pad>", "<eos>"
 # The user turn is the prompt itself; the generation prompt ":" opens the response.
-CHAT_TEMPLATE = ("{% for message in messages %}{{ message['content'] }}{% endfor %}"
-                 "{% if add_generation_prompt %}:{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}:{% endif %}"
+)
 MAX_NUMBER = 39
 MAX_DISTANCE = 8
 
 
-def character_tokenizer(characters: str, chat_template: str) -> transformers.PreTrainedTokenizerFast:
+def character_tokenizer(
+    characters: str, chat_template: str
+) -> transformers.PreTrainedTokenizerFast:
     """One token per character of ``characters`` (in that order after ``<pad>`` = 0 and
     ``<eos>`` = 1), as a transformers fast tokenizer with ``chat_template``."""
     vocab = {PAD: 0, EOS: 1, **{c: i + 2 for i, c in enumerate(characters)}}
     backend = Tokenizer(models.WordLevel(vocab, unk_token=None))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD,
-                                                     eos_token=EOS)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token=PAD, eos_token=EOS
+    )
     tokenizer.chat_template = chat_template
     return tokenizer
 
@@ -62,20 +67,29 @@ def walk_rows(count: int, seed: int) -> list[PromptRow]:
     rows = []
     for index in range(count):
         start = rng.randint(0, MAX_NUMBER)
-        choices = [t for t in range(max(0, start - MAX_DISTANCE), min(MAX_NUMBER, start + MAX_DISTANCE) + 1)
-                   if t != start]
+        choices = [
+            t
+            for t in range(max(0, start - MAX_DISTANCE), min(MAX_NUMBER, start + MAX_DISTANCE) + 1)
+            if t != start
+        ]
         target = rng.choice(choices)
-        rows.append(PromptRow(id=f"walk-{index}", prompt=f"{start}>{target}",
-                              answer=walk_response(start, target)))
+        rows.append(
+            PromptRow(
+                id=f"walk-{index}", prompt=f"{start}>{target}", answer=walk_response(start, target)
+            )
+        )
     return rows
 
 
 def longest_response_tokens() -> int:
     """Tokens of the longest right response, its end token included (for length caps)."""
-    longest = max(len(walk_response(s, t)) for s in range(MAX_NUMBER + 1)
-                  for t in range(max(0, s - MAX_DISTANCE), min(MAX_NUMBER, s + MAX_DISTANCE) + 1) if t != s)
+    longest = max(
+        len(walk_response(s, t))
+        for s in range(MAX_NUMBER + 1)
+        for t in range(max(0, s - MAX_DISTANCE), min(MAX_NUMBER, s + MAX_DISTANCE) + 1)
+        if t != s
+    )
     return longest + 1
-
 
 
 # ------------------------------------------------------------------ the `seek` variant
@@ -99,7 +113,9 @@ def seek_response(start: int, digit: int) -> str:
     """The right `seek` response: the numbers after ``start`` going up around the ring, up to
     and including the first one whose last digit is ``digit``."""
     if not (0 <= start < RING_SIZE and 0 <= digit <= 9):
-        raise ValueError(f"seek_response: start in [0, {RING_SIZE}) and a digit, got {start}, {digit}")
+        raise ValueError(
+            f"seek_response: start in [0, {RING_SIZE}) and a digit, got {start}, {digit}"
+        )
     numbers, n = [], start
     while True:
         n = (n + 1) % RING_SIZE
@@ -116,15 +132,20 @@ def seek_rows(count: int, seed: int) -> list[PromptRow]:
     for index in range(count):
         start = rng.randrange(RING_SIZE)
         digit = rng.choice([d for d in range(10) if d != start % 10])
-        rows.append(PromptRow(id=f"seek-{index}", prompt=f"{start}>{digit}",
-                              answer=seek_response(start, digit)))
+        rows.append(
+            PromptRow(
+                id=f"seek-{index}", prompt=f"{start}>{digit}", answer=seek_response(start, digit)
+            )
+        )
     return rows
 
 
 def seek_longest_response_tokens() -> int:
     """Tokens of the longest right `seek` response, its end token included (for length caps)."""
-    return max(len(seek_response(s, d)) for s in range(RING_SIZE) for d in range(10)
-               if d != s % 10) + 1
+    return (
+        max(len(seek_response(s, d)) for s in range(RING_SIZE) for d in range(10) if d != s % 10)
+        + 1
+    )
 
 
 # Rows of each synthetic task (all of them use :func:`walk_tokenizer` and the `exact_match` reward).

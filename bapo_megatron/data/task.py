@@ -47,8 +47,10 @@ def load_task(cfg: Config) -> Task:
     if data.synthetic_task is not None:
         tokenizer = walk_tokenizer()
         if cfg.model.vocab_size < len(tokenizer):
-            raise ValueError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
-                             f"{data.synthetic_task!r} task's tokenizer ({len(tokenizer)} tokens)")
+            raise ValueError(
+                f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
+                f"{data.synthetic_task!r} task's tokenizer ({len(tokenizer)} tokens)"
+            )
         rows = synthetic_rows(data.synthetic_task, data.synthetic_size, seed=cfg.train.seed)
         task = Task(rows=rows, tokenizer=tokenizer, model=cfg.model)
         # generated rows are never skipped: one that does not fit is a configuration error
@@ -67,8 +69,9 @@ def load_task(cfg: Config) -> Task:
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.train.model_path)
     except (OSError, ValueError) as err:
-        raise ValueError(f"train.model_path {cfg.train.model_path}: cannot load its tokenizer "
-                         f"({err})") from None
+        raise ValueError(
+            f"train.model_path {cfg.train.model_path}: cannot load its tokenizer ({err})"
+        ) from None
     if tokenizer.eos_token_id is None:
         raise ValueError(f"train.model_path {cfg.train.model_path}: the tokenizer has no eos token")
 
@@ -80,9 +83,15 @@ def load_task(cfg: Config) -> Task:
 
     prompts = load_prompts(data.train_file, skip_bad_rows=data.skip_bad_rows, check_row=check_fits)
     if prompts.skipped:
-        log.warning("%s: skipped %d bad rows; first: %s", data.train_file,
-                    len(prompts.skipped), prompts.skipped[0])
-    return Task(rows=prompts.rows, tokenizer=tokenizer, model=model, skipped_rows=len(prompts.skipped))
+        log.warning(
+            "%s: skipped %d bad rows; first: %s",
+            data.train_file,
+            len(prompts.skipped),
+            prompts.skipped[0],
+        )
+    return Task(
+        rows=prompts.rows, tokenizer=tokenizer, model=model, skipped_rows=len(prompts.skipped)
+    )
 
 
 def _fit_problem(prompt_tokens: int, max_new_tokens: int, max_positions: int) -> str | None:
@@ -92,9 +101,11 @@ def _fit_problem(prompt_tokens: int, max_new_tokens: int, max_positions: int) ->
     and prompt plus response is what the engines' context and the actor's passes must hold."""
     if prompt_tokens + max_new_tokens <= max_positions:
         return None
-    return (f"the prompt is {prompt_tokens} tokens in the chat template; with rollout.max_new_tokens "
-            f"({max_new_tokens}) that is {prompt_tokens + max_new_tokens}, more than the model's "
-            f"max_position_embeddings ({max_positions})")
+    return (
+        f"the prompt is {prompt_tokens} tokens in the chat template; with rollout.max_new_tokens "
+        f"({max_new_tokens}) that is {prompt_tokens + max_new_tokens}, more than the model's "
+        f"max_position_embeddings ({max_positions})"
+    )
 
 
 def encode_prompt(task: Task, row: PromptRow, system: str | None, max_new_tokens: int) -> list[int]:

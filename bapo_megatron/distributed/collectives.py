@@ -26,10 +26,14 @@ def describe_failure(failure: BaseException) -> str:
     return f"{type(failure).__name__}: {failure}"
 
 
-def raise_if_any_rank_failed(failure: BaseException | None, *, where: str,
-                             error_type: Callable[[str], Exception] = RuntimeError,
-                             describe: Callable[[BaseException], str] = describe_failure,
-                             group: dist.ProcessGroup | None = None) -> None:
+def raise_if_any_rank_failed(
+    failure: BaseException | None,
+    *,
+    where: str,
+    error_type: Callable[[str], Exception] = RuntimeError,
+    describe: Callable[[BaseException], str] = describe_failure,
+    group: dist.ProcessGroup | None = None,
+) -> None:
     """Collective over ``group`` (default: the world): every rank passes its ``failure`` (None if
     it has none); if any rank has one, every rank raises ``error_type("{where}: rank R: ...")``
     naming each failed rank (group ranks), chained to this rank's own failure. One small
@@ -46,10 +50,15 @@ def raise_if_any_rank_failed(failure: BaseException | None, *, where: str,
         raise error_type(f"{where}: {report}") from failure
 
 
-def on_every_rank(action: Callable[[], T], *, where: str, catch: type[BaseException] = Exception,
-                  error_type: Callable[[str], Exception] = RuntimeError,
-                  describe: Callable[[BaseException], str] = describe_failure,
-                  group: dist.ProcessGroup | None = None) -> T:
+def on_every_rank(
+    action: Callable[[], T],
+    *,
+    where: str,
+    catch: type[BaseException] = Exception,
+    error_type: Callable[[str], Exception] = RuntimeError,
+    describe: Callable[[BaseException], str] = describe_failure,
+    group: dist.ProcessGroup | None = None,
+) -> T:
     """Run ``action`` on this rank and return its result; if it raised ``catch`` here or on any
     other rank of ``group``, raise on every rank as :func:`raise_if_any_rank_failed` does."""
     failure, result = None, None
@@ -57,13 +66,15 @@ def on_every_rank(action: Callable[[], T], *, where: str, catch: type[BaseExcept
         result = action()
     except catch as error:
         failure = error
-    raise_if_any_rank_failed(failure, where=where, error_type=error_type, describe=describe,
-                             group=group)
+    raise_if_any_rank_failed(
+        failure, where=where, error_type=error_type, describe=describe, group=group
+    )
     return result
 
 
-def sum_over(values: list[float], group: dist.ProcessGroup | None,
-             device: torch.device | str = "cpu") -> list[float]:
+def sum_over(
+    values: list[float], group: dist.ProcessGroup | None, device: torch.device | str = "cpu"
+) -> list[float]:
     """Element-wise sums of ``values`` over ``group``, in float64 (every rank gets them)."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if _world(group) > 1:
@@ -71,8 +82,9 @@ def sum_over(values: list[float], group: dist.ProcessGroup | None,
     return tensor.tolist()
 
 
-def max_over(values: list[float], group: dist.ProcessGroup | None,
-             device: torch.device | str = "cpu") -> list[float]:
+def max_over(
+    values: list[float], group: dist.ProcessGroup | None, device: torch.device | str = "cpu"
+) -> list[float]:
     """Element-wise maxima of ``values`` over ``group``, in float64 (every rank gets them)."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if _world(group) > 1:

@@ -63,8 +63,9 @@ class ParallelContext:
     """Whether :meth:`initialize` created the torch.distributed world (then teardown destroys it)."""
 
     @classmethod
-    def initialize(cls, config: ParallelConfig, *,
-                   timeout: datetime.timedelta | None = None) -> "ParallelContext":
+    def initialize(
+        cls, config: ParallelConfig, *, timeout: datetime.timedelta | None = None
+    ) -> ParallelContext:
         """Build the process groups of ``config`` on the current torch.distributed world.
 
         If ``torch.distributed`` is not initialized yet, it is initialized here: from the
@@ -75,8 +76,10 @@ class ParallelContext:
         the checks that also need the model).
         """
         if parallel_state.model_parallel_is_initialized():
-            raise RuntimeError("model parallel is already initialized in this process; call "
-                               "teardown() on the previous ParallelContext first")
+            raise RuntimeError(
+                "model parallel is already initialized in this process; call "
+                "teardown() on the previous ParallelContext first"
+            )
         use_cuda = torch.cuda.is_available()
         if not use_cuda:
             from bapo_megatron.megatron_patches.cpu_runtime import apply_cpu_patches
@@ -92,8 +95,9 @@ class ParallelContext:
                     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
                 dist.init_process_group(backend, timeout=timeout)
             else:
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                        timeout=timeout)
+                dist.init_process_group(
+                    backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+                )
         world_size = dist.get_world_size()
         if world_size % config.model_parallel_size:
             raise ValueError(
@@ -110,7 +114,9 @@ class ParallelContext:
         ps = parallel_state
         return cls(
             config=config,
-            device=torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu"),
+            device=torch.device("cuda", torch.cuda.current_device())
+            if use_cuda
+            else torch.device("cpu"),
             rank=dist.get_rank(),
             world_size=world_size,
             tp_group=ps.get_tensor_model_parallel_group(),

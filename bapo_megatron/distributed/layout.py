@@ -33,8 +33,12 @@ class Accelerator:
         return cls(transformer_engine=te, cuda=cuda, fp8_gpu=fp8)
 
 
-def validate_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int,
-                    accelerator: Accelerator | None = None) -> int:
+def validate_layout(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    world_size: int,
+    accelerator: Accelerator | None = None,
+) -> int:
     """Check that ``parallel`` can split ``model`` over ``world_size`` ranks on this machine
     (``accelerator``: probed when None) and return the data-parallel size. Raises ``ValueError``
     naming the fields on the first problem."""

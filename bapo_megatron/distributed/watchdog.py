@@ -44,8 +44,10 @@ def stall_report(phases: dict[int, tuple[str, float] | None], rank: int, now: fl
         if entry is None:
             lines.append(f"rank {other} has not reported any phase")
         elif mine is not None and entry[0] != mine[0]:
-            lines.append(f"rank {other} has not reached {mine[0]!r}: it is in {entry[0]!r} "
-                         f"since {now - entry[1]:.0f} s")
+            lines.append(
+                f"rank {other} has not reached {mine[0]!r}: it is in {entry[0]!r} "
+                f"since {now - entry[1]:.0f} s"
+            )
     here = f"rank {rank} in {mine[0]!r} since {now - mine[1]:.0f} s" if mine else f"rank {rank}"
     if not lines:
         return f"{here}; every other rank reports the same phase"
@@ -56,8 +58,15 @@ class PhaseWatchdog:
     """Records this rank's phase in ``store`` and watches for stalls (see the module docstring).
     ``store`` None (one process) records locally only."""
 
-    def __init__(self, store: KeyValueStore | None, rank: int, world_size: int, *,
-                 stall_s: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        store: KeyValueStore | None,
+        rank: int,
+        world_size: int,
+        *,
+        stall_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.stall_s, self.clock = stall_s, clock
         self.current: tuple[str, float] | None = None
@@ -113,12 +122,14 @@ class PhaseWatchdog:
 
     def start(self, interval_s: float = 1.0) -> PhaseWatchdog:
         """Check every ``interval_s`` on a daemon thread until :meth:`close`."""
+
         def watch() -> None:
             while not self._stop.wait(interval_s):
                 try:
                     self.check()
                 except Exception as err:  # noqa: BLE001 - a dead store must not end the run here
                     log.warning("phase watchdog: %s", err)
+
         self._thread = threading.Thread(target=watch, name="phase-watchdog", daemon=True)
         self._thread.start()
         return self

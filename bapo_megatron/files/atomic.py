@@ -37,16 +37,18 @@ def check_output(final: str | Path, overwrite: bool = False) -> Path:
     parent folder does not. Call it before long work, so that a bad output fails fast."""
     final = Path(final).absolute()
     if final.exists() and not overwrite:
-        raise ValueError(f"output {final} already exists (overwrite=True, or --overwrite, "
-                         "replaces it)")
+        raise ValueError(
+            f"output {final} already exists (overwrite=True, or --overwrite, replaces it)"
+        )
     if not final.parent.is_dir():
         raise ValueError(f"output {final}: parent folder {final.parent} does not exist")
     return final
 
 
 @contextlib.contextmanager
-def staged_folder(final: str | Path, *, overwrite: bool = False,
-                  group: dist.ProcessGroup | None = None) -> Iterator[Path]:
+def staged_folder(
+    final: str | Path, *, overwrite: bool = False, group: dist.ProcessGroup | None = None
+) -> Iterator[Path]:
     """Yield an empty staging folder for ``final`` and rename it to ``final`` on success.
 
     Collective over ``group`` (default: the whole world, if torch.distributed is initialized):

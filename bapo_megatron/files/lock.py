@@ -42,14 +42,21 @@ class FolderLock:
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            raise FolderLocked(f"{self.folder} is in use by another process ({holder}); give this "
-                               f"{self.purpose} another folder, or wait for that one to end") from None
+            raise FolderLocked(
+                f"{self.folder} is in use by another process ({holder}); give this "
+                f"{self.purpose} another folder, or wait for that one to end"
+            ) from None
         except BaseException:
             os.close(fd)
             raise
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                  "purpose": self.purpose}).encode(), 0)
+        os.pwrite(
+            fd,
+            json.dumps(
+                {"pid": os.getpid(), "host": socket.gethostname(), "purpose": self.purpose}
+            ).encode(),
+            0,
+        )
         self._fd = fd
         return self
 

@@ -74,8 +74,10 @@ def read_manifest(folder: str | Path) -> dict[str, dict[str, int | str]]:
         if not all(isinstance(e, dict) and {"size", "sha256"} <= set(e) for e in entries.values()):
             raise ValueError("an entry lacks size or sha256")
     except FileNotFoundError:
-        raise DamagedFolder(f"{path} is missing (a folder written before manifests existed, or "
-                            "one whose writing did not finish)") from None
+        raise DamagedFolder(
+            f"{path} is missing (a folder written before manifests existed, or "
+            "one whose writing did not finish)"
+        ) from None
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise DamagedFolder(f"{path} is not a manifest ({type(err).__name__}: {err})") from None
     return entries
@@ -90,19 +92,24 @@ def check_listing(folder: str | Path, entries: dict[str, dict[str, int | str]]) 
             raise DamagedFolder(f"{folder / name} is missing (listed in {MANIFEST_FILE})")
         size = (folder / name).stat().st_size
         if size != entry["size"]:
-            raise DamagedFolder(f"{folder / name} is {size} bytes, {entry['size']} when written "
-                                "(truncated or overwritten)")
+            raise DamagedFolder(
+                f"{folder / name} is {size} bytes, {entry['size']} when written "
+                "(truncated or overwritten)"
+            )
     extra = sorted(present - set(entries))
     if extra:
         raise DamagedFolder(f"{folder}: files not in its {MANIFEST_FILE}: {extra}")
 
 
-def check_digests(folder: str | Path, entries: dict[str, dict[str, int | str]],
-                  files: list[str]) -> None:
+def check_digests(
+    folder: str | Path, entries: dict[str, dict[str, int | str]], files: list[str]
+) -> None:
     """Hash ``files`` (a rank's share) and compare with ``entries``."""
     for name in files:
         found = file_digest(Path(folder) / name)
         if found["sha256"] != entries[name]["sha256"]:
-            raise DamagedFolder(f"{Path(folder) / name}: its contents changed since it was written "
-                                f"(SHA-256 {found['sha256'][:12]}..., "
-                                f"{str(entries[name]['sha256'])[:12]}... when written)")
+            raise DamagedFolder(
+                f"{Path(folder) / name}: its contents changed since it was written "
+                f"(SHA-256 {found['sha256'][:12]}..., "
+                f"{str(entries[name]['sha256'])[:12]}... when written)"
+            )

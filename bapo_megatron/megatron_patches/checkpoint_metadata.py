@@ -24,15 +24,29 @@ METADATA_FILE = ".metadata"
 # dtypes and the layout lookup torch pickles tensor properties with.
 _ALLOWED_CLASSES = {
     "torch.distributed.checkpoint.metadata": (
-        "Metadata", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "MetadataIndex", "_MEM_FORMAT_ENCODING"),
+        "Metadata",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "_MEM_FORMAT_ENCODING",
+    ),
     "torch.distributed.checkpoint.planner": (
-        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"),
+        "SavePlan",
+        "WriteItem",
+        "WriteItemType",
+        "TensorWriteData",
+    ),
     "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
 }
 _ALLOWED = {(module, name) for module, names in _ALLOWED_CLASSES.items() for name in names}
-_ALLOWED |= {("torch", "Size"), ("torch.serialization", "_get_layout"),
-             ("collections", "OrderedDict")}
+_ALLOWED |= {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -55,8 +69,10 @@ def check_metadata(folder: str | Path) -> None:
         with path.open("rb") as file:
             _MetadataUnpickler(file).load()
     except pickle.UnpicklingError as err:
-        raise ValueError(f"{path} is refused: torch's checkpoint reader would unpickle it in "
-                         f"full, and it names something other than checkpoint metadata ({err}), "
-                         "which loading would run") from None
+        raise ValueError(
+            f"{path} is refused: torch's checkpoint reader would unpickle it in "
+            f"full, and it names something other than checkpoint metadata ({err}), "
+            "which loading would run"
+        ) from None
     except Exception as err:  # noqa: BLE001 - a damaged file fails in many ways
         raise ValueError(f"{path} cannot be read: {err!r}") from None

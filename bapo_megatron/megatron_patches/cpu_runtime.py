@@ -57,7 +57,9 @@ def _patch_rng_tracker_on_cpu_generator() -> None:
             self.states_[name] = torch.Generator().manual_seed(seed).get_state()
 
         @contextlib.contextmanager
-        def fork(self, name: str = megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+        def fork(
+            self, name: str = megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME
+        ) -> Iterator[None]:
             if name not in self.states_:
                 raise RuntimeError(f"RNG state {name!r} was not added")
             outside = torch.get_rng_state()
@@ -191,9 +193,12 @@ class _CudaSitesOnCpu(torch.overrides.TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
-            if args[0].device.type == "cpu" and name.startswith("torch.") \
-                    and not name.startswith("torch.cuda."):
-                return "torch.cuda." + name[len("torch."):]
+            if (
+                args[0].device.type == "cpu"
+                and name.startswith("torch.")
+                and not name.startswith("torch.cuda.")
+            ):
+                return "torch.cuda." + name[len("torch.") :]
             return name
         if _is_cuda_device(kwargs.get("device")):
             kwargs = {**kwargs, "device": "cpu"}

@@ -120,9 +120,15 @@ class EvalSettings:
         self.sampling(0)  # validates temperature, top_p, top_k
 
     def sampling(self, batch: int, stop_token_ids: Sequence[int] = ()) -> SamplingParams:
-        return SamplingParams(n=self.k, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, max_new_tokens=self.max_new_tokens,
-                              stop_token_ids=tuple(stop_token_ids), seed=self.seed + batch)
+        return SamplingParams(
+            n=self.k,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens,
+            stop_token_ids=tuple(stop_token_ids),
+            seed=self.seed + batch,
+        )
 
 
 @dataclass
@@ -154,13 +160,22 @@ class Counts:
 
 def reward_pool(settings: EvalSettings) -> RewardPool:
     """The pool :func:`evaluate_rows` expects: timeouts score :data:`TIMEOUT`."""
-    return RewardPool(settings.reward, workers=settings.reward_workers,
-                      timeout_s=settings.reward_timeout_s, timeout_reward=TIMEOUT)
+    return RewardPool(
+        settings.reward,
+        workers=settings.reward_workers,
+        timeout_s=settings.reward_timeout_s,
+        timeout_reward=TIMEOUT,
+    )
 
 
-def encode_rows(tokenizer, rows: Sequence[PromptRow], settings: EvalSettings, *,
-                max_positions: int | None = None,
-                counts: Counts | None = None) -> list[tuple[PromptRow, list[int]]]:
+def encode_rows(
+    tokenizer,
+    rows: Sequence[PromptRow],
+    settings: EvalSettings,
+    *,
+    max_positions: int | None = None,
+    counts: Counts | None = None,
+) -> list[tuple[PromptRow, list[int]]]:
     """Each row with its prompt's token ids in the chat template. Rows whose prompt plus
     ``max_new_tokens`` exceed ``max_positions`` are left out and recorded in
     ``counts.bad_rows``."""
@@ -169,17 +184,27 @@ def encode_rows(tokenizer, rows: Sequence[PromptRow], settings: EvalSettings, *,
         ids = prompt_token_ids(tokenizer, row, system=settings.system)
         if max_positions is not None and len(ids) + settings.max_new_tokens > max_positions:
             if counts is not None:
-                counts.bad_rows.append(f"problem {row.id!r}: {len(ids)} prompt tokens + "
-                                       f"max_new_tokens ({settings.max_new_tokens}) exceed the "
-                                       f"model's {max_positions} positions")
+                counts.bad_rows.append(
+                    f"problem {row.id!r}: {len(ids)} prompt tokens + "
+                    f"max_new_tokens ({settings.max_new_tokens}) exceed the "
+                    f"model's {max_positions} positions"
+                )
             continue
         encoded.append((row, ids))
     return encoded
 
 
-def evaluate_rows(engine: RolloutEngine, tokenizer, encoded: Sequence[tuple[PromptRow, list[int]]],
-                  settings: EvalSettings, pool: RewardPool, *, stop_token_ids: Sequence[int] = (),
-                  counts: Counts | None = None, progress: bool = True) -> list[ProblemResult]:
+def evaluate_rows(
+    engine: RolloutEngine,
+    tokenizer,
+    encoded: Sequence[tuple[PromptRow, list[int]]],
+    settings: EvalSettings,
+    pool: RewardPool,
+    *,
+    stop_token_ids: Sequence[int] = (),
+    counts: Counts | None = None,
+    progress: bool = True,
+) -> list[ProblemResult]:
     """Sample ``settings.k`` responses per row of ``encoded`` (from :func:`encode_rows`) with
     ``engine`` (any rollout engine), decode them with ``tokenizer`` and score them with ``pool``
     (from :func:`reward_pool`); reward errors are recorded in ``counts.scoring_errors``."""
@@ -189,9 +214,10 @@ def evaluate_rows(engine: RolloutEngine, tokenizer, encoded: Sequence[tuple[Prom
     bar = tqdm(total=len(encoded), desc="evaluate", unit="problem", disable=not progress)
     with bar:
         for batch_index, start in enumerate(range(0, len(encoded), settings.batch_size)):
-            batch = encoded[start:start + settings.batch_size]
-            samples = engine.generate([ids for _, ids in batch],
-                                      settings.sampling(batch_index, stop_token_ids))
+            batch = encoded[start : start + settings.batch_size]
+            samples = engine.generate(
+                [ids for _, ids in batch], settings.sampling(batch_index, stop_token_ids)
+            )
             texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
             scored = pool.score(texts, [row.answer for row, _ in batch for _ in range(n)])
             failed = {}  # sample position -> "error" / "timeout"
@@ -207,18 +233,27 @@ def evaluate_rows(engine: RolloutEngine, tokenizer, encoded: Sequence[tuple[Prom
             for p, (row, _) in enumerate(batch):
                 span = range(p * n, (p + 1) * n)  # samples are prompt-major
                 result = ProblemResult(
-                    id=row.id, n=n,
-                    correct=sum(scored.rewards[i] >= settings.correct_threshold and i not in failed
-                                for i in span),
+                    id=row.id,
+                    n=n,
+                    correct=sum(
+                        scored.rewards[i] >= settings.correct_threshold and i not in failed
+                        for i in span
+                    ),
                     scoring_errors=sum(failed.get(i) == "error" for i in span),
                     timeouts=sum(failed.get(i) == "timeout" for i in span),
                     truncated=sum(samples[i].finish_reason == "length" for i in span),
-                    response_tokens=sum(len(samples[i].token_ids) for i in span))
+                    response_tokens=sum(len(samples[i].token_ids) for i in span),
+                )
                 if settings.keep_responses:
                     result.responses = [
-                        {"text": texts[i], "finish_reason": samples[i].finish_reason,
-                         "reward": None if i in failed else scored.rewards[i],
-                         **({"failed": failed[i]} if i in failed else {})} for i in span]
+                        {
+                            "text": texts[i],
+                            "finish_reason": samples[i].finish_reason,
+                            "reward": None if i in failed else scored.rewards[i],
+                            **({"failed": failed[i]} if i in failed else {}),
+                        }
+                        for i in span
+                    ]
                 results.append(result)
             bar.update(len(batch))
     return results
@@ -232,13 +267,18 @@ def summarize(results: Sequence[ProblemResult], settings: EvalSettings) -> dict[
         "problems": count,
         "samples": samples,
         "avg@k": sum(r.correct / r.n for r in results) / count if count else None,
-        "pass@k": {str(k): (sum(pass_at_k(r.n, r.correct, k) for r in results) / count
-                            if count else None) for k in settings.pass_ks},
+        "pass@k": {
+            str(k): (sum(pass_at_k(r.n, r.correct, k) for r in results) / count if count else None)
+            for k in settings.pass_ks
+        },
         "truncated": sum(r.truncated for r in results),
-        "mean_response_tokens": (sum(r.response_tokens for r in results) / samples
-                                 if samples else None),
-        "per_problem": [{key: value for key, value in dataclasses.asdict(r).items()
-                         if value is not None} for r in results],
+        "mean_response_tokens": (
+            sum(r.response_tokens for r in results) / samples if samples else None
+        ),
+        "per_problem": [
+            {key: value for key, value in dataclasses.asdict(r).items() if value is not None}
+            for r in results
+        ],
     }
 
 
@@ -273,8 +313,10 @@ def resolve_checkpoint(path: str | Path) -> CheckpointSource:
 
         latest = latest_checkpoint(path)
         if latest is None:
-            raise ValueError(f"checkpoint {path}: neither an HF folder (config.json), a Megatron "
-                             f"checkpoint ({INFO_FILE}) nor a run's checkpoint root (step_*)")
+            raise ValueError(
+                f"checkpoint {path}: neither an HF folder (config.json), a Megatron "
+                f"checkpoint ({INFO_FILE}) nor a run's checkpoint root (step_*)"
+            )
         path = latest
     files = path / HF_FILES_DIR
     return CheckpointSource("megatron", path, files if files.is_dir() else None)
@@ -296,7 +338,8 @@ def model_config(source: CheckpointSource):
     except (json.JSONDecodeError, AttributeError):
         dtype = None  # from_hf_config names what is wrong with the file
     return ModelConfig.from_hf_config(
-        source.path, params_dtype="bfloat16" if dtype in ("bfloat16", "float16") else "float32")
+        source.path, params_dtype="bfloat16" if dtype in ("bfloat16", "float16") else "float32"
+    )
 
 
 def load_tokenizer(source: CheckpointSource, tokenizer_dir: str | Path | None):
@@ -305,13 +348,16 @@ def load_tokenizer(source: CheckpointSource, tokenizer_dir: str | Path | None):
 
     folder = Path(tokenizer_dir) if tokenizer_dir is not None else source.files
     if folder is None:
-        raise ValueError(f"checkpoint {source.path} carries no tokenizer files (no hf/ folder, as "
-                         "in trainer checkpoints): pass the tokenizer's folder (--tokenizer)")
+        raise ValueError(
+            f"checkpoint {source.path} carries no tokenizer files (no hf/ folder, as "
+            "in trainer checkpoints): pass the tokenizer's folder (--tokenizer)"
+        )
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as err:
-        raise ValueError(f"cannot load a tokenizer from {folder} ({err}); "
-                         "pass --tokenizer") from None
+        raise ValueError(
+            f"cannot load a tokenizer from {folder} ({err}); pass --tokenizer"
+        ) from None
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer of {folder} has no eos token")
     if not tokenizer.chat_template:
@@ -347,10 +393,18 @@ def _one_process(context) -> Iterator[Any]:
         context.teardown()
 
 
-def open_engine(source: CheckpointSource, kind: str, *, pad_token_id: int, work_dir: Path,
-                tokenizer_dir: str | Path | None = None, max_model_len: int | None = None,
-                engine_tp: int = 1, gpu_memory_utilization: float = 0.85,
-                context=None) -> RolloutEngine:
+def open_engine(
+    source: CheckpointSource,
+    kind: str,
+    *,
+    pad_token_id: int,
+    work_dir: Path,
+    tokenizer_dir: str | Path | None = None,
+    max_model_len: int | None = None,
+    engine_tp: int = 1,
+    gpu_memory_utilization: float = 0.85,
+    context=None,
+) -> RolloutEngine:
     """An engine of ``kind`` holding the checkpoint's weights as policy version 0.
 
     The embedded engine runs in float32. A Megatron checkpoint is loaded in this process (in
@@ -380,24 +434,38 @@ def open_engine(source: CheckpointSource, kind: str, *, pad_token_id: int, work_
             if kind == "embedded":
                 chunks = build_model(model, ctx.config, ctx, initialize=False)
                 load_megatron_checkpoint(chunks, model, source.path)
-                engine = EmbeddedEngine(dataclasses.replace(model, params_dtype="float32"),
-                                        pad_token_id=pad_token_id)
+                engine = EmbeddedEngine(
+                    dataclasses.replace(model, params_dtype="float32"), pad_token_id=pad_token_id
+                )
                 buckets = export_weights(chunks, model, ctx, version=0)
                 engine.update_weights(list(named_tensors_of(buckets)), version=0)
                 return engine
             folder = work_dir / "hf"
-            files = None if source.files is not None and (source.files / "config.json").is_file() \
+            files = (
+                None
+                if source.files is not None and (source.files / "config.json").is_file()
                 else _hf_files(model, tokenizer_dir, work_dir / "hf_files")
+            )
             megatron_to_hf(source.path, folder, ctx, hf_files_from=files)
     from bapo_megatron.rollout.registry import build_engine
 
-    rollout = RolloutConfig(engine=kind, engine_tensor_parallel_size=engine_tp,
-                            gpu_memory_utilization=gpu_memory_utilization)
+    rollout = RolloutConfig(
+        engine=kind,
+        engine_tensor_parallel_size=engine_tp,
+        gpu_memory_utilization=gpu_memory_utilization,
+    )
     if max_model_len is not None:  # the factory sizes vLLM's context from the model's positions
-        model = dataclasses.replace(model, max_position_embeddings=min(
-            max_model_len, model.max_position_embeddings))
-    return build_engine(rollout, model, model_path=str(folder), dp_rank=0, work_dir=work_dir,
-                        pad_token_id=pad_token_id)
+        model = dataclasses.replace(
+            model, max_position_embeddings=min(max_model_len, model.max_position_embeddings)
+        )
+    return build_engine(
+        rollout,
+        model,
+        model_path=str(folder),
+        dp_rank=0,
+        work_dir=work_dir,
+        pad_token_id=pad_token_id,
+    )
 
 
 def _hf_files(model, tokenizer_dir: str | Path | None, out: Path) -> Path:
@@ -415,9 +483,17 @@ def _hf_files(model, tokenizer_dir: str | Path | None, out: Path) -> Path:
 # ------------------------------------------------------------------------ the whole run
 
 
-def run_evaluation(checkpoint: str | Path, benchmark: str | Path, settings: EvalSettings, *,
-                   engine: str = "embedded", tokenizer: str | Path | None = None,
-                   engine_tp: int = 1, progress: bool = True, context=None) -> dict[str, Any]:
+def run_evaluation(
+    checkpoint: str | Path,
+    benchmark: str | Path,
+    settings: EvalSettings,
+    *,
+    engine: str = "embedded",
+    tokenizer: str | Path | None = None,
+    engine_tp: int = 1,
+    progress: bool = True,
+    context=None,
+) -> dict[str, Any]:
     """Evaluate ``checkpoint`` on the benchmark file and return the report (see the module
     docstring). ``ValueError`` for a bad checkpoint, tokenizer, settings or an unreadable
     benchmark without a single usable row; bad rows and answers are only counted."""
@@ -431,20 +507,37 @@ def run_evaluation(checkpoint: str | Path, benchmark: str | Path, settings: Eval
     model = model_config(source)
     tok = load_tokenizer(source, tokenizer)
     if len(tok) > model.vocab_size:
-        raise ValueError(f"the tokenizer has {len(tok)} tokens, more than the model's "
-                         f"vocab_size {model.vocab_size}")
+        raise ValueError(
+            f"the tokenizer has {len(tok)} tokens, more than the model's "
+            f"vocab_size {model.vocab_size}"
+        )
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    encoded = encode_rows(tok, prompts.rows, settings, max_positions=model.max_position_embeddings,
-                          counts=counts)
+    encoded = encode_rows(
+        tok, prompts.rows, settings, max_positions=model.max_position_embeddings, counts=counts
+    )
     longest = max((len(ids) for _, ids in encoded), default=0) + settings.max_new_tokens
     with tempfile.TemporaryDirectory(prefix="bapo-eval-") as work_dir:
-        policy = open_engine(source, engine, pad_token_id=int(pad), work_dir=Path(work_dir),
-                             tokenizer_dir=tokenizer, max_model_len=longest, engine_tp=engine_tp,
-                             context=context)
+        policy = open_engine(
+            source,
+            engine,
+            pad_token_id=int(pad),
+            work_dir=Path(work_dir),
+            tokenizer_dir=tokenizer,
+            max_model_len=longest,
+            engine_tp=engine_tp,
+            context=context,
+        )
         with reward_pool(settings) as pool:
-            results = evaluate_rows(policy, tok, encoded, settings, pool,
-                                    stop_token_ids=stop_tokens(tok, source), counts=counts,
-                                    progress=progress)
+            results = evaluate_rows(
+                policy,
+                tok,
+                encoded,
+                settings,
+                pool,
+                stop_token_ids=stop_tokens(tok, source),
+                counts=counts,
+                progress=progress,
+            )
     summary = summarize(results, settings)
     per_problem = summary.pop("per_problem")
     return {
@@ -470,4 +563,3 @@ def write_report(report: dict[str, Any], path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomically(path, json.dumps(report, indent=2) + "\n")
-

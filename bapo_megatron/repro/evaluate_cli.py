@@ -26,45 +26,75 @@ def _ks(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(k) for k in text.split(",") if k.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") \
-            from None
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of integers: {text!r}"
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line's parser."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="HF folder, Megatron checkpoint folder, or a run's "
-                                           "checkpoint root (its latest step is taken)")
-    parser.add_argument("benchmark", help="JSONL or parquet file with problem (or prompt), "
-                                          "answer and optional id")
+    parser.add_argument(
+        "checkpoint",
+        help="HF folder, Megatron checkpoint folder, or a run's "
+        "checkpoint root (its latest step is taken)",
+    )
+    parser.add_argument(
+        "benchmark", help="JSONL or parquet file with problem (or prompt), answer and optional id"
+    )
     parser.add_argument("--out", default="report.json", help="report file (default report.json)")
     parser.add_argument("--k", type=int, default=16, help="samples per problem (default 16)")
-    parser.add_argument("--pass-k", type=_ks, default=None,
-                        help="comma-separated k of the pass@k reported, each <= --k "
-                             "(default 1,2,4,... and k)")
+    parser.add_argument(
+        "--pass-k",
+        type=_ks,
+        default=None,
+        help="comma-separated k of the pass@k reported, each <= --k (default 1,2,4,... and k)",
+    )
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0: off")
     parser.add_argument("--max-new-tokens", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=8, help="problems per engine call")
-    parser.add_argument("--engine", choices=["embedded", "vllm", "sglang"], default="embedded",
-                        help="embedded (transformers, CPU) or vLLM/SGLang in this process")
-    parser.add_argument("--engine-tp", type=int, default=1,
-                        help="tensor parallelism of a vLLM/SGLang engine")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer folder (default: the checkpoint's; needed for trainer "
-                             "checkpoints, which carry none)")
+    parser.add_argument(
+        "--engine",
+        choices=["embedded", "vllm", "sglang"],
+        default="embedded",
+        help="embedded (transformers, CPU) or vLLM/SGLang in this process",
+    )
+    parser.add_argument(
+        "--engine-tp", type=int, default=1, help="tensor parallelism of a vLLM/SGLang engine"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer folder (default: the checkpoint's; needed for trainer "
+        "checkpoints, which carry none)",
+    )
     parser.add_argument("--system", default=None, help="system prompt before each problem")
-    parser.add_argument("--reward", default="math",
-                        help="registered reward name or package.module:function (default math)")
-    parser.add_argument("--correct-threshold", type=float, default=1.0,
-                        help="a response is correct when its reward is at least this")
+    parser.add_argument(
+        "--reward",
+        default="math",
+        help="registered reward name or package.module:function (default math)",
+    )
+    parser.add_argument(
+        "--correct-threshold",
+        type=float,
+        default=1.0,
+        help="a response is correct when its reward is at least this",
+    )
     parser.add_argument("--reward-workers", type=int, default=2)
-    parser.add_argument("--reward-timeout", type=float, default=10.0,
-                        help="seconds per answer check; an overrun counts as a timeout")
-    parser.add_argument("--keep-responses", action="store_true",
-                        help="put every response and its reward in the report")
+    parser.add_argument(
+        "--reward-timeout",
+        type=float,
+        default=10.0,
+        help="seconds per answer check; an overrun counts as a timeout",
+    )
+    parser.add_argument(
+        "--keep-responses",
+        action="store_true",
+        help="put every response and its reward in the report",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -81,26 +111,49 @@ def run(argv: list[str] | None = None) -> dict:
 
     try:
         settings = EvalSettings(
-            k=args.k, pass_ks=args.pass_k, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, max_new_tokens=args.max_new_tokens, seed=args.seed,
-            batch_size=args.batch_size, reward=args.reward,
+            k=args.k,
+            pass_ks=args.pass_k,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            reward=args.reward,
             correct_threshold=args.correct_threshold,
-            reward_workers=args.reward_workers, reward_timeout_s=args.reward_timeout,
-            system=args.system, keep_responses=args.keep_responses)
-        report = run_evaluation(args.checkpoint, args.benchmark, settings, engine=args.engine,
-                                tokenizer=args.tokenizer, engine_tp=args.engine_tp,
-                                progress=not args.no_progress)
+            reward_workers=args.reward_workers,
+            reward_timeout_s=args.reward_timeout,
+            system=args.system,
+            keep_responses=args.keep_responses,
+        )
+        report = run_evaluation(
+            args.checkpoint,
+            args.benchmark,
+            settings,
+            engine=args.engine,
+            tokenizer=args.tokenizer,
+            engine_tp=args.engine_tp,
+            progress=not args.no_progress,
+        )
     except ValueError as err:  # bad input: the message names the file, field or setting
         print(f"{parser.prog}: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     write_report(report, args.out)
-    scores = "no problem evaluated" if not report["problems"] else ", ".join(
-        [f"avg@{settings.k} {report['avg@k']:.4f}"]
-        + [f"pass@{k} {value:.4f}" for k, value in report["pass@k"].items()])
-    print(f"{report['problems']} problems x {settings.k} samples: {scores}; "
-          f"bad rows {report['bad_rows']}, scoring errors "
-          f"{report['scoring_errors']}, timeouts {report['timeouts']}, "
-          f"{report['wall_time_s']:.0f} s -> {args.out}", flush=True)
+    scores = (
+        "no problem evaluated"
+        if not report["problems"]
+        else ", ".join(
+            [f"avg@{settings.k} {report['avg@k']:.4f}"]
+            + [f"pass@{k} {value:.4f}" for k, value in report["pass@k"].items()]
+        )
+    )
+    print(
+        f"{report['problems']} problems x {settings.k} samples: {scores}; "
+        f"bad rows {report['bad_rows']}, scoring errors "
+        f"{report['scoring_errors']}, timeouts {report['timeouts']}, "
+        f"{report['wall_time_s']:.0f} s -> {args.out}",
+        flush=True,
+    )
     return report
 
 

@@ -50,15 +50,28 @@ class Panel:
 PANELS: tuple[Panel, ...] = (
     Panel("reward", "Training reward", (("reward/mean", None),), "mean reward"),
     Panel("entropy", "Entropy", (("entropy", None),), "mean token entropy (nats)"),
-    Panel("positive_contribution", "Positive contribution \u03c1",
-          (("bapo/rho_after", "after search"), ("bapo/rho_before", "before search")),
-          "share of the loss"),
-    Panel("clip_fractions", "Clipped tokens",
-          (("bapo/clip_frac_positive", "A>0, r > c_high"),
-           ("bapo/clip_frac_negative", "A<0, r < c_low")), "fraction of tokens"),
+    Panel(
+        "positive_contribution",
+        "Positive contribution \u03c1",
+        (("bapo/rho_after", "after search"), ("bapo/rho_before", "before search")),
+        "share of the loss",
+    ),
+    Panel(
+        "clip_fractions",
+        "Clipped tokens",
+        (
+            ("bapo/clip_frac_positive", "A>0, r > c_high"),
+            ("bapo/clip_frac_negative", "A<0, r < c_low"),
+        ),
+        "fraction of tokens",
+    ),
     Panel("grad_norm", "Gradient norm", (("grad_norm", None),), "global norm", log_y=True),
-    Panel("clip_bounds", "Clip bounds", (("bapo/c_low", "c_low"), ("bapo/c_high", "c_high")),
-          "ratio bound"),
+    Panel(
+        "clip_bounds",
+        "Clip bounds",
+        (("bapo/c_low", "c_low"), ("bapo/c_high", "c_high")),
+        "ratio bound",
+    ),
 )
 
 
@@ -123,8 +136,9 @@ def smooth_ema(values: np.ndarray, weight: float) -> np.ndarray:
     return out
 
 
-def aggregate(series: Sequence[Sequence[tuple[int, float]]], *, band: str = "minmax",
-              smooth: float = 0.0) -> Curve | None:
+def aggregate(
+    series: Sequence[Sequence[tuple[int, float]]], *, band: str = "minmax", smooth: float = 0.0
+) -> Curve | None:
     """Mean and band over seeds' ``[(step, value)]`` lists, on the steps all of them have
     (None if they share none). Each seed is smoothed first (``smooth``: EMA weight in [0, 1))."""
     if band not in BANDS:
@@ -140,8 +154,12 @@ def aggregate(series: Sequence[Sequence[tuple[int, float]]], *, band: str = "min
     for seed in series:
         by_step = dict(seed)
         all_steps = sorted(by_step)
-        smoothed = dict(zip(all_steps, smooth_ema(np.array([by_step[s] for s in all_steps],
-                                                           dtype=np.float64), smooth)))
+        smoothed = dict(
+            zip(
+                all_steps,
+                smooth_ema(np.array([by_step[s] for s in all_steps], dtype=np.float64), smooth),
+            )
+        )
         rows.append([smoothed[s] for s in steps])
     values = np.array(rows)  # [seeds, steps]
     mean = values.mean(axis=0)
@@ -164,21 +182,31 @@ class PlotResult:
     """Tags missing from runs, panels skipped."""
 
 
-def _draw_panel(axes, panel: Panel, curves: list[tuple[int, str, str | None, int, Curve]],
-                rho0: float | None) -> None:
+def _draw_panel(
+    axes, panel: Panel, curves: list[tuple[int, str, str | None, int, Curve]], rho0: float | None
+) -> None:
     colors = [f"C{i}" for i in range(10)]
     if rho0 is not None and panel.name == "positive_contribution":
-        axes.axhline(rho0, color="gray", linestyle=":", linewidth=1.0,
-                     label=f"\u03c1\u2080 = {rho0:g}")
+        axes.axhline(
+            rho0, color="gray", linestyle=":", linewidth=1.0, label=f"\u03c1\u2080 = {rho0:g}"
+        )
     for group_index, label, suffix, style, curve in curves:
         color = colors[group_index % len(colors)]
         name = label if suffix is None else f"{label}: {suffix}"
         if curve.seeds > 1:
             name += f" (mean of {curve.seeds})"
-            axes.fill_between(curve.steps, curve.low, curve.high, color=color, alpha=0.2,
-                              linewidth=0)
-        axes.plot(curve.steps, curve.mean, color=color, linestyle=_LINESTYLES[style % 4],
-                  linewidth=1.5, label=name, marker="o" if len(curve.steps) == 1 else None)
+            axes.fill_between(
+                curve.steps, curve.low, curve.high, color=color, alpha=0.2, linewidth=0
+            )
+        axes.plot(
+            curve.steps,
+            curve.mean,
+            color=color,
+            linestyle=_LINESTYLES[style % 4],
+            linewidth=1.5,
+            label=name,
+            marker="o" if len(curve.steps) == 1 else None,
+        )
     axes.set_title(panel.title)
     axes.set_xlabel("step (policy version)")
     axes.set_ylabel(panel.ylabel)
@@ -193,9 +221,16 @@ def _save(figure, path: Path) -> None:
         figure.savefig(tmp, format="png")
 
 
-def plot_runs(groups: Sequence[RunGroup], out_dir: str | Path, *,
-              panels: Sequence[Panel] = PANELS, band: str = "minmax", smooth: float = 0.0,
-              dpi: int = 100, rho0: float | None = None) -> PlotResult:
+def plot_runs(
+    groups: Sequence[RunGroup],
+    out_dir: str | Path,
+    *,
+    panels: Sequence[Panel] = PANELS,
+    band: str = "minmax",
+    smooth: float = 0.0,
+    dpi: int = 100,
+    rho0: float | None = None,
+) -> PlotResult:
     """Read every group's logs and write ``<panel.name>.png`` for each panel with data, and
     ``overview.png`` with all of them, into ``out_dir``. ``rho0``: the target of the bound
     search, drawn as a reference line in the positive-contribution panel."""
@@ -230,8 +265,10 @@ def plot_runs(groups: Sequence[RunGroup], out_dir: str | Path, *,
                 if curve is not None:
                     curves.append((group_index, group.label, suffix, style, curve))
         if not curves:
-            result.notes.append(f"panel {panel.name!r}: no run has "
-                                f"{' or '.join(repr(t) for t, _ in panel.series)}; not drawn")
+            result.notes.append(
+                f"panel {panel.name!r}: no run has "
+                f"{' or '.join(repr(t) for t, _ in panel.series)}; not drawn"
+            )
             continue
         figure = Figure(figsize=PANEL_SIZE, dpi=dpi, layout="constrained")
         _draw_panel(figure.add_subplot(), panel, curves, rho0)
@@ -242,8 +279,9 @@ def plot_runs(groups: Sequence[RunGroup], out_dir: str | Path, *,
     if drawn:
         columns = min(OVERVIEW_COLUMNS, len(drawn))
         rows = math.ceil(len(drawn) / columns)
-        figure = Figure(figsize=(PANEL_SIZE[0] * columns, PANEL_SIZE[1] * rows), dpi=dpi,
-                        layout="constrained")
+        figure = Figure(
+            figsize=(PANEL_SIZE[0] * columns, PANEL_SIZE[1] * rows), dpi=dpi, layout="constrained"
+        )
         for index, (panel, curves) in enumerate(drawn):
             _draw_panel(figure.add_subplot(rows, columns, index + 1), panel, curves, rho0)
         path = out_dir / "overview.png"

@@ -23,17 +23,29 @@ from bapo_megatron.repro.plots import parse_run_spec, plot_runs
 def build_parser() -> argparse.ArgumentParser:
     """The command line's parser."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", metavar="RUN",
-                        help="DIR, or LABEL=DIR1,DIR2,... for a group of seeds")
+    parser.add_argument(
+        "runs", nargs="+", metavar="RUN", help="DIR, or LABEL=DIR1,DIR2,... for a group of seeds"
+    )
     parser.add_argument("--out", default="plots", help="folder for the PNG files (default plots)")
-    parser.add_argument("--band", choices=["minmax", "std"], default="minmax",
-                        help="band around a group's mean: min-max over seeds or +-1 std")
-    parser.add_argument("--smooth", type=float, default=0.0,
-                        help="EMA smoothing weight in [0, 1), as TensorBoard's slider (default 0)")
+    parser.add_argument(
+        "--band",
+        choices=["minmax", "std"],
+        default="minmax",
+        help="band around a group's mean: min-max over seeds or +-1 std",
+    )
+    parser.add_argument(
+        "--smooth",
+        type=float,
+        default=0.0,
+        help="EMA smoothing weight in [0, 1), as TensorBoard's slider (default 0)",
+    )
     parser.add_argument("--dpi", type=int, default=100, help="pixels per inch (default 100)")
-    parser.add_argument("--rho0", type=float, default=None,
-                        help="draw the bound search's target rho0 in the positive-contribution "
-                             "panel")
+    parser.add_argument(
+        "--rho0",
+        type=float,
+        default=None,
+        help="draw the bound search's target rho0 in the positive-contribution panel",
+    )
     return parser
 
 
@@ -44,8 +56,9 @@ def run(argv: list[str] | None = None) -> list[str]:
     args = parser.parse_args(argv)
     try:
         groups = [parse_run_spec(spec) for spec in args.runs]
-        result = plot_runs(groups, args.out, band=args.band, smooth=args.smooth, dpi=args.dpi,
-                            rho0=args.rho0)
+        result = plot_runs(
+            groups, args.out, band=args.band, smooth=args.smooth, dpi=args.dpi, rho0=args.rho0
+        )
     except ValueError as err:  # a bad run spec or folder, or bad options
         print(f"{parser.prog}: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

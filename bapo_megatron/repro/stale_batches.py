@@ -24,9 +24,17 @@ class OffPolicyBatch:
     mask: torch.Tensor  # [batch, tokens] response tokens
 
 
-def off_policy_batch(prompts: int, group_size: int, max_tokens: int, *, staleness: float,
-                     accuracy: float = 0.4, drift_per_step: float = 0.08, seed: int = 0,
-                     dtype: torch.dtype = torch.float32) -> OffPolicyBatch:
+def off_policy_batch(
+    prompts: int,
+    group_size: int,
+    max_tokens: int,
+    *,
+    staleness: float,
+    accuracy: float = 0.4,
+    drift_per_step: float = 0.08,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> OffPolicyBatch:
     """``prompts * group_size`` sequences of up to ``max_tokens`` response tokens."""
     g = torch.Generator().manual_seed(seed)
     batch = prompts * group_size
@@ -40,11 +48,17 @@ def off_policy_batch(prompts: int, group_size: int, max_tokens: int, *, stalenes
     lengths = (frac * max_tokens).long().clamp(min=1)
     mask = torch.arange(max_tokens)[None, :] < lengths[:, None]
 
-    logp_old = -torch.empty(batch, max_tokens, dtype=torch.float64).exponential_(1.0, generator=g) ** 2
+    logp_old = (
+        -(torch.empty(batch, max_tokens, dtype=torch.float64).exponential_(1.0, generator=g) ** 2)
+    )
     prob_old = logp_old.exp()
     direction = torch.sign(advantages)[:, None]
     noise = torch.randn(batch, max_tokens, generator=g, dtype=torch.float64)
     drift = staleness * drift_per_step * (direction * (1.0 - prob_old) * 2.0 + 0.5 * noise)
     logp_new = (logp_old + drift).clamp(max=0.0)
-    return OffPolicyBatch(logp_old=logp_old.to(dtype), logp_new=logp_new.to(dtype),
-                          advantages=advantages.to(dtype), mask=mask)
+    return OffPolicyBatch(
+        logp_old=logp_old.to(dtype),
+        logp_new=logp_new.to(dtype),
+        advantages=advantages.to(dtype),
+        mask=mask,
+    )

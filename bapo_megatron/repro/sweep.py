@@ -80,14 +80,27 @@ class SweepSettings:
     @classmethod
     def minimal(cls, **changes) -> SweepSettings:
         """A tiny sweep for CI: 2 methods x 1 staleness x 1 seed x a few steps."""
-        base = {"task_size": 200, "warmup_steps": 20, "warmup_batch_size": 16,
-                "methods": ("grpo", "bapo-paper"), "staleness": ("reuse4",), "seeds": (0,), "steps": 4,
-                "prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 16,
-                "micro_batch_size": 16}
+        base = {
+            "task_size": 200,
+            "warmup_steps": 20,
+            "warmup_batch_size": 16,
+            "methods": ("grpo", "bapo-paper"),
+            "staleness": ("reuse4",),
+            "seeds": (0,),
+            "steps": 4,
+            "prompts_per_step": 4,
+            "samples_per_prompt": 4,
+            "max_new_tokens": 16,
+            "micro_batch_size": 16,
+        }
         return cls(**{**base, **changes})
 
     def __post_init__(self) -> None:
-        self.methods, self.staleness, self.seeds = tuple(self.methods), tuple(self.staleness), tuple(self.seeds)
+        self.methods, self.staleness, self.seeds = (
+            tuple(self.methods),
+            tuple(self.staleness),
+            tuple(self.seeds),
+        )
         self.extra_overrides = tuple(self.extra_overrides)
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
@@ -101,15 +114,21 @@ class SweepSettings:
 def staleness_overrides(name: str, settings: SweepSettings) -> list[str]:
     """Dotted overrides of staleness setting ``name`` (see :attr:`SweepSettings.staleness`)."""
     for prefix in ("reuse", "lag", "partial"):
-        if name.startswith(prefix) and name[len(prefix):].isdigit() and int(name[len(prefix):]) > 0:
-            value = int(name[len(prefix):])
+        if (
+            name.startswith(prefix)
+            and name[len(prefix) :].isdigit()
+            and int(name[len(prefix) :]) > 0
+        ):
+            value = int(name[len(prefix) :])
             break
     else:
         raise ValueError(f"sweep: staleness setting {name!r} is not reuse<k>, lag<k> or partial<b>")
     if prefix == "reuse":
         if settings.prompts_per_step % value:
-            raise ValueError(f"sweep: {name} needs prompts_per_step ({settings.prompts_per_step}) "
-                             f"to be a multiple of {value}")
+            raise ValueError(
+                f"sweep: {name} needs prompts_per_step ({settings.prompts_per_step}) "
+                f"to be a multiple of {value}"
+            )
         return [f"algorithm.optimizer_steps_per_rollout={value}", f"train.steps={settings.steps}"]
     if prefix == "lag":
         return [f"algorithm.rollout_lag={value}", f"train.steps={settings.steps + value}"]
@@ -136,9 +155,13 @@ def plan_runs(settings: SweepSettings, out: Path) -> list[RunSpec]:
         for method in settings.methods:
             for seed in settings.seeds:
                 directory = out / "runs" / staleness / method / f"seed{seed}"
-                overrides = [*METHODS[method], *staleness_overrides(staleness, settings),
-                             f"train.seed={seed}", f"train.output_dir={directory}",
-                             *settings.extra_overrides]
+                overrides = [
+                    *METHODS[method],
+                    *staleness_overrides(staleness, settings),
+                    f"train.seed={seed}",
+                    f"train.output_dir={directory}",
+                    *settings.extra_overrides,
+                ]
                 runs.append(RunSpec(staleness, method, seed, directory, overrides))
     return runs
 
@@ -150,11 +173,19 @@ def _tiny_config(settings: SweepSettings, overrides: list[str]):
     from bapo_megatron.config.loading import load_config
 
     root = Path(__file__).resolve().parents[2]  # the checkout (bapo_megatron/repro/sweep.py)
-    return load_config(root / "examples" / "tiny_cpu" / "train.yaml", [
-        f"warmup.steps={settings.warmup_steps}", f"warmup.lr={settings.warmup_lr}",
-        f"warmup.batch_size={settings.warmup_batch_size}", f"actor.micro_batch_size={settings.micro_batch_size}",
-        f"actor.temperature={settings.temperature}", f"rollout.max_new_tokens={settings.max_new_tokens}",
-        "train.seed=0", *overrides])
+    return load_config(
+        root / "examples" / "tiny_cpu" / "train.yaml",
+        [
+            f"warmup.steps={settings.warmup_steps}",
+            f"warmup.lr={settings.warmup_lr}",
+            f"warmup.batch_size={settings.warmup_batch_size}",
+            f"actor.micro_batch_size={settings.micro_batch_size}",
+            f"actor.temperature={settings.temperature}",
+            f"rollout.max_new_tokens={settings.max_new_tokens}",
+            "train.seed=0",
+            *overrides,
+        ],
+    )
 
 
 def prepare_start(settings: SweepSettings, start: Path) -> Path:
@@ -175,7 +206,10 @@ def prepare_start(settings: SweepSettings, start: Path) -> Path:
     start.mkdir(parents=True, exist_ok=True)
     rows = synthetic_rows(settings.task, settings.task_size, seed=0)
     with open(start / "prompts.jsonl", "w") as f:
-        f.writelines(json.dumps({"id": row.id, "prompt": row.prompt, "answer": row.answer}) + "\n" for row in rows)
+        f.writelines(
+            json.dumps({"id": row.id, "prompt": row.prompt, "answer": row.answer}) + "\n"
+            for row in rows
+        )
     cfg = _tiny_config(settings, [])
     tokenizer = walk_tokenizer()
     task = Task(rows=rows, tokenizer=tokenizer, model=cfg.model)
@@ -190,8 +224,14 @@ def prepare_start(settings: SweepSettings, start: Path) -> Path:
         actor = build_actor(task.model, cfg.actor, cfg.optimizer, context)
         losses = []
         run_warmup(cfg, task, actor, lambda step, m: losses.append(m["warmup/cross_entropy"]))
-        write_hf_folder(actor.chunks, task.model, model_dir, context, files=sorted(files.iterdir()),
-                        dtype=torch.float32)
+        write_hf_folder(
+            actor.chunks,
+            task.model,
+            model_dir,
+            context,
+            files=sorted(files.iterdir()),
+            dtype=torch.float32,
+        )
     finally:
         context.teardown()
         torch.set_num_threads(threads)
@@ -206,12 +246,18 @@ def base_config(settings: SweepSettings, start: Path, path: Path) -> Path:
     config = {
         "data": {"train_file": str(start / "prompts.jsonl")},
         "reward": {"name": "exact_match", "workers": 1},
-        "rollout": {"engine": "embedded", "prompts_per_step": settings.prompts_per_step,
-                    "samples_per_prompt": settings.samples_per_prompt,
-                    "max_new_tokens": settings.max_new_tokens},
+        "rollout": {
+            "engine": "embedded",
+            "prompts_per_step": settings.prompts_per_step,
+            "samples_per_prompt": settings.samples_per_prompt,
+            "max_new_tokens": settings.max_new_tokens,
+        },
         "loss": {"aggregation": "token-mean", "clip": {"preset": "paper"}},
-        "actor": {"micro_batch_size": settings.micro_batch_size, "temperature": settings.temperature,
-                  "seed": 1},
+        "actor": {
+            "micro_batch_size": settings.micro_batch_size,
+            "temperature": settings.temperature,
+            "seed": 1,
+        },
         "optimizer": {"lr": settings.lr, "weight_decay": 0.0, "clip_grad": 1.0},
         "train": {"model_path": str(start / "model"), "steps": settings.steps},
         "checkpoint": {"interval": 0, "keep_last": 1},
@@ -248,13 +294,25 @@ def execute(config: Path, run: RunSpec, timeout_s: float | None = None) -> dict:
     began = time.monotonic()
     with open(run.output_dir / "train.log", "w") as log:
         try:
-            code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=run_environment(),
-                                  timeout=timeout_s, check=False).returncode
+            code = subprocess.run(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=run_environment(),
+                timeout=timeout_s,
+                check=False,
+            ).returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
-    record = {"name": run.name, "staleness": run.staleness, "method": run.method, "seed": run.seed,
-              "returncode": code, "wall_s": time.monotonic() - began,
-              "command": " ".join(command)}
+    record = {
+        "name": run.name,
+        "staleness": run.staleness,
+        "method": run.method,
+        "seed": run.seed,
+        "returncode": code,
+        "wall_s": time.monotonic() - began,
+        "command": " ".join(command),
+    }
     if code == 0:
         record_path.write_text(json.dumps(record, indent=2) + "\n")
     return record
@@ -277,9 +335,11 @@ def run_sweep(settings: SweepSettings, out: str | Path, *, progress=print) -> Pa
     def one(run: RunSpec) -> dict:
         record = execute(config, run)
         records.append(record)
-        progress(f"[{len(records)}/{len(runs)}] {run.name}: "
-                 f"{'ok' if record['returncode'] == 0 else 'FAILED (' + str(record['returncode']) + ')'} "
-                 f"in {record['wall_s']:.0f} s")
+        progress(
+            f"[{len(records)}/{len(runs)}] {run.name}: "
+            f"{'ok' if record['returncode'] == 0 else 'FAILED (' + str(record['returncode']) + ')'} "
+            f"in {record['wall_s']:.0f} s"
+        )
         return record
 
     with ThreadPoolExecutor(max_workers=settings.jobs) as pool:

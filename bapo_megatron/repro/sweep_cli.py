@@ -27,14 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line's parser."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/sweep", help="output folder (default runs/sweep)")
-    parser.add_argument("--minimal", action="store_true",
-                        help="the tiny CI configuration (2 methods x 1 staleness x 1 seed x 4 "
-                             "steps)")
+    parser.add_argument(
+        "--minimal",
+        action="store_true",
+        help="the tiny CI configuration (2 methods x 1 staleness x 1 seed x 4 steps)",
+    )
     parser.add_argument("--jobs", type=int, default=None, help="runs at a time (default 2)")
     parser.add_argument("--task", default=None, help="synthetic task: seek (default) or walk")
     parser.add_argument("--methods", nargs="+", default=None, help="subset of the methods")
-    parser.add_argument("--staleness", nargs="+", default=None,
-                        help="subset of the staleness settings")
+    parser.add_argument(
+        "--staleness", nargs="+", default=None, help="subset of the staleness settings"
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="train.seed of each run")
     parser.add_argument("--steps", type=int, default=None, help="rollout steps that train, per run")
     return parser

@@ -50,7 +50,7 @@ def summarize_run(output_dir: Path) -> dict[str, float]:
     grad = [r["grad_norm"] for r in signal]
     rho = [r["bapo/rho_after"] for r in signal]
     w_r, w_u = window(len(rewards)), window(len(updates))
-    early = rollouts[:window(len(rollouts))]
+    early = rollouts[: window(len(rollouts))]
     return {
         "final_reward": _mean(rewards[-w_r:]),
         "average_reward": _mean(rewards),
@@ -69,10 +69,12 @@ def summarize_run(output_dir: Path) -> dict[str, float]:
         "rollout_steps": float(len(rollouts)),
         # the task check: lengths and truncation in the first window, right after the warm-up
         "early_accuracy": _mean(r["reward/accuracy"] for r in early),
-        "early_length_right": _mean(r["response_length/right"] for r in early
-                                    if r["reward/accuracy"] > 0),
-        "early_length_wrong": _mean(r["response_length/wrong"] for r in early
-                                    if r["reward/accuracy"] < 1),
+        "early_length_right": _mean(
+            r["response_length/right"] for r in early if r["reward/accuracy"] > 0
+        ),
+        "early_length_wrong": _mean(
+            r["response_length/wrong"] for r in early if r["reward/accuracy"] < 1
+        ),
         "early_truncated": _mean(r["rollout/truncated_fraction"] for r in early),
     }
 
@@ -81,11 +83,15 @@ def _fmt(value: float, digits: int = 3) -> str:
     return "n/a" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
 
 
-_COLUMNS = (("final reward", "final_reward", 3), ("avg reward", "average_reward", 3),
-            ("entropy first -> last", None, 3), ("mean rho", "mean_rho", 3),
-            ("clip+ (A>0, r>c_high)", "clip_frac_positive", 4),
-            ("clip- (A<0, r<c_low)", "clip_frac_negative", 4),
-            ("max grad norm", "max_grad_norm", 2))
+_COLUMNS = (
+    ("final reward", "final_reward", 3),
+    ("avg reward", "average_reward", 3),
+    ("entropy first -> last", None, 3),
+    ("mean rho", "mean_rho", 3),
+    ("clip+ (A>0, r>c_high)", "clip_frac_positive", 4),
+    ("clip- (A<0, r<c_low)", "clip_frac_negative", 4),
+    ("max grad norm", "max_grad_norm", 2),
+)
 
 
 def _row(label: list[str], s: dict[str, float], wall: float | None) -> str:
@@ -122,7 +128,9 @@ def claims(groups: dict[str, dict[str, list[dict[str, float]]]]) -> list[str]:
     def per_group(key: str, digits: int = 3) -> list[str]:
         out = []
         for staleness, methods in groups.items():
-            parts = [f"{m} {_fmt(_mean(s[key] for s in runs), digits)}" for m, runs in methods.items()]
+            parts = [
+                f"{m} {_fmt(_mean(s[key] for s in runs), digits)}" for m, runs in methods.items()
+            ]
             out.append(f"{staleness}: " + ", ".join(parts))
         return out
 
@@ -139,45 +147,80 @@ def claims(groups: dict[str, dict[str, list[dict[str, float]]]]) -> list[str]:
                 mine = _mean(s[key] for s in methods[bapo])
                 wins += all(better(mine, _mean(s[key] for s in methods[m])) for m in fixed)
             if total:
-                verdicts.append(f"{bapo} beat every fixed-clip method in {wins} of {total} settings")
+                verdicts.append(
+                    f"{bapo} beat every fixed-clip method in {wins} of {total} settings"
+                )
         return "; ".join(verdicts) if verdicts else "no BAPO and fixed-clip pair to compare"
 
-    lines.append("**The premise** (paper: negative tokens dominate the clipped objective, so the "
-                 f"positive contribution before any adaptation sits below rho0). Share of optimizer "
-                 f"steps whose rho before the search was below {RHO0}: "
-                 + "; ".join(per_group("rho_before_below_target", 2))
-                 + ". Where that share is small, the bounds have little to correct on this task and "
-                 "the methods can only differ through the lower bound's clipping of negative tokens.")
-    lines.append("**Entropy preserved** (paper: entropy falls with fixed clipping as staleness "
-                 "grows, stays higher with BAPO). Last-window entropy, seed means: "
-                 + "; ".join(per_group("entropy_last")) + ". Ending with higher entropy: "
-                 + compare("entropy_last", lambda a, b: a > b) + ".")
-    lines.append(f"**Positive contribution held near rho0** ({RHO0} for `paper`; `reference` aims "
-                 "at P/N >= 1, a share of 0.5). Mean rho after the search: "
-                 + "; ".join(per_group("mean_rho")) + ". Share of optimizer steps with "
-                 f"rho >= {RHO0}: " + "; ".join(per_group("rho_at_target", 2))
-                 + ". Share of BAPO's searches that met their target (the rest stopped at the "
-                 "bounds' maxima): " + "; ".join(
-                     f"{st}: " + ", ".join(f"{m} {_fmt(_mean(s['search_target_met'] for s in runs), 2)}"
-                                           for m, runs in methods.items() if m in BAPO_METHODS)
-                     for st, methods in groups.items())
-                 + ". Higher mean rho: " + compare("mean_rho", lambda a, b: a > b) + ".")
-    lines.append("**Grad norm without spikes** (paper: fixed clipping spikes under staleness). "
-                 "Max / median grad norm, seed means: "
-                 + "; ".join(f"{st}: " + ", ".join(
-                     f"{m} {_fmt(_mean(s['max_grad_norm'] for s in runs), 2)}/"
-                     f"{_fmt(_mean(s['median_grad_norm'] for s in runs), 2)}"
-                     for m, runs in methods.items()) for st, methods in groups.items())
-                 + ". Lower max grad norm: " + compare("max_grad_norm", lambda a, b: a < b) + ".")
+    lines.append(
+        "**The premise** (paper: negative tokens dominate the clipped objective, so the "
+        f"positive contribution before any adaptation sits below rho0). Share of optimizer "
+        f"steps whose rho before the search was below {RHO0}: "
+        + "; ".join(per_group("rho_before_below_target", 2))
+        + ". Where that share is small, the bounds have little to correct on this task and "
+        "the methods can only differ through the lower bound's clipping of negative tokens."
+    )
+    lines.append(
+        "**Entropy preserved** (paper: entropy falls with fixed clipping as staleness "
+        "grows, stays higher with BAPO). Last-window entropy, seed means: "
+        + "; ".join(per_group("entropy_last"))
+        + ". Ending with higher entropy: "
+        + compare("entropy_last", lambda a, b: a > b)
+        + "."
+    )
+    lines.append(
+        f"**Positive contribution held near rho0** ({RHO0} for `paper`; `reference` aims "
+        "at P/N >= 1, a share of 0.5). Mean rho after the search: "
+        + "; ".join(per_group("mean_rho"))
+        + ". Share of optimizer steps with "
+        f"rho >= {RHO0}: "
+        + "; ".join(per_group("rho_at_target", 2))
+        + ". Share of BAPO's searches that met their target (the rest stopped at the "
+        "bounds' maxima): "
+        + "; ".join(
+            f"{st}: "
+            + ", ".join(
+                f"{m} {_fmt(_mean(s['search_target_met'] for s in runs), 2)}"
+                for m, runs in methods.items()
+                if m in BAPO_METHODS
+            )
+            for st, methods in groups.items()
+        )
+        + ". Higher mean rho: "
+        + compare("mean_rho", lambda a, b: a > b)
+        + "."
+    )
+    lines.append(
+        "**Grad norm without spikes** (paper: fixed clipping spikes under staleness). "
+        "Max / median grad norm, seed means: "
+        + "; ".join(
+            f"{st}: "
+            + ", ".join(
+                f"{m} {_fmt(_mean(s['max_grad_norm'] for s in runs), 2)}/"
+                f"{_fmt(_mean(s['median_grad_norm'] for s in runs), 2)}"
+                for m, runs in methods.items()
+            )
+            for st, methods in groups.items()
+        )
+        + ". Lower max grad norm: "
+        + compare("max_grad_norm", lambda a, b: a < b)
+        + "."
+    )
     reward_lines = []
     for staleness, methods in groups.items():
-        parts = [f"{m} {_fmt(_mean(s['final_reward'] for s in runs))} "
-                 f"({_spread([s['final_reward'] for s in runs])})" for m, runs in methods.items()]
+        parts = [
+            f"{m} {_fmt(_mean(s['final_reward'] for s in runs))} "
+            f"({_spread([s['final_reward'] for s in runs])})"
+            for m, runs in methods.items()
+        ]
         reward_lines.append(f"{staleness}: " + ", ".join(parts))
-    lines.append("**Higher reward under staleness.** Final reward, seed means: "
-                 + "; ".join(reward_lines) + ". Higher final reward: "
-                 + compare("final_reward", lambda a, b: a > b)
-                 + " (ties do not count). A difference smaller than the seed spread is not evidence either way.")
+    lines.append(
+        "**Higher reward under staleness.** Final reward, seed means: "
+        + "; ".join(reward_lines)
+        + ". Higher final reward: "
+        + compare("final_reward", lambda a, b: a > b)
+        + " (ties do not count). A difference smaller than the seed spread is not evidence either way."
+    )
     return lines
 
 
@@ -195,10 +238,12 @@ def _timing(runs, records: list[dict], jobs: int) -> str:
         return "No run finished; no timing."
     total = sum(record["wall_s"] for record in records)
     span = max(end for _, end in spans) - min(start for start, _ in spans)
-    return (f"The sweep took {span / 60:.1f} minutes from the first run's start to the last "
-            f"run's end ({len(spans)} finished runs, {jobs} at a time, {total / 60:.1f} "
-            f"run-minutes in all, on a machine with {os.cpu_count()} CPUs); the shared warm-up "
-            "start comes before that.")
+    return (
+        f"The sweep took {span / 60:.1f} minutes from the first run's start to the last "
+        f"run's end ({len(spans)} finished runs, {jobs} at a time, {total / 60:.1f} "
+        f"run-minutes in all, on a machine with {os.cpu_count()} CPUs); the shared warm-up "
+        "start comes before that."
+    )
 
 
 def write_report(settings, out: Path, runs, records: list[dict], config: Path) -> Path:
@@ -207,28 +252,48 @@ def write_report(settings, out: Path, runs, records: list[dict], config: Path) -
     from bapo_megatron.repro.sweep import METHODS, staleness_overrides
 
     out = Path(out)
-    lines = ["# BAPO staleness sweep", "",
-             (f"Task `{settings.task}`; {len(runs)} runs "
-              f"({len(settings.methods)} methods x {len(settings.staleness)} staleness settings x "
-              f"{len(settings.seeds)} seeds), all from one shared warm-up start "
-              f"(`{out / 'start' / 'model'}`). Settings were fixed before any run:"), "",
-             "```json", json.dumps(dataclasses.asdict(settings), indent=2), "```", "",
-             (f"Base configuration: `{config}`. Methods: "
-              + "; ".join(f"`{m}`: `{' '.join(METHODS[m])}`" for m in settings.methods)
-              + ". Staleness: " + "; ".join(f"`{s}`: `{' '.join(staleness_overrides(s, settings))}`"
-                                             for s in settings.staleness) + "."), "",
-             ("Final reward: mean of the last window of rollout steps; entropy first -> last: means "
-             "of the first and last window of optimizer steps (a window is a fifth of the records, "
-             "1 to 10); mean rho: `bapo/rho_after` over optimizer steps that had tokens with a "
-             "non-zero advantage (rho, the search's target and the grad-norm statistics leave out "
-             "updates whose groups were all right or all wrong: no contribution, zero gradient); "
-             "clip fractions: "
-             "`bapo/clip_frac_positive`, `bapo/clip_frac_negative`."), ""]
+    lines = [
+        "# BAPO staleness sweep",
+        "",
+        (
+            f"Task `{settings.task}`; {len(runs)} runs "
+            f"({len(settings.methods)} methods x {len(settings.staleness)} staleness settings x "
+            f"{len(settings.seeds)} seeds), all from one shared warm-up start "
+            f"(`{out / 'start' / 'model'}`). Settings were fixed before any run:"
+        ),
+        "",
+        "```json",
+        json.dumps(dataclasses.asdict(settings), indent=2),
+        "```",
+        "",
+        (
+            f"Base configuration: `{config}`. Methods: "
+            + "; ".join(f"`{m}`: `{' '.join(METHODS[m])}`" for m in settings.methods)
+            + ". Staleness: "
+            + "; ".join(
+                f"`{s}`: `{' '.join(staleness_overrides(s, settings))}`" for s in settings.staleness
+            )
+            + "."
+        ),
+        "",
+        (
+            "Final reward: mean of the last window of rollout steps; entropy first -> last: means "
+            "of the first and last window of optimizer steps (a window is a fifth of the records, "
+            "1 to 10); mean rho: `bapo/rho_after` over optimizer steps that had tokens with a "
+            "non-zero advantage (rho, the search's target and the grad-norm statistics leave out "
+            "updates whose groups were all right or all wrong: no contribution, zero gradient); "
+            "clip fractions: "
+            "`bapo/clip_frac_positive`, `bapo/clip_frac_negative`."
+        ),
+        "",
+    ]
     summaries: dict[str, dict] = {}
     failed = []
     for run, record in zip(runs, records):
         if record["returncode"] != 0:
-            failed.append(f"{run.name} (exit {record['returncode']}, log {run.output_dir / 'train.log'})")
+            failed.append(
+                f"{run.name} (exit {record['returncode']}, log {run.output_dir / 'train.log'})"
+            )
             continue
         summaries[run.name] = summarize_run(run.output_dir)
     if failed:
@@ -236,13 +301,19 @@ def write_report(settings, out: Path, runs, records: list[dict], config: Path) -
 
     done = list(summaries.values())
     if done:
-        lines += ["## The task after the warm-up", "",
-                  ("First window of rollout steps, mean over all runs: accuracy "
-                  f"{_fmt(_mean(s['early_accuracy'] for s in done))}, response length right "
-                  f"{_fmt(_mean(s['early_length_right'] for s in done), 1)} / wrong "
-                  f"{_fmt(_mean(s['early_length_wrong'] for s in done), 1)} tokens (cap "
-                  f"{settings.max_new_tokens}), truncated fraction "
-                  f"{_fmt(_mean(s['early_truncated'] for s in done))}."), ""]
+        lines += [
+            "## The task after the warm-up",
+            "",
+            (
+                "First window of rollout steps, mean over all runs: accuracy "
+                f"{_fmt(_mean(s['early_accuracy'] for s in done))}, response length right "
+                f"{_fmt(_mean(s['early_length_right'] for s in done), 1)} / wrong "
+                f"{_fmt(_mean(s['early_length_wrong'] for s in done), 1)} tokens (cap "
+                f"{settings.max_new_tokens}), truncated fraction "
+                f"{_fmt(_mean(s['early_truncated'] for s in done))}."
+            ),
+            "",
+        ]
 
     groups: dict[str, dict[str, list[dict]]] = {}
     for staleness in settings.staleness:
@@ -250,25 +321,55 @@ def write_report(settings, out: Path, runs, records: list[dict], config: Path) -
         lines += [f"## {staleness}", "", *_header(["method", "seed"])]
         for run, record in members:
             if run.name in summaries:
-                lines.append(_row([run.method, str(run.seed)], summaries[run.name], record["wall_s"]))
-                groups.setdefault(staleness, {}).setdefault(run.method, []).append(summaries[run.name])
+                lines.append(
+                    _row([run.method, str(run.seed)], summaries[run.name], record["wall_s"])
+                )
+                groups.setdefault(staleness, {}).setdefault(run.method, []).append(
+                    summaries[run.name]
+                )
         lines += ["", "Seed means:", "", *_header(["method", "seeds"])]
         for method, per_seed in groups.get(staleness, {}).items():
-            walls = [rec["wall_s"] for run, rec in members if run.method == method and run.name in summaries]
+            walls = [
+                rec["wall_s"]
+                for run, rec in members
+                if run.method == method and run.name in summaries
+            ]
             lines.append(_row([method, str(len(per_seed))], seed_means(per_seed), _mean(walls)))
         if staleness in groups:
-            empty = _mean(s["updates_without_signal"] for runs in groups[staleness].values() for s in runs)
-            lines += ["", (f"Optimizer steps whose tokens all had advantage 0: {_fmt(100 * empty, 1)}% "
-                           "(left out of the rho and grad-norm statistics).")]
-        plot_groups = [RunGroup(label=method, log_dirs=tuple(run.output_dir / "tensorboard" for run, _ in members
-                                                        if run.method == method and run.name in summaries))
-                       for method in settings.methods]
+            empty = _mean(
+                s["updates_without_signal"] for runs in groups[staleness].values() for s in runs
+            )
+            lines += [
+                "",
+                (
+                    f"Optimizer steps whose tokens all had advantage 0: {_fmt(100 * empty, 1)}% "
+                    "(left out of the rho and grad-norm statistics)."
+                ),
+            ]
+        plot_groups = [
+            RunGroup(
+                label=method,
+                log_dirs=tuple(
+                    run.output_dir / "tensorboard"
+                    for run, _ in members
+                    if run.method == method and run.name in summaries
+                ),
+            )
+            for method in settings.methods
+        ]
         plot_groups = [g for g in plot_groups if g.log_dirs]
         if plot_groups:
             result = plot_runs(plot_groups, out / "plots" / staleness, rho0=RHO0)
-            lines += ["", " ".join(f"![{p.stem}]({p.relative_to(out)})" for p in result.files
-                                   if p.stem == "overview"),
-                      "", "Panels: " + ", ".join(f"[{p.stem}]({p.relative_to(out)})" for p in result.files)]
+            lines += [
+                "",
+                " ".join(
+                    f"![{p.stem}]({p.relative_to(out)})"
+                    for p in result.files
+                    if p.stem == "overview"
+                ),
+                "",
+                "Panels: " + ", ".join(f"[{p.stem}]({p.relative_to(out)})" for p in result.files),
+            ]
         lines.append("")
     lines += [_timing(runs, records, settings.jobs), ""]
     lines += ["## The paper's claims, as measured here", ""]

@@ -32,9 +32,11 @@ def lenient_math_reward(response: str, ground_truth: str) -> float:
     ``\boxed{...}`` when there is one, else what math-verify extracts (the last number or
     expression)."""
     if BOXED in response:
-        response = response[response.rindex(BOXED):]
-    gold = parse(ground_truth if "$" in ground_truth or BOXED in ground_truth else f"${ground_truth}$",
-                 parsing_timeout=PARSE_SECONDS)
+        response = response[response.rindex(BOXED) :]
+    gold = parse(
+        ground_truth if "$" in ground_truth or BOXED in ground_truth else f"${ground_truth}$",
+        parsing_timeout=PARSE_SECONDS,
+    )
     if not gold:
         raise ValueError(f"ground truth {ground_truth!r} cannot be parsed as a math answer")
     answer = parse(response, parsing_timeout=PARSE_SECONDS)

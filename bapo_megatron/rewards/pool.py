@@ -84,22 +84,27 @@ class _Worker:
 
     def __init__(self, context, name: str, number: int) -> None:
         self.connection, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child, name), daemon=True,
-                                       name=f"reward-worker-{number}")
+        self.process = context.Process(
+            target=_serve, args=(child, name), daemon=True, name=f"reward-worker-{number}"
+        )
         self.process.start()
         child.close()
         self.item: int | None = None
         self.started = 0.0
         if not self.connection.poll(STARTUP_TIMEOUT_S):
             self.kill()
-            raise RuntimeError(f"reward worker {self.process.name} (reward {name!r}) did not start "
-                               f"within {STARTUP_TIMEOUT_S:.0f} s (exit code {self.process.exitcode})")
+            raise RuntimeError(
+                f"reward worker {self.process.name} (reward {name!r}) did not start "
+                f"within {STARTUP_TIMEOUT_S:.0f} s (exit code {self.process.exitcode})"
+            )
         try:
             self.connection.recv()
         except EOFError:
             self.kill()
-            raise RuntimeError(f"reward worker {self.process.name} (reward {name!r}) died while "
-                               f"starting (exit code {self.process.exitcode})") from None
+            raise RuntimeError(
+                f"reward worker {self.process.name} (reward {name!r}) died while "
+                f"starting (exit code {self.process.exitcode})"
+            ) from None
 
     def start(self, item: int, response: str, truth: str) -> None:
         self.item, self.started = item, time.monotonic()
@@ -126,13 +131,22 @@ class _Worker:
 class RewardPool:
     """Processes that score (response, ground truth) pairs with the reward ``name``."""
 
-    def __init__(self, name: str, *, workers: int = 2, timeout_s: float = 10.0,
-                 batch_timeout_s: float | None = None, timeout_reward: float = 0.0,
-                 error_reward: float = 0.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        workers: int = 2,
+        timeout_s: float = 10.0,
+        batch_timeout_s: float | None = None,
+        timeout_reward: float = 0.0,
+        error_reward: float = 0.0,
+    ) -> None:
         get_reward(name)  # fail early on an unknown name
         if workers < 1 or timeout_s <= 0 or (batch_timeout_s is not None and batch_timeout_s <= 0):
-            raise ValueError(f"RewardPool: workers must be >= 1, timeout_s and batch_timeout_s > 0, "
-                             f"got {workers}, {timeout_s}, {batch_timeout_s}")
+            raise ValueError(
+                f"RewardPool: workers must be >= 1, timeout_s and batch_timeout_s > 0, "
+                f"got {workers}, {timeout_s}, {batch_timeout_s}"
+            )
         self.name, self.timeout_s, self.batch_timeout_s = name, timeout_s, batch_timeout_s
         self.timeout_reward, self.error_reward = timeout_reward, error_reward
         # spawn: workers must not inherit the trainer's threads, process groups or CUDA state.
@@ -163,10 +177,14 @@ class RewardPool:
         timed_out: set[int] = set()
         errors: dict[int, str] = {}
         waiting = deque(range(len(responses)))
-        batch_end = None if self.batch_timeout_s is None else time.monotonic() + self.batch_timeout_s
+        batch_end = (
+            None if self.batch_timeout_s is None else time.monotonic() + self.batch_timeout_s
+        )
 
         def fail(item: int, message: str) -> None:
-            errors[item] = f"reward {self.name!r} on response {item} ({responses[item][:80]!r}): {message}"
+            errors[item] = (
+                f"reward {self.name!r} on response {item} ({responses[item][:80]!r}): {message}"
+            )
 
         while waiting or any(w.item is not None for w in self._workers):
             for worker in self._workers:
@@ -177,7 +195,8 @@ class RewardPool:
             ends = [w.started + self.timeout_s for w in busy] + ([batch_end] if batch_end else [])
             multiprocessing.connection.wait(
                 [w.connection for w in busy] + [w.process.sentinel for w in busy],
-                timeout=max(0.0, min(ends) - time.monotonic()))
+                timeout=max(0.0, min(ends) - time.monotonic()),
+            )
             for worker in busy:
                 item = worker.item
                 closed = False
@@ -195,8 +214,11 @@ class RewardPool:
                             fail(item, error)
                         continue
                 if closed or not worker.process.is_alive():
-                    fail(item, f"its worker process died (exit code {worker.process.exitcode}); "
-                               "the worker was replaced")
+                    fail(
+                        item,
+                        f"its worker process died (exit code {worker.process.exitcode}); "
+                        "the worker was replaced",
+                    )
                     self._replace(worker)
                 elif time.monotonic() >= worker.started + self.timeout_s:
                     timed_out.add(item)

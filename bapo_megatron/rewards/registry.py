@@ -18,11 +18,13 @@ _BUILTIN_MODULES = ("bapo_megatron.rewards.math_answer", "bapo_megatron.rewards.
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     """Decorator: make ``fn`` available as ``name``."""
+
     def register(fn: RewardFn) -> RewardFn:
         if name in _REWARDS and _REWARDS[name] is not fn:
             raise ValueError(f"reward {name!r} is already registered")
         _REWARDS[name] = fn
         return fn
+
     return register
 
 
@@ -41,5 +43,7 @@ def get_reward(name: str) -> RewardFn:
         if not callable(fn):
             raise ValueError(f"reward {name!r} is not callable")
         return fn
-    raise ValueError(f"unknown reward {name!r}; registered: {sorted(_REWARDS)}, or give "
-                     "'package.module:function'")
+    raise ValueError(
+        f"unknown reward {name!r}; registered: {sorted(_REWARDS)}, or give "
+        "'package.module:function'"
+    )

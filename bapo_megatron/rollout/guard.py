@@ -44,17 +44,26 @@ class GuardedEngine:
         """The engine's policy version."""
         return self.engine.version
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, *,
-                 round_tokens: int | None = None) -> list[RolloutSample]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, round_tokens: int | None = None
+    ) -> list[RolloutSample]:
         """The engine's ``generate``, under the deadline."""
-        return self._generation("generate", lambda: self.engine.generate(
-            prompts, params, round_tokens=round_tokens))
+        return self._generation(
+            "generate", lambda: self.engine.generate(prompts, params, round_tokens=round_tokens)
+        )
 
-    def continue_generation(self, samples: list[RolloutSample], params: SamplingParams, *,
-                            round_tokens: int | None = None) -> list[RolloutSample]:
+    def continue_generation(
+        self,
+        samples: list[RolloutSample],
+        params: SamplingParams,
+        *,
+        round_tokens: int | None = None,
+    ) -> list[RolloutSample]:
         """The engine's ``continue_generation``, under the deadline."""
-        return self._generation("continue_generation", lambda: self.engine.continue_generation(
-            samples, params, round_tokens=round_tokens))
+        return self._generation(
+            "continue_generation",
+            lambda: self.engine.continue_generation(samples, params, round_tokens=round_tokens),
+        )
 
     def abort(self) -> None:
         """The engine's ``abort`` (callable from another thread, as the engine's is)."""
@@ -68,11 +77,18 @@ class GuardedEngine:
         """The engine's ``resume``."""
         self._named("resume", self.engine.resume)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
-                       checksum: bool = False) -> str | None:
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+        checksum: bool = False,
+    ) -> str | None:
         """The engine's ``update_weights``."""
-        return self._named("update_weights", lambda: self.engine.update_weights(
-            named_tensors, version=version, checksum=checksum))
+        return self._named(
+            "update_weights",
+            lambda: self.engine.update_weights(named_tensors, version=version, checksum=checksum),
+        )
 
     def release_memory(self) -> None:
         """The engine's ``release_memory``."""
@@ -95,7 +111,9 @@ class GuardedEngine:
         except EngineFailure:
             raise
         except Exception as error:
-            raise EngineFailure(f"{self.name}: {method} failed: {type(error).__name__}: {error}") from error
+            raise EngineFailure(
+                f"{self.name}: {method} failed: {type(error).__name__}: {error}"
+            ) from error
 
     def _generation(self, method: str, call: Callable[[], Result]) -> Result:
         if self.timeout_s is None:
@@ -127,7 +145,9 @@ class GuardedEngine:
         return result
 
     def _late(self, method: str, abort_errors: list[Exception]) -> str:
-        late = f"{self.name}: {method} gave no result within {self.timeout_s:g} s (rollout.timeout_s)"
+        late = (
+            f"{self.name}: {method} gave no result within {self.timeout_s:g} s (rollout.timeout_s)"
+        )
         if abort_errors:
             error = abort_errors[0]
             return f"{late}; aborting the engine failed: {type(error).__name__}: {error}"

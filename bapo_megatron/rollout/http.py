@@ -29,8 +29,9 @@ def http_transport(base_url: str, *, timeout: float = 3600.0, server: str = "ser
 
     def send(method: str, path: str, body: dict[str, Any] | None) -> tuple[int, Any]:
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(root + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            root + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 status, raw = response.status, response.read()
@@ -39,10 +40,12 @@ def http_transport(base_url: str, *, timeout: float = 3600.0, server: str = "ser
         except OSError as error:  # URLError, ConnectionError and TimeoutError are all OSErrors
             reason = getattr(error, "reason", error)
             if isinstance(reason, TimeoutError):
-                raise ServerUnreachable(f"{server} at {root}: {method} {path} got no answer within "
-                                        f"{timeout:g} s") from error
-            raise ServerUnreachable(f"{server} at {root}: {method} {path} failed ({reason}); is the "
-                                    "server running?") from error
+                raise ServerUnreachable(
+                    f"{server} at {root}: {method} {path} got no answer within {timeout:g} s"
+                ) from error
+            raise ServerUnreachable(
+                f"{server} at {root}: {method} {path} failed ({reason}); is the server running?"
+            ) from error
         text = raw.decode(errors="replace")
         try:
             return status, json.loads(text) if text else None
@@ -52,8 +55,9 @@ def http_transport(base_url: str, *, timeout: float = 3600.0, server: str = "ser
     return send
 
 
-def call(transport: Transport, method: str, path: str, body: dict[str, Any] | None = None, *,
-         server: str) -> Any:
+def call(
+    transport: Transport, method: str, path: str, body: dict[str, Any] | None = None, *, server: str
+) -> Any:
     """Send one request; ``RuntimeError`` naming the server, path, status and answer unless the
     status is 2xx. Returns the decoded answer."""
     status, answer = transport(method, path, body)

@@ -48,16 +48,26 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"sampling.n must be a positive integer, got {self.n!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature > 0):
-            raise ValueError(f"sampling.temperature must be a finite number > 0, got {self.temperature!r}")
+        if not (
+            isinstance(self.temperature, (int, float))
+            and math.isfinite(self.temperature)
+            and self.temperature > 0
+        ):
+            raise ValueError(
+                f"sampling.temperature must be a finite number > 0, got {self.temperature!r}"
+            )
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"sampling.top_p must lie in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"sampling.top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-                or self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, int)
+            or self.max_new_tokens < 1
+        ):
+            raise ValueError(
+                f"sampling.max_new_tokens must be a positive integer, got {self.max_new_tokens!r}"
+            )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
@@ -92,13 +102,19 @@ class RolloutEngine(Protocol):
     version: int
     """Policy version of the loaded weights (-1 before any update)."""
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, *,
-                 round_tokens: int | None = None) -> list[RolloutSample]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, round_tokens: int | None = None
+    ) -> list[RolloutSample]:
         """``params.n`` samples per prompt, prompt-major. ``round_tokens`` caps the tokens each
         sample generates in this call; samples cut by it come back `paused`."""
 
-    def continue_generation(self, samples: list[RolloutSample], params: SamplingParams, *,
-                            round_tokens: int | None = None) -> list[RolloutSample]:
+    def continue_generation(
+        self,
+        samples: list[RolloutSample],
+        params: SamplingParams,
+        *,
+        round_tokens: int | None = None,
+    ) -> list[RolloutSample]:
         """Continue `paused` samples under the current weights, extending their token, log-prob
         and version lists (earlier tokens keep theirs); others are returned unchanged."""
 
@@ -113,8 +129,13 @@ class RolloutEngine(Protocol):
     def resume(self) -> None:
         """Undo :meth:`pause`."""
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
-                       checksum: bool = False) -> str | None:
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+        checksum: bool = False,
+    ) -> str | None:
         """Load HF-named tensors (all of the model's, or a subset) and set :attr:`version`;
         with ``checksum``, return a SHA-256 over the names and bytes loaded."""
 
@@ -132,11 +153,13 @@ class RolloutEngine(Protocol):
 def check_ready(released: bool, version: int) -> None:
     """Refuse generation from an engine whose memory is released or that holds no weights yet."""
     if released:
-        raise RuntimeError("generate after release_memory(): call resume_memory() and "
-                           "update_weights() first")
+        raise RuntimeError(
+            "generate after release_memory(): call resume_memory() and update_weights() first"
+        )
     if version < 0:
-        raise RuntimeError("generate before any update_weights(): the engine holds no policy "
-                           "weights yet")
+        raise RuntimeError(
+            "generate before any update_weights(): the engine holds no policy weights yet"
+        )
 
 
 def check_prompts(prompts: list[list[int]], model: ModelConfig) -> None:
@@ -147,9 +170,13 @@ def check_prompts(prompts: list[list[int]], model: ModelConfig) -> None:
             raise ValueError(f"prompts[{index}] is empty; a prompt needs at least one token")
         bad = [t for t in prompt if not 0 <= t < model.vocab_size]
         if bad:
-            raise ValueError(f"prompts[{index}] holds token ids outside the vocabulary "
-                             f"[0, {model.vocab_size}): {bad[:5]}")
+            raise ValueError(
+                f"prompts[{index}] holds token ids outside the vocabulary "
+                f"[0, {model.vocab_size}): {bad[:5]}"
+            )
         if len(prompt) >= model.max_position_embeddings:
-            raise ValueError(f"prompts[{index}] has {len(prompt)} tokens; the model's context "
-                             f"(max_position_embeddings) is {model.max_position_embeddings}, "
-                             "which leaves no room for a response")
+            raise ValueError(
+                f"prompts[{index}] has {len(prompt)} tokens; the model's context "
+                f"(max_position_embeddings) is {model.max_position_embeddings}, "
+                "which leaves no room for a response"
+            )

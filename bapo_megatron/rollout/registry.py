@@ -49,8 +49,10 @@ class EngineSetup:
     def hf_folder(self) -> str:
         """``model_path``, which in-process vLLM/SGLang start from; ``ValueError`` without it."""
         if self.model_path is None:
-            raise ValueError(f"rollout.engine={self.rollout.engine!r} starts from an HF folder: "
-                             "set train.model_path")
+            raise ValueError(
+                f"rollout.engine={self.rollout.engine!r} starts from an HF folder: "
+                "set train.model_path"
+            )
         return self.model_path
 
 
@@ -70,7 +72,9 @@ class EngineKind:
 _KINDS: dict[str, EngineKind] = {}
 
 
-def register_family(name: str, *, in_process: Builder, server_client: Builder | None = None) -> None:
+def register_family(
+    name: str, *, in_process: Builder, server_client: Builder | None = None
+) -> None:
     """Register engine family ``name``: its in-process engine as kind ``name`` and, when given,
     its server client as ``name-server``. A kind registered twice is refused."""
     entries = {name: EngineKind(in_process, server_client=False)}
@@ -88,12 +92,22 @@ def engine_kinds() -> tuple[str, ...]:
 
 
 for _family in (embedded, vllm, sglang):
-    register_family(_family.FAMILY, in_process=_family.start_in_process,
-                    server_client=getattr(_family, "connect_server", None))
+    register_family(
+        _family.FAMILY,
+        in_process=_family.start_in_process,
+        server_client=getattr(_family, "connect_server", None),
+    )
 
 
-def build_engine(rollout: RolloutConfig, model: ModelConfig, *, model_path: str | None,
-                 dp_rank: int, work_dir: Path, pad_token_id: int) -> RolloutEngine:
+def build_engine(
+    rollout: RolloutConfig,
+    model: ModelConfig,
+    *,
+    model_path: str | None,
+    dp_rank: int,
+    work_dir: Path,
+    pad_token_id: int,
+) -> RolloutEngine:
     """The engine of data-parallel replica ``dp_rank``, of the kind ``rollout.engine`` names.
     ``model_path`` is the HF folder the run started from (vLLM and SGLang load their first
     weights, and their tokenizer-free config, from it; the trainer pushes its own weights before
@@ -102,19 +116,30 @@ def build_engine(rollout: RolloutConfig, model: ModelConfig, *, model_path: str 
     ``rollout.timeout_s``."""
     kind = _KINDS.get(rollout.engine)
     if kind is None:
-        raise ValueError(f"rollout.engine is {rollout.engine!r}; the known engine kinds are "
-                         f"{list(engine_kinds())}")
+        raise ValueError(
+            f"rollout.engine is {rollout.engine!r}; the known engine kinds are "
+            f"{list(engine_kinds())}"
+        )
     name = f"rollout engine {rollout.engine!r} of data-parallel replica {dp_rank}"
     url = None
     if kind.server_client:
         urls = rollout.server_urls
         if len(urls) > 1 and len(urls) <= dp_rank:
-            raise ValueError(f"rollout.server_urls has {len(urls)} entries; data-parallel rank "
-                             f"{dp_rank} has none (give one per data-parallel rank, or one)")
+            raise ValueError(
+                f"rollout.server_urls has {len(urls)} entries; data-parallel rank "
+                f"{dp_rank} has none (give one per data-parallel rank, or one)"
+            )
         url = urls[dp_rank] if len(urls) > 1 else urls[0]
         name += f" at {url}"
-    setup = EngineSetup(rollout=rollout, model=model, model_path=model_path, url=url,
-                        dp_rank=dp_rank, work_dir=work_dir, pad_token_id=pad_token_id)
+    setup = EngineSetup(
+        rollout=rollout,
+        model=model,
+        model_path=model_path,
+        url=url,
+        dp_rank=dp_rank,
+        work_dir=work_dir,
+        pad_token_id=pad_token_id,
+    )
     try:
         engine = kind.builder(setup)
     except Exception as error:

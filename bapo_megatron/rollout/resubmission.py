@@ -46,8 +46,11 @@ LOGPROB_TOLERANCE = 1e-4
 
 def new_samples(prompts: list[list[int]], n: int) -> list[RolloutSample]:
     """``n`` empty samples per prompt, prompt-major."""
-    return [RolloutSample(prompt_index=p, sample_index=i, prompt_token_ids=list(prompt))
-            for p, prompt in enumerate(prompts) for i in range(n)]
+    return [
+        RolloutSample(prompt_index=p, sample_index=i, prompt_token_ids=list(prompt))
+        for p, prompt in enumerate(prompts)
+        for i in range(n)
+    ]
 
 
 def sample_seed(seed: int | None, sample: RolloutSample) -> int | None:
@@ -74,11 +77,13 @@ class RoundRequest:
     """Seed of this request (:func:`sample_seed`)."""
 
 
-def plan_round(samples: list[RolloutSample], params: SamplingParams,
-               round_tokens: int | None) -> list[RoundRequest]:
+def plan_round(
+    samples: list[RolloutSample], params: SamplingParams, round_tokens: int | None
+) -> list[RoundRequest]:
     """The requests of one round for ``samples`` (all to be generated now, in order)."""
-    if round_tokens is not None and (isinstance(round_tokens, bool) or not isinstance(round_tokens, int)
-                                     or round_tokens < 1):
+    if round_tokens is not None and (
+        isinstance(round_tokens, bool) or not isinstance(round_tokens, int) or round_tokens < 1
+    ):
         raise ValueError(f"round_tokens must be a positive integer or None, got {round_tokens!r}")
     requests = []
     for sample in samples:
@@ -86,9 +91,15 @@ def plan_round(samples: list[RolloutSample], params: SamplingParams,
         if left <= 0:
             raise ValueError("a sample to continue has already generated max_new_tokens tokens")
         cap = left if round_tokens is None else min(round_tokens, left)
-        requests.append(RoundRequest(sample=sample, context=sample.prompt_token_ids + sample.token_ids,
-                                     max_new_tokens=cap, final=cap == left,
-                                     seed=sample_seed(params.seed, sample)))
+        requests.append(
+            RoundRequest(
+                sample=sample,
+                context=sample.prompt_token_ids + sample.token_ids,
+                max_new_tokens=cap,
+                final=cap == left,
+                seed=sample_seed(params.seed, sample),
+            )
+        )
     return requests
 
 
@@ -112,8 +123,9 @@ class EngineOutput:
     """The engine's own words on an `abort` (an error message), for error reports."""
 
 
-def apply_output(request: RoundRequest, output: EngineOutput, *, version: int, pausing: bool,
-                 where: str) -> None:
+def apply_output(
+    request: RoundRequest, output: EngineOutput, *, version: int, pausing: bool, where: str
+) -> None:
     """Append ``output`` to ``request.sample`` and set its finish reason.
 
     `length` at this round's cap pauses the sample unless the cap was all it had left (a
@@ -123,14 +135,19 @@ def apply_output(request: RoundRequest, output: EngineOutput, *, version: int, p
     """
     tokens, logprobs = output.token_ids, output.logprobs
     if len(logprobs) != len(tokens):
-        raise ValueError(f"{where}: 'logprobs' has {len(logprobs)} entries for {len(tokens)} "
-                         f"generated tokens")
+        raise ValueError(
+            f"{where}: 'logprobs' has {len(logprobs)} entries for {len(tokens)} generated tokens"
+        )
     if len(tokens) > request.max_new_tokens:
-        raise ValueError(f"{where}: 'token_ids' holds {len(tokens)} tokens, the request allowed "
-                         f"{request.max_new_tokens}")
+        raise ValueError(
+            f"{where}: 'token_ids' holds {len(tokens)} tokens, the request allowed "
+            f"{request.max_new_tokens}"
+        )
     for position, value in enumerate(logprobs):
         if not isinstance(value, (int, float)) or math.isnan(value) or value > LOGPROB_TOLERANCE:
-            raise ValueError(f"{where}: 'logprobs'[{position}] = {value!r} is not a log-probability")
+            raise ValueError(
+                f"{where}: 'logprobs'[{position}] = {value!r} is not a log-probability"
+            )
     if output.finish == "stop" and not tokens:
         raise ValueError(f"{where}: finish reason 'stop' with no generated token")
     sample = request.sample
@@ -158,9 +175,12 @@ def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     return name_map_for(model.model_type).hf_shapes(model)
 
 
-def checked_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], model: ModelConfig,
-                    shapes: dict[str, tuple[int, ...]], total: Checksum | None
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+def checked_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    model: ModelConfig,
+    shapes: dict[str, tuple[int, ...]],
+    total: Checksum | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``named_tensors`` after checking each name and shape against ``shapes`` (the same
     ``ValueError`` messages as the embedded engine), adding each to ``total`` when given. A tied
     ``lm_head.weight`` is skipped, as the embedded engine does.
@@ -171,11 +191,14 @@ def checked_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], model: Mo
         if name not in shapes:
             if name == "lm_head.weight" and model.tie_word_embeddings:
                 continue
-            raise ValueError(f"update_weights: {name!r} is not a parameter of this "
-                             f"{model.model_type} model")
+            raise ValueError(
+                f"update_weights: {name!r} is not a parameter of this {model.model_type} model"
+            )
         if tuple(tensor.shape) != shapes[name]:
-            raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model "
-                             f"expects {shapes[name]}")
+            raise ValueError(
+                f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model "
+                f"expects {shapes[name]}"
+            )
         if total is not None:
             total.add(name, tensor)
         yield name, tensor
@@ -209,8 +232,9 @@ class ResubmittingEngine:
 
     # -------------------------------------------------------------- generation
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, *,
-                 round_tokens: int | None = None) -> list[RolloutSample]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, round_tokens: int | None = None
+    ) -> list[RolloutSample]:
         """``params.n`` samples per prompt, prompt-major (see the protocol)."""
         check_prompts(prompts, self.model_config)
         self._check_params(params)
@@ -218,15 +242,21 @@ class ResubmittingEngine:
         self._round(samples, params, round_tokens)
         return samples
 
-    def continue_generation(self, samples: list[RolloutSample], params: SamplingParams, *,
-                            round_tokens: int | None = None) -> list[RolloutSample]:
+    def continue_generation(
+        self,
+        samples: list[RolloutSample],
+        params: SamplingParams,
+        *,
+        round_tokens: int | None = None,
+    ) -> list[RolloutSample]:
         """Continue the `paused` samples in place by re-submission; returns ``samples``."""
         self._check_params(params)
         self._round(reopen(samples), params, round_tokens)
         return samples
 
-    def _round(self, samples: list[RolloutSample], params: SamplingParams,
-               round_tokens: int | None) -> None:
+    def _round(
+        self, samples: list[RolloutSample], params: SamplingParams, round_tokens: int | None
+    ) -> None:
         if not samples:
             return
         requests = plan_round(samples, params, round_tokens)
@@ -238,14 +268,19 @@ class ResubmittingEngine:
             return
         outputs = self._submit(requests, params)
         if len(outputs) != len(requests):
-            raise ValueError(f"{self.engine_name}: {len(outputs)} outputs for {len(requests)} requests")
+            raise ValueError(
+                f"{self.engine_name}: {len(outputs)} outputs for {len(requests)} requests"
+            )
         asked = self._abort.is_set() or self._pause.is_set()
         for index, (request, output) in enumerate(zip(requests, outputs)):
             where = f"{self.engine_name} request {index}"
             if output.finish == "abort" and not asked:
-                raise RuntimeError(f"{where} was aborted by the engine: {output.detail or '(no message)'}")
-            apply_output(request, output, version=self.version, pausing=self._pause.is_set(),
-                         where=where)
+                raise RuntimeError(
+                    f"{where} was aborted by the engine: {output.detail or '(no message)'}"
+                )
+            apply_output(
+                request, output, version=self.version, pausing=self._pause.is_set(), where=where
+            )
 
     def _submit(self, requests: list[RoundRequest], params: SamplingParams) -> list[EngineOutput]:
         raise NotImplementedError
@@ -281,16 +316,23 @@ class ResubmittingEngine:
 
     # -------------------------------------------------------------- weights and memory
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
-                       checksum: bool = False) -> str | None:
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+        checksum: bool = False,
+    ) -> str | None:
         """Check HF names and shapes (:func:`checked_tensors`) as the engine loads them, and set
         the version only when all of it loaded; with ``checksum``, return the SHA-256 of what
         was loaded."""
         if self._released:
             raise RuntimeError("update_weights after release_memory(): call resume_memory() first")
         total = Checksum() if checksum else None
-        self._load_weights(checked_tensors(named_tensors, self.model_config, self._shapes, total),
-                           version=int(version))
+        self._load_weights(
+            checked_tensors(named_tensors, self.model_config, self._shapes, total),
+            version=int(version),
+        )
         self.version = int(version)
         return total.hexdigest() if total is not None else None
 
@@ -325,8 +367,13 @@ class ResubmittingEngine:
         raise NotImplementedError
 
 
-def wait_cutting(futures: list[Future], cut: Callable[[], bool], abort_all: Callable[[], None], *,
-                 interval: float = 0.5) -> list[Any]:
+def wait_cutting(
+    futures: list[Future],
+    cut: Callable[[], bool],
+    abort_all: Callable[[], None],
+    *,
+    interval: float = 0.5,
+) -> list[Any]:
     """Wait for ``futures`` (requests in flight on other threads); while ``cut()`` holds and
     some are pending, call ``abort_all()`` every ``interval`` seconds. A request that reached
     the server just after a pause or abort was sent would otherwise wait for the resume (vLLM

@@ -90,16 +90,26 @@ _STEP_FOLDER_NAME = re.compile(r"step_(\d{8,})")
 RANK_FILE = "rank_{rank:05d}.pt"
 # ParallelConfig fields that decide which rank holds what (data parallel follows from the world
 # size).
-LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "virtual_pipeline_model_parallel_size", "context_parallel_size")
+LAYOUT_FIELDS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+)
 # How Megatron's distributed optimizer shards its state in the checkpoint (see the module
 # docstring); the other optimizers ignore it.
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 # OptimizerParamScheduler.state_dict() entries that come from the run's OptimizerConfig (the
 # others, num_steps, is progress): a resumed run must have the same, or its schedule would jump.
-_SCHEDULE_FIELDS = {"max_lr": "lr", "min_lr": "min_lr", "lr_warmup_steps": "lr_warmup_steps",
-                    "lr_decay_steps": "lr_decay_steps", "lr_decay_style": "lr_decay_style",
-                    "start_wd": "weight_decay", "end_wd": "weight_decay"}
+_SCHEDULE_FIELDS = {
+    "max_lr": "lr",
+    "min_lr": "min_lr",
+    "lr_warmup_steps": "lr_warmup_steps",
+    "lr_decay_steps": "lr_decay_steps",
+    "lr_decay_style": "lr_decay_style",
+    "start_wd": "weight_decay",
+    "end_wd": "weight_decay",
+}
 
 
 @dataclass(frozen=True)
@@ -125,8 +135,9 @@ class TrainerInfo:
 # ------------------------------------------------------------------------------------ save
 
 
-def save_checkpoint(root: str | Path, step: int, actor: Actor, trainer_state: dict, *,
-                    keep_last: int | None) -> Path:
+def save_checkpoint(
+    root: str | Path, step: int, actor: Actor, trainer_state: dict, *, keep_last: int | None
+) -> Path:
     """Save the run after ``step`` to ``root/step_<step:08d>/`` and return that folder.
 
     Collective over the world: every rank calls it with its own ``actor`` and ``trainer_state``
@@ -146,9 +157,13 @@ def save_checkpoint(root: str | Path, step: int, actor: Actor, trainer_state: di
         with cuda_sites_on_cpu():  # the optimizer's pieces and the save exchange ask for CUDA
             checkpoint_writer_queue_ends_with_us()
             dist_checkpointing.save(state, str(staging))
-        on_every_rank(lambda: _write_rank_file(staging, step, context.rank, trainer_state),
-                      where=f"checkpoint {folder}", catch=ValueError, error_type=ValueError,
-                      describe=str)
+        on_every_rank(
+            lambda: _write_rank_file(staging, step, context.rank, trainer_state),
+            where=f"checkpoint {folder}",
+            catch=ValueError,
+            error_type=ValueError,
+            describe=str,
+        )
         if context.rank == 0:
             (staging / INFO_FILE).write_text(json.dumps(_info_json(step, actor), indent=2) + "\n")
     if keep_last is not None and context.rank == 0:
@@ -161,16 +176,20 @@ def _check_can_save(step: int, actor: Actor, trainer_state: dict, keep_last: int
     """Refuse, on every rank alike and before any collective, what could not be saved or resumed."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"save_checkpoint: step must be an integer >= 0, got {step!r}")
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
-                                  or keep_last < 1):
-        raise ValueError(f"save_checkpoint: keep_last must be a positive integer or None, "
-                         f"got {keep_last!r}")
+    if keep_last is not None and (
+        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+    ):
+        raise ValueError(
+            f"save_checkpoint: keep_last must be a positive integer or None, got {keep_last!r}"
+        )
     if not isinstance(trainer_state, dict):
-        raise TypeError(f"save_checkpoint: trainer_state must be a dict, got "
-                        f"{type(trainer_state).__name__}")
+        raise TypeError(
+            f"save_checkpoint: trainer_state must be a dict, got {type(trainer_state).__name__}"
+        )
     for inner in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
-        if isinstance(inner, Float16OptimizerWithFloat16Params) \
-                and any(inner.fp32_from_fp32_groups):
+        if isinstance(inner, Float16OptimizerWithFloat16Params) and any(
+            inner.fp32_from_fp32_groups
+        ):
             # Its sharded_state_dict maps optimizer state to the bf16 parameters only and fails
             # on the others ("Param id ... does not match any model sharded param").
             raise ValueError(
@@ -178,7 +197,8 @@ def _check_can_save(step: int, actor: Actor, trainer_state: dict, keep_last: int
                 "float32 (the norm weights of the local layer spec, used without Transformer "
                 "Engine) cannot be checkpointed by Megatron's non-distributed mixed-precision "
                 "optimizer; set optimizer.use_distributed_optimizer=true, whose checkpoints "
-                "handle them")
+                "handle them"
+            )
 
 
 def _write_rank_file(staging: Path, step: int, rank: int, trainer_state: dict) -> None:
@@ -188,9 +208,16 @@ def _write_rank_file(staging: Path, step: int, rank: int, trainer_state: dict) -
         _check_plain(trainer_state, "trainer_state")
     except ValueError as err:
         raise ValueError(f"trainer_state of rank {rank} cannot be saved: {err}") from None
-    torch.save({"format_version": TRAINER_FORMAT_VERSION, "step": step, "rank": rank,
-                "rng": rng_state.capture(), "trainer_state": trainer_state},
-               staging / RANK_FILE.format(rank=rank))
+    torch.save(
+        {
+            "format_version": TRAINER_FORMAT_VERSION,
+            "step": step,
+            "rank": rank,
+            "rng": rng_state.capture(),
+            "trainer_state": trainer_state,
+        },
+        staging / RANK_FILE.format(rank=rank),
+    )
 
 
 _PLAIN_LEAVES = (type(None), bool, int, float, str, torch.Tensor)
@@ -208,21 +235,25 @@ def _check_plain(value: Any, where: str) -> None:
         for index, item in enumerate(value):
             _check_plain(item, f"{where}[{index}]")
     elif type(value) not in _PLAIN_LEAVES and not isinstance(value, torch.Tensor):
-        raise ValueError(f"{where} is a {type(value).__name__}; a checkpoint holds only tensors, "
-                         "numbers, strings, None and lists/tuples/dicts of them (so that loading "
-                         "it never unpickles Python objects)")
+        raise ValueError(
+            f"{where} is a {type(value).__name__}; a checkpoint holds only tensors, "
+            "numbers, strings, None and lists/tuples/dicts of them (so that loading "
+            "it never unpickles Python objects)"
+        )
 
 
 def _sharded_state(actor: Actor, *, is_loading: bool) -> dict:
     """Megatron's sharded state dict of the model chunks and, built from it, the optimizer's
     (whose tensors, on load, are where the loaded values go)."""
     modules = [_unwrap(chunk) for chunk in actor.chunks]
-    state = {key: module.sharded_state_dict()
-             for key, module in zip(state_keys(len(modules)), modules)}
+    state = {
+        key: module.sharded_state_dict() for key, module in zip(state_keys(len(modules)), modules)
+    }
     init_adam_state(actor.optimizer)
     with cuda_sites_on_cpu():
-        state["optimizer"] = actor.optimizer.sharded_state_dict(state, is_loading=is_loading,
-                                                                metadata=_OPTIMIZER_METADATA)
+        state["optimizer"] = actor.optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata=_OPTIMIZER_METADATA
+        )
     return state
 
 
@@ -249,7 +280,7 @@ def _delete_old_checkpoints(root: Path, step: int, keep_last: int) -> None:
     """Remove the ``step_*`` folders of steps before ``step``, all but the ``keep_last - 1``
     newest."""
     older = sorted((s, path) for s, path in _step_folders(root) if s < step)
-    for _, path in older[:max(0, len(older) - (keep_last - 1))]:
+    for _, path in older[: max(0, len(older) - (keep_last - 1))]:
         shutil.rmtree(path)
 
 
@@ -294,9 +325,13 @@ def load_checkpoint(folder: str | Path, actor: Actor) -> tuple[int, dict]:
     _check_matches_run(folder, info, actor)
     _check_files(folder, info.world_size)
     check_metadata(folder)
-    rank_state = on_every_rank(lambda: _read_rank_file(folder, info.step, actor.context.rank),
-                               where=f"checkpoint {folder}", catch=ValueError,
-                               error_type=ValueError, describe=str)
+    rank_state = on_every_rank(
+        lambda: _read_rank_file(folder, info.step, actor.context.rank),
+        where=f"checkpoint {folder}",
+        catch=ValueError,
+        error_type=ValueError,
+        describe=str,
+    )
 
     state = _sharded_state(actor, is_loading=True)
     with cuda_sites_on_cpu():
@@ -326,8 +361,10 @@ def read_trainer_info(folder: str | Path) -> TrainerInfo:
     path = folder / INFO_FILE
     trainer = json.loads(path.read_text()).get("trainer")
     if trainer is None:
-        raise ValueError(f"{path} has no `trainer` section: a weights-only checkpoint (load it "
-                         "with load_megatron_checkpoint), not one a run can resume from")
+        raise ValueError(
+            f"{path} has no `trainer` section: a weights-only checkpoint (load it "
+            "with load_megatron_checkpoint), not one a run can resume from"
+        )
     try:
         version = trainer["format_version"]
         if version == _PICKLED_FORMAT_VERSION:
@@ -337,15 +374,21 @@ def read_trainer_info(folder: str | Path) -> TrainerInfo:
                 "load by unpickling them, which can run any code the file carries; they are not "
                 "loaded. Start a fresh run from its weights (train.load_checkpoint="
                 f"{folder}, checkpoint.resume=false, another train.output_dir), or resume it "
-                "with the bapo-megatron version that wrote it")
+                "with the bapo-megatron version that wrote it"
+            )
         if version != TRAINER_FORMAT_VERSION:
-            raise ValueError(f"{path}: trainer.format_version {version} is not "
-                             f"{TRAINER_FORMAT_VERSION}")
-        info = TrainerInfo(model=weights.model, step=trainer["step"],
-                           world_size=trainer["world_size"], layout=trainer["layout"],
-                           use_distributed_optimizer=trainer["use_distributed_optimizer"],
-                           skipped_steps=trainer["skipped_steps"],
-                           scheduler=trainer["scheduler"])
+            raise ValueError(
+                f"{path}: trainer.format_version {version} is not {TRAINER_FORMAT_VERSION}"
+            )
+        info = TrainerInfo(
+            model=weights.model,
+            step=trainer["step"],
+            world_size=trainer["world_size"],
+            layout=trainer["layout"],
+            use_distributed_optimizer=trainer["use_distributed_optimizer"],
+            skipped_steps=trainer["skipped_steps"],
+            scheduler=trainer["scheduler"],
+        )
     except (KeyError, TypeError) as err:
         raise ValueError(f"{path} is malformed: trainer field {err} is missing or wrong") from None
     for name in ("step", "world_size", "skipped_steps"):
@@ -364,42 +407,58 @@ def _check_matches_run(folder: Path, info: TrainerInfo, actor: Actor) -> None:
     check_same_model(actor.model_config, info.model, f"checkpoint {folder}")
     context = actor.context
     ours = {name: getattr(context.config, name) for name in LAYOUT_FIELDS}
-    differences = [f"world size {info.world_size} (this run: {context.world_size})"] \
-        if info.world_size != context.world_size else []
-    differences += [f"parallel.{name}={info.layout[name]!r} (this run: {ours[name]!r})"
-                    for name in LAYOUT_FIELDS if info.layout[name] != ours[name]]
+    differences = (
+        [f"world size {info.world_size} (this run: {context.world_size})"]
+        if info.world_size != context.world_size
+        else []
+    )
+    differences += [
+        f"parallel.{name}={info.layout[name]!r} (this run: {ours[name]!r})"
+        for name in LAYOUT_FIELDS
+        if info.layout[name] != ours[name]
+    ]
     if differences:
         raise ValueError(
             f"checkpoint {folder} was saved with {', '.join(differences)}: its per-rank files "
             f"({RANK_FILE.format(rank=0)}...: RNG states, trainer_state) do not line up with this "
             "run's ranks; resume at the saved world size and layout (the weights alone load at "
-            "any layout with load_megatron_checkpoint)")
+            "any layout with load_megatron_checkpoint)"
+        )
     ours_distributed = actor.optimizer_config.use_distributed_optimizer
     if info.use_distributed_optimizer != ours_distributed:
         raise ValueError(
             f"checkpoint {folder} was saved with optimizer.use_distributed_optimizer="
             f"{info.use_distributed_optimizer}, this run has {ours_distributed}: the optimizer "
-            "states are laid out differently")
+            "states are laid out differently"
+        )
     current = actor.scheduler.state_dict()
     for field, config_name in _SCHEDULE_FIELDS.items():
         if info.scheduler.get(field) != current[field]:
             raise ValueError(
                 f"checkpoint {folder}: scheduler.{field} is {info.scheduler.get(field)!r}, but "
                 f"this run's is {current[field]!r} (from optimizer.{config_name}); resuming "
-                "would change the learning-rate/weight-decay schedule")
+                "would change the learning-rate/weight-decay schedule"
+            )
 
 
 def _check_files(folder: Path, world_size: int) -> None:
     """Megatron's metadata and one file per saved rank must be there (the same check on every
     rank, over the shared filesystem, so all ranks refuse together)."""
     if not dist_checkpointing.check_is_distributed_checkpoint(str(folder)):
-        raise ValueError(f"checkpoint {folder}: Megatron's dist_checkpointing metadata "
-                         "(metadata.json) is missing: the folder is incomplete")
-    missing = [RANK_FILE.format(rank=r) for r in range(world_size)
-               if not (folder / RANK_FILE.format(rank=r)).is_file()]
+        raise ValueError(
+            f"checkpoint {folder}: Megatron's dist_checkpointing metadata "
+            "(metadata.json) is missing: the folder is incomplete"
+        )
+    missing = [
+        RANK_FILE.format(rank=r)
+        for r in range(world_size)
+        if not (folder / RANK_FILE.format(rank=r)).is_file()
+    ]
     if missing:
-        raise ValueError(f"checkpoint {folder}: per-rank file(s) {', '.join(missing)} missing "
-                         "(incomplete checkpoint)")
+        raise ValueError(
+            f"checkpoint {folder}: per-rank file(s) {', '.join(missing)} missing "
+            "(incomplete checkpoint)"
+        )
 
 
 def _read_rank_file(folder: Path, step: int, rank: int) -> dict:
@@ -409,24 +468,34 @@ def _read_rank_file(folder: Path, step: int, rank: int) -> dict:
         # Plain data only: a Python object in the file is refused, never constructed.
         state = torch.load(path, weights_only=True)
     except pickle.UnpicklingError as err:
-        raise ValueError(f"{path} cannot be read safely: it holds pickled Python objects, which "
-                         "loading would have to construct by running code named in the file, "
-                         f"so it is refused ({str(err).splitlines()[0]})") from None
+        raise ValueError(
+            f"{path} cannot be read safely: it holds pickled Python objects, which "
+            "loading would have to construct by running code named in the file, "
+            f"so it is refused ({str(err).splitlines()[0]})"
+        ) from None
     except Exception as err:  # noqa: BLE001 - any other failure means a damaged file
         raise ValueError(f"{path} cannot be read: {err!r}") from None
-    if not isinstance(state, dict) or not {"format_version", "step", "rank", "rng",
-                                           "trainer_state"} <= set(state):
+    if not isinstance(state, dict) or not {
+        "format_version",
+        "step",
+        "rank",
+        "rng",
+        "trainer_state",
+    } <= set(state):
         raise ValueError(f"{path} is malformed: not a per-rank trainer checkpoint file")
     try:
         _check_plain(state, "the file")  # weights_only also lets a few allow-listed classes in
     except ValueError as err:
         raise ValueError(f"{path} is malformed: {err}") from None
     if state["format_version"] != TRAINER_FORMAT_VERSION:
-        raise ValueError(f"{path}: format_version {state['format_version']} is not "
-                         f"{TRAINER_FORMAT_VERSION}")
+        raise ValueError(
+            f"{path}: format_version {state['format_version']} is not {TRAINER_FORMAT_VERSION}"
+        )
     if state["step"] != step or state["rank"] != rank:
-        raise ValueError(f"{path} holds step {state['step']} of rank {state['rank']}, but this is "
-                         f"step {step}'s file of rank {rank} (mixed-up folders?)")
+        raise ValueError(
+            f"{path} holds step {state['step']} of rank {state['rank']}, but this is "
+            f"step {step}'s file of rank {rank} (mixed-up folders?)"
+        )
     return state
 
 

@@ -44,9 +44,12 @@ def train(cfg: Config, context: ParallelContext) -> None:
     if context.rank == 0 and rewards_seen:
         window = max(1, min(10, len(rewards_seen) // 2))
         first, last = rewards_seen[:window], rewards_seen[-window:]
-        print(f"mean reward of the first {window} rollout steps {sum(first) / window:.3f}, "
-              f"of the last {window} {sum(last) / window:.3f} "
-              f"(TensorBoard: tensorboard --logdir {run.output / 'tensorboard'})", flush=True)
+        print(
+            f"mean reward of the first {window} rollout steps {sum(first) / window:.3f}, "
+            f"of the last {window} {sum(last) / window:.3f} "
+            f"(TensorBoard: tensorboard --logdir {run.output / 'tensorboard'})",
+            flush=True,
+        )
     run.close()
 
 
@@ -54,25 +57,32 @@ def rollout_step(run: Run, step: int) -> float:
     """Rollout step ``step`` (counting from 0), its 7 phases in order; returns its mean reward."""
     run.timer.reset()
     start_version = run.state.version
-    with engine_failures_stop_every_rank(run.context, during=f"rollout step {step} (generation, rewards)"):
-        rollout = generate(run, step)                          # 1. rollout
-        fresh = score(run, rollout)                            # 2. reward
-        experience = select_off_policy(run, fresh, step)       # 3. off-policy selection
+    with engine_failures_stop_every_rank(
+        run.context, during=f"rollout step {step} (generation, rewards)"
+    ):
+        rollout = generate(run, step)  # 1. rollout
+        fresh = score(run, rollout)  # 2. reward
+        experience = select_off_policy(run, fresh, step)  # 3. off-policy selection
     minibatches, metrics = old_logprobs(run, experience, step)  # 4. old log-probs
     last_update, trained_tokens = train_minibatches(run, minibatches, step)  # 5. train
-    sync_weights(run, start_version, step)                     # 6. weight sync
+    sync_weights(run, start_version, step)  # 6. weight sync
     record_step(run, step, metrics, last_update, trained_tokens)  # 7. metrics, checkpoint
     return metrics["reward/mean"]
 
 
-def train_minibatches(run: Run, minibatches: list[Minibatch], step: int
-                      ) -> tuple[dict[str, float], float]:
+def train_minibatches(
+    run: Run, minibatches: list[Minibatch], step: int
+) -> tuple[dict[str, float], float]:
     """5. ``algorithm.epochs`` passes over the mini-batches, one optimizer step (one policy
     version) each, each logged; a colocated engine may give its memory to the actor meanwhile.
     Returns the last update's metrics and the response tokens trained (epochs counted)."""
     if run.cfg.rollout.release_memory_during_training:
-        call_engine(run.engine, lambda engine: engine.release_memory(), run.context,
-                    during=f"engine.release_memory() before training at rollout step {step}")
+        call_engine(
+            run.engine,
+            lambda engine: engine.release_memory(),
+            run.context,
+            during=f"engine.release_memory() before training at rollout step {step}",
+        )
     last_update: dict[str, float] = {}
     trained_tokens = 0.0
     with run.timer.phase("train"):
@@ -92,16 +102,26 @@ def sync_weights(run: Run, start_version: int, step: int) -> None:
     """6. The new policy into the engines (and their memory back, if it was released)."""
     released = run.cfg.rollout.release_memory_during_training
     if released:
-        call_engine(run.engine, lambda engine: engine.resume_memory(), run.context,
-                    during=f"engine.resume_memory() after training at rollout step {step}")
+        call_engine(
+            run.engine,
+            lambda engine: engine.resume_memory(),
+            run.context,
+            during=f"engine.resume_memory() after training at rollout step {step}",
+        )
     if run.state.version != start_version or released:
         with run.timer.phase("weight_sync"):
-            push_weights(run.actor, run.engine, version=run.state.version,
-                         bucket_bytes=run.bucket_bytes)
+            push_weights(
+                run.actor, run.engine, version=run.state.version, bucket_bytes=run.bucket_bytes
+            )
 
 
-def record_step(run: Run, step: int, metrics: dict[str, float], last_update: dict[str, float],
-                trained_tokens: float) -> None:
+def record_step(
+    run: Run,
+    step: int,
+    metrics: dict[str, float],
+    last_update: dict[str, float],
+    trained_tokens: float,
+) -> None:
     """7. The step's metrics, then (every ``checkpoint.interval`` steps and at the end) a
     checkpoint: a run killed in between redoes this step on resume and its records from this
     step on are dropped (purge), so each step is logged once."""
@@ -109,12 +129,23 @@ def record_step(run: Run, step: int, metrics: dict[str, float], last_update: dic
     state.step = step + 1
     metrics.update(run.timer.metrics())
     metrics.update(throughput(metrics, trained_tokens))
-    metrics.update(rollout_step=step + 1, policy_version=state.version,
-                   **{"data/skipped_rows": run.task.skipped_rows})
+    metrics.update(
+        rollout_step=step + 1,
+        policy_version=state.version,
+        **{"data/skipped_rows": run.task.skipped_rows},
+    )
     run.logger.log(state.version, metrics, console=False)
     if run.context.rank == 0 and cfg.logging.console:  # with the last update's loss, bounds...
-        print(run.logger.console_line(step + 1, {**last_update, **metrics}, cfg.train.steps), flush=True)
+        print(
+            run.logger.console_line(step + 1, {**last_update, **metrics}, cfg.train.steps),
+            flush=True,
+        )
     interval = cfg.checkpoint.interval
     if step + 1 == cfg.train.steps or (interval and (step + 1) % interval == 0):
-        save_checkpoint(run.checkpoints, step + 1, run.actor, state.to_checkpoint(),
-                        keep_last=cfg.checkpoint.keep_last)
+        save_checkpoint(
+            run.checkpoints,
+            step + 1,
+            run.actor,
+            state.to_checkpoint(),
+            keep_last=cfg.checkpoint.keep_last,
+        )

@@ -13,7 +13,9 @@ from bapo_megatron.trainer.loop import train
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bapo_megatron.train", description="BAPO RL training")
+    parser = argparse.ArgumentParser(
+        prog="python -m bapo_megatron.train", description="BAPO RL training"
+    )
     parser.add_argument("--config", required=True, help="YAML run configuration")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     args = parser.parse_args(argv)

@@ -40,8 +40,12 @@ class RolloutCounts:
 def rollout_metrics(counts: RolloutCounts, context: ParallelContext) -> dict[str, float]:
     """Reward, accuracy, lengths and rollout counts of the step, over every replica."""
     names = [f.name for f in dataclasses.fields(RolloutCounts)]
-    totals = dict(zip(names, sum_over([getattr(counts, name) for name in names],
-                                      context.dp_group, context.device)))
+    totals = dict(
+        zip(
+            names,
+            sum_over([getattr(counts, name) for name in names], context.dp_group, context.device),
+        )
+    )
     samples = max(totals["samples"], 1.0)
     return {
         "reward/mean": totals["reward"] / samples,
@@ -79,7 +83,9 @@ class LogprobGap:
         self.gap_max = max(self.gap_max, float(gap.abs().max()) if gap.numel() else 0.0)
         self.gap_tokens += float(tokens.sum())
 
-    def add_weights(self, weights: torch.Tensor, capped: torch.Tensor, tokens: torch.Tensor) -> None:
+    def add_weights(
+        self, weights: torch.Tensor, capped: torch.Tensor, tokens: torch.Tensor
+    ) -> None:
         """Add the truncated importance ``weights``' sum, the capped count and the tokens."""
         self.weighted = True
         self.is_sum += float(weights)
@@ -93,8 +99,9 @@ class LogprobGap:
         (largest,) = max_over([self.gap_max], group, device)
         out = {}
         if self.weighted:
-            weighted, capped, count = sum_over([self.is_sum, self.is_capped, self.is_tokens],
-                                               group, device)
+            weighted, capped, count = sum_over(
+                [self.is_sum, self.is_capped, self.is_tokens], group, device
+            )
             out["is_weights/mean"] = weighted / max(count, 1.0)
             out["is_weights/capped_fraction"] = capped / max(count, 1.0)
         out["logprob_diff/tokens"] = tokens
@@ -107,10 +114,12 @@ class LogprobGap:
 def staleness(versions: torch.Tensor, version: int, context: ParallelContext) -> dict[str, float]:
     """Policy versions between each response token's sampling and the update it trains."""
     behind = (version - versions[versions >= 0]).double()
-    total, count = sum_over([float(behind.sum()), float(behind.numel())], context.dp_group,
-                            context.device)
-    (largest,) = max_over([float(behind.max()) if behind.numel() else 0.0], context.dp_group,
-                          context.device)
+    total, count = sum_over(
+        [float(behind.sum()), float(behind.numel())], context.dp_group, context.device
+    )
+    (largest,) = max_over(
+        [float(behind.max()) if behind.numel() else 0.0], context.dp_group, context.device
+    )
     return {"staleness/mean": total / max(count, 1.0), "staleness/max": largest}
 
 
@@ -119,7 +128,9 @@ def throughput(metrics: dict[str, float], trained_tokens: float) -> dict[str, fl
     tokens of every update, epochs counted) per train second, and generated per step second."""
     out = {}
     if metrics.get("time/rollout"):
-        out["throughput/rollout_tokens_per_s"] = metrics["rollout/generated_tokens"] / metrics["time/rollout"]
+        out["throughput/rollout_tokens_per_s"] = (
+            metrics["rollout/generated_tokens"] / metrics["time/rollout"]
+        )
     if trained_tokens and metrics.get("time/train"):
         out["throughput/train_tokens_per_s"] = trained_tokens / metrics["time/train"]
     if metrics.get("time/step"):

@@ -55,10 +55,18 @@ def generate(run: Run, step: int) -> Rollout | None:
     rollout = None
     if run.engine is not None:
         with run.timer.phase("rollout"):
-            indices = prompts_at(state.position + context.dp_rank * run.per_replica, run.per_replica,
-                                 len(run.task.rows), cfg.train.seed, cfg.data.shuffle)
+            indices = prompts_at(
+                state.position + context.dp_rank * run.per_replica,
+                run.per_replica,
+                len(run.task.rows),
+                cfg.train.seed,
+                cfg.data.shuffle,
+            )
             finished, state.carry, generated = _generate(
-                run, [run.task.rows[i] for i in indices], seed=seed(cfg.train.seed, step, context.dp_rank))
+                run,
+                [run.task.rows[i] for i in indices],
+                seed=seed(cfg.train.seed, step, context.dp_rank),
+            )
         rollout = Rollout(finished, generated)
     state.position += cfg.rollout.prompts_per_step
     return rollout
@@ -73,12 +81,18 @@ def _generate(run: Run, rows, *, seed: int) -> tuple[list[PausedGroup], list[Pau
     before = sum(len(s.token_ids) for _, samples in carry for s in samples)
     if carry:
         paused = [s for _, samples in carry for s in samples]
-        engine.continue_generation(paused, dataclasses.replace(sampling, seed=seed + 1), round_tokens=budget)
-    prompts = [encode_prompt(run.task, row, run.cfg.data.system_prompt, sampling.max_new_tokens)
-               for row in rows]
-    samples = engine.generate(prompts, dataclasses.replace(sampling, seed=seed), round_tokens=budget)
+        engine.continue_generation(
+            paused, dataclasses.replace(sampling, seed=seed + 1), round_tokens=budget
+        )
+    prompts = [
+        encode_prompt(run.task, row, run.cfg.data.system_prompt, sampling.max_new_tokens)
+        for row in rows
+    ]
+    samples = engine.generate(
+        prompts, dataclasses.replace(sampling, seed=seed), round_tokens=budget
+    )
     n = sampling.n
-    groups = list(carry) + [(row, samples[i * n:(i + 1) * n]) for i, row in enumerate(rows)]
+    groups = list(carry) + [(row, samples[i * n : (i + 1) * n]) for i, row in enumerate(rows)]
     finished = [g for g in groups if not any(s.resumable for s in g[1])]
     paused = [g for g in groups if any(s.resumable for s in g[1])]
     generated = sum(len(s.token_ids) for _, samples in groups for s in samples) - before
@@ -108,18 +122,33 @@ def _score(run: Run, finished: list[PausedGroup]) -> Experience:
     values = torch.tensor(scored.rewards, dtype=torch.float64).reshape(len(finished), n)
     advantages = grpo_advantages(values, normalize_std=algo.normalize_std)
     keep = informative_groups(values)
-    groups = [Group(prompt_id=row.id, samples=samples, rewards=values[i].tolist(),
-                    advantages=advantages[i].tolist())
-              for i, (row, samples) in enumerate(finished) if keep[i] or not algo.filter_equal_groups]
+    groups = [
+        Group(
+            prompt_id=row.id,
+            samples=samples,
+            rewards=values[i].tolist(),
+            advantages=advantages[i].tolist(),
+        )
+        for i, (row, samples) in enumerate(finished)
+        if keep[i] or not algo.filter_equal_groups
+    ]
     lengths = torch.tensor([len(s.token_ids) for _, s in flat], dtype=torch.float64)
     right = values.reshape(-1) > 0.5
     counts = RolloutCounts(
-        samples=len(flat), reward=float(values.sum()), correct=float(right.sum()),
-        length=float(lengths.sum()), length_right=float(lengths[right].sum()),
-        right=float(right.sum()), length_wrong=float(lengths[~right].sum()),
-        wrong=float((~right).sum()), truncated=float(sum(s.finish_reason == "length" for _, s in flat)),
-        groups=float(len(finished)), informative_groups=float(keep.sum()),
-        reward_timeouts=float(scored.timed_out), reward_errors=float(len(scored.errors)))
+        samples=len(flat),
+        reward=float(values.sum()),
+        correct=float(right.sum()),
+        length=float(lengths.sum()),
+        length_right=float(lengths[right].sum()),
+        right=float(right.sum()),
+        length_wrong=float(lengths[~right].sum()),
+        wrong=float((~right).sum()),
+        truncated=float(sum(s.finish_reason == "length" for _, s in flat)),
+        groups=float(len(finished)),
+        informative_groups=float(keep.sum()),
+        reward_timeouts=float(scored.timed_out),
+        reward_errors=float(len(scored.errors)),
+    )
     return Experience(groups, counts)
 
 
@@ -143,8 +172,9 @@ def select_off_policy(run: Run, fresh: Experience | None, step: int) -> Experien
     return Experience(chosen, fresh.counts)
 
 
-def old_logprobs(run: Run, experience: Experience | None, step: int
-                 ) -> tuple[list[Minibatch], dict[str, float]]:
+def old_logprobs(
+    run: Run, experience: Experience | None, step: int
+) -> tuple[list[Minibatch], dict[str, float]]:
     """4. The engine rank's groups on every rank of its replica, as the step's mini-batches,
     with the actor's old log-probs when the ratio is taken against the actor (or, every
     ``logging.logprob_diff_interval`` steps, to measure the engine/actor gap); and the step's
@@ -152,20 +182,30 @@ def old_logprobs(run: Run, experience: Experience | None, step: int
     cfg, context = run.cfg, run.context
     algo = cfg.algorithm
     chosen, counts = share_from_engine_rank(
-        None if experience is None else (experience.groups, experience.counts), context)
+        None if experience is None else (experience.groups, experience.counts), context
+    )
     metrics = rollout_metrics(counts, context)
     # a mini-batch without a group on any replica (filtered groups, partial rollouts that
     # did not finish) is skipped; one empty on some replicas only still trains on the others
     parts = split_groups(chosen, algo.optimizer_steps_per_rollout)
-    groups_per_part = sum_over([float(len(part)) for part in parts], context.dp_group, context.device)
-    minibatches = [to_policy_batch(part, run.task.pad_token_id)
-                   for part, everywhere in zip(parts, groups_per_part) if everywhere]
-    measure_gap = cfg.logging.logprob_diff_interval and step % cfg.logging.logprob_diff_interval == 0
+    groups_per_part = sum_over(
+        [float(len(part)) for part in parts], context.dp_group, context.device
+    )
+    minibatches = [
+        to_policy_batch(part, run.task.pad_token_id)
+        for part, everywhere in zip(parts, groups_per_part)
+        if everywhere
+    ]
+    measure_gap = (
+        cfg.logging.logprob_diff_interval and step % cfg.logging.logprob_diff_interval == 0
+    )
     if minibatches and (algo.old_logprobs == "recompute" or measure_gap):
         gap = LogprobGap()
         with run.timer.phase("old_logprobs"):
-            minibatches = [(recompute(run, batch, versions == run.state.version, gap), versions)
-                           for batch, versions in minibatches]
+            minibatches = [
+                (recompute(run, batch, versions == run.state.version, gap), versions)
+                for batch, versions in minibatches
+            ]
         metrics.update(gap.metrics(context))
     return minibatches, metrics
 
@@ -177,9 +217,14 @@ def recompute(run: Run, batch: PolicyBatch, current: torch.Tensor, gap: LogprobG
     current weights (``current``): on older tokens it would also hold the policy's own drift
     since they were sampled."""
     cfg = run.cfg
-    recomputed, _ = compute_logprobs(run.actor.chunks, batch, run.actor.context,
-                                     micro_batch_size=cfg.actor.micro_batch_size,
-                                     temperature=cfg.actor.temperature, with_entropy=False)
+    recomputed, _ = compute_logprobs(
+        run.actor.chunks,
+        batch,
+        run.actor.context,
+        micro_batch_size=cfg.actor.micro_batch_size,
+        temperature=cfg.actor.temperature,
+        with_entropy=False,
+    )
     mask = batch.response_mask
     same_policy = mask & current
     gap.add_gap((recomputed - batch.old_logprobs)[same_policy], same_policy)
@@ -191,4 +236,6 @@ def recompute(run: Run, batch: PolicyBatch, current: torch.Tensor, gap: LogprobG
         uncapped = torch.exp(recomputed - batch.old_logprobs)
         weights = torch.where(mask, uncapped.clamp(max=cap), 0.0)
         gap.add_weights(weights.sum(), (uncapped[mask] > cap).sum(), mask.sum())
-    return dataclasses.replace(batch, old_logprobs=torch.where(mask, recomputed, 0.0), is_weights=weights)
+    return dataclasses.replace(
+        batch, old_logprobs=torch.where(mask, recomputed, 0.0), is_weights=weights
+    )

@@ -29,8 +29,9 @@ def holds_engine(context: ParallelContext) -> bool:
     return context.tp_rank == 0 and context.pp_rank == 0 and context.cp_rank == 0
 
 
-def stop_if_any_engine_failed(failure: BaseException | None, context: ParallelContext, *,
-                              during: str) -> None:
+def stop_if_any_engine_failed(
+    failure: BaseException | None, context: ParallelContext, *, during: str
+) -> None:
     """Collective over the world: raise :class:`EngineFailure` on every rank if any rank passes
     a ``failure`` (its engine's error; None elsewhere)."""
     raise_if_any_rank_failed(failure, where=f"stopped during {during}", error_type=EngineFailure)
@@ -49,8 +50,13 @@ def engine_failures_stop_every_rank(context: ParallelContext, *, during: str) ->
     stop_if_any_engine_failed(failure, context, during=during)
 
 
-def call_engine(engine: RolloutEngine | None, call: Callable[[RolloutEngine], object],
-                context: ParallelContext, *, during: str) -> None:
+def call_engine(
+    engine: RolloutEngine | None,
+    call: Callable[[RolloutEngine], object],
+    context: ParallelContext,
+    *,
+    during: str,
+) -> None:
     """Collective over the world: ``call(engine)`` on the engine ranks (``engine`` is None
     elsewhere); if it raises on any rank, every rank raises :class:`EngineFailure` naming
     ``during`` (which names the call) and the error."""

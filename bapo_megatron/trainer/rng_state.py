@@ -24,11 +24,17 @@ def capture() -> dict[str, Any]:
     states: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": {"version": python_version, "words": list(python_words), "gauss": python_gauss},
-        "numpy": {"name": numpy_name, "keys": torch.from_numpy(numpy_keys.astype(np.int64)),
-                  "pos": int(numpy_pos), "has_gauss": int(numpy_has_gauss),
-                  "gauss": float(numpy_gauss)},
-        "megatron_tracker": {name: state.clone() for name, state in
-                             tensor_parallel.get_cuda_rng_tracker().get_states().items()},
+        "numpy": {
+            "name": numpy_name,
+            "keys": torch.from_numpy(numpy_keys.astype(np.int64)),
+            "pos": int(numpy_pos),
+            "has_gauss": int(numpy_has_gauss),
+            "gauss": float(numpy_gauss),
+        },
+        "megatron_tracker": {
+            name: state.clone()
+            for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items()
+        },
     }
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
@@ -41,8 +47,15 @@ def restore(states: dict[str, Any]) -> None:
     python = states["python"]
     random.setstate((python["version"], tuple(python["words"]), python["gauss"]))
     numpy = states["numpy"]
-    np.random.set_state((numpy["name"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"],
-                         numpy["has_gauss"], numpy["gauss"]))
+    np.random.set_state(
+        (
+            numpy["name"],
+            numpy["keys"].numpy().astype(np.uint32),
+            numpy["pos"],
+            numpy["has_gauss"],
+            numpy["gauss"],
+        )
+    )
     tensor_parallel.get_cuda_rng_tracker().set_states(dict(states["megatron_tracker"]))
     if torch.cuda.is_available() and "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"])

@@ -75,8 +75,10 @@ def start_run(cfg: Config, context: ParallelContext) -> Run:
     validate_layout(task.model, cfg.parallel, context.world_size)
     rollout, algo = cfg.rollout, cfg.algorithm
     if rollout.prompts_per_step % context.dp_size:
-        raise ValueError(f"rollout.prompts_per_step ({rollout.prompts_per_step}) must be a multiple of "
-                         f"the data-parallel size ({context.dp_size})")
+        raise ValueError(
+            f"rollout.prompts_per_step ({rollout.prompts_per_step}) must be a multiple of "
+            f"the data-parallel size ({context.dp_size})"
+        )
     output = Path(cfg.train.output_dir)
     if context.rank == 0:
         output.mkdir(parents=True, exist_ok=True)
@@ -88,33 +90,68 @@ def start_run(cfg: Config, context: ParallelContext) -> Run:
     plan = SearchPlan.from_config(cfg.loss.clip)
     engine = rewards = None
     if holds_engine(context):
-        engine = build_engine(rollout, task.model, model_path=cfg.train.model_path,
-                              dp_rank=context.dp_rank, work_dir=output, pad_token_id=task.pad_token_id)
-        rewards = RewardPool(cfg.reward.name, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
+        engine = build_engine(
+            rollout,
+            task.model,
+            model_path=cfg.train.model_path,
+            dp_rank=context.dp_rank,
+            work_dir=output,
+            pad_token_id=task.pad_token_id,
+        )
+        rewards = RewardPool(
+            cfg.reward.name, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s
+        )
     state = TrainerState(replay=ReplayBuffer(algo.replay_capacity, algo.replay_max_staleness))
     resume_from = latest_checkpoint(output / "checkpoints") if cfg.checkpoint.resume else None
     if resume_from is not None:
         _, saved = load_checkpoint(resume_from, actor)
         state.load_checkpoint(saved, f"checkpoint {resume_from} (rank {context.rank})")
-        log.info("resumed from %s (rollout step %d, policy version %d)", resume_from,
-                 state.step, state.version)
+        log.info(
+            "resumed from %s (rollout step %d, policy version %d)",
+            resume_from,
+            state.step,
+            state.version,
+        )
         if state.step >= cfg.train.steps and context.rank == 0:
-            print(f"{output} already holds a run finished at rollout step {state.step} "
-                  f"(train.steps={cfg.train.steps}); raise train.steps to continue it, or give "
-                  "another train.output_dir (or checkpoint.resume=false) to start over", flush=True)
+            print(
+                f"{output} already holds a run finished at rollout step {state.step} "
+                f"(train.steps={cfg.train.steps}); raise train.steps to continue it, or give "
+                "another train.output_dir (or checkpoint.resume=false) to start over",
+                flush=True,
+            )
     # After a resume, drop what the killed run logged past its checkpoint; a run that starts
     # afresh drops every record an earlier run left in the folder (warm-up steps are negative).
-    logger = MetricsLogger(output / "tensorboard" if cfg.logging.tensorboard else None,
-                           enabled=context.rank == 0, console=cfg.logging.console,
-                           purge_step=-2**31 if resume_from is None else state.version + 1)
+    logger = MetricsLogger(
+        output / "tensorboard" if cfg.logging.tensorboard else None,
+        enabled=context.rank == 0,
+        console=cfg.logging.console,
+        purge_step=-(2**31) if resume_from is None else state.version + 1,
+    )
     if resume_from is None:
         _initial_weights(cfg, task, actor, logger)
-    sampling = SamplingParams(n=rollout.samples_per_prompt, temperature=cfg.actor.temperature,
-                              top_p=rollout.top_p, top_k=rollout.top_k,
-                              max_new_tokens=rollout.max_new_tokens, stop_token_ids=(task.eos_token_id,))
-    run = Run(cfg=cfg, context=context, task=task, actor=actor, plan=plan, engine=engine,
-              rewards=rewards, state=state, logger=logger, timer=PhaseTimer(), sampling=sampling,
-              per_replica=rollout.prompts_per_step // context.dp_size, output=output)
+    sampling = SamplingParams(
+        n=rollout.samples_per_prompt,
+        temperature=cfg.actor.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_new_tokens=rollout.max_new_tokens,
+        stop_token_ids=(task.eos_token_id,),
+    )
+    run = Run(
+        cfg=cfg,
+        context=context,
+        task=task,
+        actor=actor,
+        plan=plan,
+        engine=engine,
+        rewards=rewards,
+        state=state,
+        logger=logger,
+        timer=PhaseTimer(),
+        sampling=sampling,
+        per_replica=rollout.prompts_per_step // context.dp_size,
+        output=output,
+    )
     push_weights(actor, engine, version=state.version, bucket_bytes=run.bucket_bytes)
     return run
 
@@ -126,8 +163,11 @@ def _initial_weights(cfg: Config, task: Task, actor: Actor, logger: MetricsLogge
         from bapo_megatron.weights.convert import load_hf_weights
         from bapo_megatron.weights.hf_checkpoint import HFCheckpoint
 
-        with HFCheckpoint.open(cfg.train.model_path, params_dtype=task.model.params_dtype,
-                               max_position_embeddings=task.model.max_position_embeddings) as hf:
+        with HFCheckpoint.open(
+            cfg.train.model_path,
+            params_dtype=task.model.params_dtype,
+            max_position_embeddings=task.model.max_position_embeddings,
+        ) as hf:
             load_hf_weights(actor.chunks, hf, actor.context)
         actor.optimizer.reload_model_params()
     elif cfg.train.load_checkpoint is not None:
@@ -136,5 +176,6 @@ def _initial_weights(cfg: Config, task: Task, actor: Actor, logger: MetricsLogge
         load_megatron_checkpoint(actor.chunks, task.model, cfg.train.load_checkpoint)
         actor.optimizer.reload_model_params()
     elif cfg.warmup.steps:
-        run_warmup(cfg, task, actor,
-                   lambda step, m: logger.log(step - cfg.warmup.steps, m, console=False))
+        run_warmup(
+            cfg, task, actor, lambda step, m: logger.log(step - cfg.warmup.steps, m, console=False)
+        )

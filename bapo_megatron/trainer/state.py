@@ -54,8 +54,10 @@ class TrainerState:
             "step": self.step,
             "version": self.version,
             "position": self.position,
-            "carry": [{"row": row_to_plain(row), "samples": [sample_to_plain(s) for s in samples]}
-                      for row, samples in self.carry],
+            "carry": [
+                {"row": row_to_plain(row), "samples": [sample_to_plain(s) for s in samples]}
+                for row, samples in self.carry
+            ],
             "lag_queue": [[group.to_plain() for group in groups] for groups in self.lag_queue],
             "replay": self.replay.state_dict(),
         }
@@ -65,7 +67,8 @@ class TrainerState:
         ``ValueError`` naming the field when something is missing or of the wrong kind."""
         if not isinstance(saved, dict):
             raise ValueError(  # noqa: TRY004 - a bad file, reported like every other field
-                f"{source}: trainer_state is a {type(saved).__name__}, not a dict")
+                f"{source}: trainer_state is a {type(saved).__name__}, not a dict"
+            )
         missing = [key for key in (*_COUNTERS, "carry", "lag_queue", "replay") if key not in saved]
         if missing:
             raise ValueError(f"{source}: trainer_state lacks {', '.join(missing)}")
@@ -74,14 +77,18 @@ class TrainerState:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{source}: trainer_state.{key} is {value!r}, not an integer >= 0")
         try:
-            carry = [(row_from_plain(paused["row"]),
-                      [sample_from_plain(s) for s in paused["samples"]])
-                     for paused in saved["carry"]]
-            lag_queue = [[Group.from_plain(group) for group in groups]
-                         for groups in saved["lag_queue"]]
+            carry = [
+                (row_from_plain(paused["row"]), [sample_from_plain(s) for s in paused["samples"]])
+                for paused in saved["carry"]
+            ]
+            lag_queue = [
+                [Group.from_plain(group) for group in groups] for groups in saved["lag_queue"]
+            ]
             self.replay.load_state_dict(saved["replay"])
         except (KeyError, TypeError) as err:
-            raise ValueError(f"{source}: trainer_state's paused groups, lag queue or replay "
-                             f"buffer are malformed ({err!r})") from None
+            raise ValueError(
+                f"{source}: trainer_state's paused groups, lag queue or replay "
+                f"buffer are malformed ({err!r})"
+            ) from None
         self.step, self.version, self.position = (saved[key] for key in _COUNTERS)
         self.carry, self.lag_queue = carry, lag_queue

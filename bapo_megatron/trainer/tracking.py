@@ -127,8 +127,9 @@ def _as_float(key: str, value: object) -> float:
         value = value.item()
     if isinstance(value, numbers.Real):  # int, float, bool, numpy scalars
         return float(value)
-    raise ValueError(f"metric {key!r}: expected a real number, got {type(value).__name__} "
-                     f"{value!r:.80}")
+    raise ValueError(
+        f"metric {key!r}: expected a real number, got {type(value).__name__} {value!r:.80}"
+    )
 
 
 def _validated(metrics: Mapping[str, object]) -> dict[str, float]:
@@ -165,9 +166,15 @@ class MetricsLogger:
     console_keys: metric keys shown by `console_line`.
     """
 
-    def __init__(self, log_dir: str | Path | None, *, enabled: bool = True, console: bool = True,
-                 purge_step: int | None = None,
-                 console_keys: Sequence[str] = DEFAULT_CONSOLE_KEYS):
+    def __init__(
+        self,
+        log_dir: str | Path | None,
+        *,
+        enabled: bool = True,
+        console: bool = True,
+        purge_step: int | None = None,
+        console_keys: Sequence[str] = DEFAULT_CONSOLE_KEYS,
+    ):
         self.enabled = enabled
         self.console = console
         self.console_keys = tuple(console_keys)
@@ -187,8 +194,14 @@ class MetricsLogger:
         if self._jsonl.tell() > 0 and not _ends_with_newline(jsonl_path):
             self._jsonl.write("\n")  # a killed run's partial last line stays on its own line
 
-    def log(self, step: int, metrics: Mapping[str, float], *,
-            total_steps: int | None = None, console: bool = True) -> None:
+    def log(
+        self,
+        step: int,
+        metrics: Mapping[str, float],
+        *,
+        total_steps: int | None = None,
+        console: bool = True,
+    ) -> None:
         """Record `metrics` at `step` and flush, so a killed run loses at most the step being
         logged. Values: real numbers (numpy scalars and one-element tensors too; NaN and inf
         kept); anything else is refused with a ValueError naming its key, before anything is
@@ -211,8 +224,9 @@ class MetricsLogger:
         if self.console and console:
             print(self.console_line(step, values, total_steps), flush=True)
 
-    def console_line(self, step: int, metrics: Mapping[str, float],
-                     total_steps: int | None = None) -> str:
+    def console_line(
+        self, step: int, metrics: Mapping[str, float], total_steps: int | None = None
+    ) -> str:
         """One line of progress, e.g. "step 12/200 | reward 0.41 | rho 0.38 | c 0.62/1.35 |
         ... | 3.1 s (rollout 1.2, train 1.5)"; keys absent from `metrics` are skipped."""
         fields = [f"step {step}" if total_steps is None else f"step {step}/{total_steps}"]
@@ -222,8 +236,11 @@ class MetricsLogger:
                 continue
             value = float(metrics[key])
             if key == "time/step":
-                phases = [f"{k[len('time/'):]} {float(v):.1f}" for k, v in metrics.items()
-                          if k.startswith("time/") and k != "time/step"]
+                phases = [
+                    f"{k[len('time/') :]} {float(v):.1f}"
+                    for k, v in metrics.items()
+                    if k.startswith("time/") and k != "time/step"
+                ]
                 fields.append(f"{value:.1f} s" + (f" ({', '.join(phases)})" if phases else ""))
                 last_label = None
                 continue
@@ -285,7 +302,7 @@ def _wait_to_sort_last(log_dir: Path) -> None:
     file's second, so the new file sorts last. Only a restart within a second (tests) waits."""
     newest = -1
     for path in log_dir.glob(_EVENTS_PREFIX + "*"):
-        stamp = path.name[len(_EVENTS_PREFIX):].split(".", 1)[0]
+        stamp = path.name[len(_EVENTS_PREFIX) :].split(".", 1)[0]
         if stamp.isdigit():
             newest = max(newest, int(stamp))
     while int(time.time()) <= newest:

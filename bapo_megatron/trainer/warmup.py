@@ -36,8 +36,8 @@ def supervised_batch(task: Task, rows, system: str | None, max_new_tokens: int) 
     tokens = torch.full((len(rows), length), task.pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(rows), length, dtype=torch.bool)
     for i, (ids, start) in enumerate(zip(sequences, starts)):
-        tokens[i, :len(ids)] = torch.tensor(ids)
-        mask[i, start:len(ids)] = True
+        tokens[i, : len(ids)] = torch.tensor(ids)
+        mask[i, start : len(ids)] = True
     return PolicyBatch(tokens=tokens, response_mask=mask)
 
 
@@ -56,10 +56,17 @@ def run_warmup(cfg: Config, task: Task, actor: Actor, log) -> None:
         rng = random.Random(f"warmup/{cfg.train.seed}/{step}/{context.dp_rank}")
         rows = rng.sample(task.rows, min(per_rank, len(task.rows)))
         batch = supervised_batch(task, rows, cfg.data.system_prompt, cfg.rollout.max_new_tokens)
-        old, _ = compute_logprobs(student.chunks, batch, context, micro_batch_size=cfg.actor.micro_batch_size,
-                                  temperature=temperature, with_entropy=False)
-        batch = dataclasses.replace(batch, old_logprobs=old,
-                                    advantages=torch.ones(batch.num_sequences))
+        old, _ = compute_logprobs(
+            student.chunks,
+            batch,
+            context,
+            micro_batch_size=cfg.actor.micro_batch_size,
+            temperature=temperature,
+            with_entropy=False,
+        )
+        batch = dataclasses.replace(
+            batch, old_logprobs=old, advantages=torch.ones(batch.num_sequences)
+        )
         metrics = train_step(student, batch, loss, plan)
         cross_entropy = float(-old[batch.response_mask].mean())
         log(step, {"warmup/cross_entropy": cross_entropy, "warmup/grad_norm": metrics["grad_norm"]})

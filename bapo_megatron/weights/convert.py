@@ -64,8 +64,13 @@ def _is_rank0() -> bool:
 
 
 @torch.no_grad()
-def load_hf_weights(chunks: list[torch.nn.Module], hf: HFCheckpoint, context: ParallelContext,
-                    *, progress: bool = False) -> None:
+def load_hf_weights(
+    chunks: list[torch.nn.Module],
+    hf: HFCheckpoint,
+    context: ParallelContext,
+    *,
+    progress: bool = False,
+) -> None:
     """Copy this rank's shards of the HF checkpoint ``hf`` into ``chunks`` (built for
     ``hf.model`` at the context's layout). Reads only this rank's slices from the files."""
     model = hf.model
@@ -74,8 +79,10 @@ def load_hf_weights(chunks: list[torch.nn.Module], hf: HFCheckpoint, context: Pa
     for name, param in tqdm(params, desc="HF -> Megatron", unit="tensor", disable=not progress):
         rule = rules.get(name)
         if rule is None:
-            raise ValueError(f"parameter {name!r} of the Megatron model has no rule in the "
-                             f"{model.model_type!r} name map")
+            raise ValueError(
+                f"parameter {name!r} of the Megatron model has no rule in the "
+                f"{model.model_type!r} name map"
+            )
         parts = []
         for hf_name, shape in zip(rule.hf, hf_tensor_shapes(rule, model)):
             if rule.tp_dim is None:
@@ -85,23 +92,39 @@ def load_hf_weights(chunks: list[torch.nn.Module], hf: HFCheckpoint, context: Pa
                 parts.append(hf.read(hf_name, rule.tp_dim, part))
         shard = merge(rule, parts, model)
         if tuple(shard.shape) != tuple(param.shape):
-            raise ValueError(f"{rule.hf}: the tensor-parallel shard has shape "
-                             f"{tuple(shard.shape)}, but Megatron parameter {name!r} has "
-                             f"{tuple(param.shape)} at TP rank {context.tp_rank}")
+            raise ValueError(
+                f"{rule.hf}: the tensor-parallel shard has shape "
+                f"{tuple(shard.shape)}, but Megatron parameter {name!r} has "
+                f"{tuple(param.shape)} at TP rank {context.tp_rank}"
+            )
         param.copy_(shard)
-        if name == "embedding.word_embeddings.weight" and model.tie_word_embeddings \
-                and "lm_head.weight" in hf:
+        if (
+            name == "embedding.word_embeddings.weight"
+            and model.tie_word_embeddings
+            and "lm_head.weight" in hf
+        ):
             # a tied checkpoint that stores the output matrix too: it must be the same matrix
-            head = hf.read("lm_head.weight", rule.tp_dim,
-                           tp_slice(rule, model.vocab_size, context.tp_rank, context.tp_size))
+            head = hf.read(
+                "lm_head.weight",
+                rule.tp_dim,
+                tp_slice(rule, model.vocab_size, context.tp_rank, context.tp_size),
+            )
             if not torch.equal(head, parts[0]):
-                raise ValueError(f"HF checkpoint {hf.folder}: tie_word_embeddings is true, but "
-                                 "lm_head.weight differs from model.embed_tokens.weight")
+                raise ValueError(
+                    f"HF checkpoint {hf.folder}: tie_word_embeddings is true, but "
+                    "lm_head.weight differs from model.embed_tokens.weight"
+                )
 
 
-def hf_to_megatron(hf_folder: str | Path, out_folder: str | Path, context: ParallelContext, *,
-                   params_dtype: str | None = None, overwrite: bool = False,
-                   progress: bool = False) -> tuple[ModelConfig, list[torch.nn.Module]]:
+def hf_to_megatron(
+    hf_folder: str | Path,
+    out_folder: str | Path,
+    context: ParallelContext,
+    *,
+    params_dtype: str | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> tuple[ModelConfig, list[torch.nn.Module]]:
     """Convert the HF folder to a Megatron checkpoint at ``out_folder`` (collective).
 
     ``params_dtype`` (`float32` or `bfloat16`) is the dtype of the Megatron weights; default: the
@@ -111,20 +134,35 @@ def hf_to_megatron(hf_folder: str | Path, out_folder: str | Path, context: Paral
     check_output(out_folder, overwrite)
     with HFCheckpoint.open(hf_folder) as hf:
         if params_dtype is None:
-            params_dtype = DTYPE_NAMES[hf.dtype] if hf.dtype in (torch.float32, torch.bfloat16) \
-                else "float32"
+            params_dtype = (
+                DTYPE_NAMES[hf.dtype] if hf.dtype in (torch.float32, torch.bfloat16) else "float32"
+            )
         model = dataclasses.replace(hf.model, params_dtype=params_dtype)
         chunks = build_model(model, context.config, context, initialize=False)
         load_hf_weights(chunks, hf, context, progress=progress and _is_rank0())
-        save_megatron_checkpoint(chunks, model, out_folder, hf_dtype=hf.dtype,
-                                 hf_files=non_weight_files(hf_folder), overwrite=overwrite)
+        save_megatron_checkpoint(
+            chunks,
+            model,
+            out_folder,
+            hf_dtype=hf.dtype,
+            hf_files=non_weight_files(hf_folder),
+            overwrite=overwrite,
+        )
         return model, chunks
 
 
-def write_hf_folder(chunks: list[torch.nn.Module], model: ModelConfig, out_folder: str | Path,
-                    context: ParallelContext, *, files: list[Path], dtype: torch.dtype,
-                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
-                    progress: bool = False) -> None:
+def write_hf_folder(
+    chunks: list[torch.nn.Module],
+    model: ModelConfig,
+    out_folder: str | Path,
+    context: ParallelContext,
+    *,
+    files: list[Path],
+    dtype: torch.dtype,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> None:
     """Write the weights of ``chunks`` as an HF folder (collective over the world): each stage's
     first TP rank of data-parallel replica 0 writes its export buckets as shards of at most
     ``max_shard_bytes``; ``files`` (config, tokenizer...) are copied."""
@@ -133,16 +171,26 @@ def write_hf_folder(chunks: list[torch.nn.Module], model: ModelConfig, out_folde
         if context.dp_rank == 0 and context.cp_rank == 0:
             # each bucket is written before the next is asked for: one kept buffer will do
             device = next(chunks[0].parameters()).device
-            buckets = export_weights(chunks, model, context, version=0,
-                                     bucket_bytes=max_shard_bytes, dtype=dtype,
-                                     transport=make_transport("auto", context, device, False,
-                                                              reuse=True))
-            for bucket in tqdm(buckets, desc=f"Megatron -> HF (stage {context.pp_rank})",
-                               unit="shard", disable=not progress):
+            buckets = export_weights(
+                chunks,
+                model,
+                context,
+                version=0,
+                bucket_bytes=max_shard_bytes,
+                dtype=dtype,
+                transport=make_transport("auto", context, device, False, reuse=True),
+            )
+            for bucket in tqdm(
+                buckets,
+                desc=f"Megatron -> HF (stage {context.pp_rank})",
+                unit="shard",
+                disable=not progress,
+            ):
                 file = f"part-{bucket.pipeline_rank:05d}-{bucket.index:05d}.safetensors"
                 size = write_shard(staging / file, bucket.tensors)
-                written.append((bucket.pipeline_rank, bucket.index, file, list(bucket.tensors),
-                                size))
+                written.append(
+                    (bucket.pipeline_rank, bucket.index, file, list(bucket.tensors), size)
+                )
         everyone: list[list] = [written]
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
@@ -167,10 +215,17 @@ def _set_config_dtype(config: Path, dtype: torch.dtype) -> None:
     config.write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
 
 
-def megatron_to_hf(checkpoint: str | Path, out_folder: str | Path, context: ParallelContext, *,
-                   dtype: str | None = None, hf_files_from: str | Path | None = None,
-                   max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
-                   progress: bool = False) -> None:
+def megatron_to_hf(
+    checkpoint: str | Path,
+    out_folder: str | Path,
+    context: ParallelContext,
+    *,
+    dtype: str | None = None,
+    hf_files_from: str | Path | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> None:
     """Convert the Megatron checkpoint to an HF folder (collective), loading it at this layout.
 
     ``dtype``: of the HF weights; default: the dtype recorded at conversion from HF, else the
@@ -187,14 +242,24 @@ def megatron_to_hf(checkpoint: str | Path, out_folder: str | Path, context: Para
     else:
         source = checkpoint / HF_FILES_DIR
         if not (source / CONFIG_FILE).is_file():
-            raise ValueError(f"Megatron checkpoint {checkpoint} carries no HF config "
-                             f"({source / CONFIG_FILE}); pass the HF folder to take config and "
-                             "tokenizer files from")
+            raise ValueError(
+                f"Megatron checkpoint {checkpoint} carries no HF config "
+                f"({source / CONFIG_FILE}); pass the HF folder to take config and "
+                "tokenizer files from"
+            )
     name = dtype or info.hf_dtype or info.model.params_dtype
     if name not in _BY_NAME:
         raise ValueError(f"dtype must be one of {sorted(_BY_NAME)}, got {name!r}")
     chunks = build_model(info.model, context.config, context, initialize=False)
     load_megatron_checkpoint(chunks, info.model, checkpoint)
-    write_hf_folder(chunks, info.model, out_folder, context, files=non_weight_files(source),
-                    dtype=_BY_NAME[name], max_shard_bytes=max_shard_bytes, overwrite=overwrite,
-                    progress=progress)
+    write_hf_folder(
+        chunks,
+        info.model,
+        out_folder,
+        context,
+        files=non_weight_files(source),
+        dtype=_BY_NAME[name],
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+        progress=progress,
+    )

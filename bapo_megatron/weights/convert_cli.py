@@ -22,8 +22,16 @@ import re
 import sys
 from pathlib import Path
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
 
 
 def byte_size(text: str) -> int:
@@ -41,25 +49,41 @@ def build_parser() -> argparse.ArgumentParser:
     to_megatron = commands.add_parser("hf-to-megatron", help="HF folder -> Megatron checkpoint")
     to_megatron.add_argument("hf", help="HF folder: config.json, safetensors (+ index), tokenizer")
     to_megatron.add_argument("out", help="Megatron checkpoint folder to create")
-    to_megatron.add_argument("--params-dtype", choices=["float32", "bfloat16"], default=None,
-                             help="dtype of the Megatron weights (default: the HF weights' if "
-                                  "float32 or bfloat16, else float32)")
+    to_megatron.add_argument(
+        "--params-dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="dtype of the Megatron weights (default: the HF weights' if "
+        "float32 or bfloat16, else float32)",
+    )
     to_hf = commands.add_parser("megatron-to-hf", help="Megatron checkpoint -> HF folder")
     to_hf.add_argument("checkpoint", help="Megatron checkpoint folder")
     to_hf.add_argument("out", help="HF folder to create")
-    to_hf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                       help="dtype of the HF weights (default: that of the HF folder the "
-                            "checkpoint was converted from)")
-    to_hf.add_argument("--hf-files-from", default=None,
-                       help="HF folder to take config.json and tokenizer files from (default: "
-                            "the copies stored in the checkpoint)")
-    to_hf.add_argument("--max-shard-size", type=byte_size, default="2GB",
-                       help="largest safetensors shard (default 2GB)")
+    to_hf.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="dtype of the HF weights (default: that of the HF folder the "
+        "checkpoint was converted from)",
+    )
+    to_hf.add_argument(
+        "--hf-files-from",
+        default=None,
+        help="HF folder to take config.json and tokenizer files from (default: "
+        "the copies stored in the checkpoint)",
+    )
+    to_hf.add_argument(
+        "--max-shard-size",
+        type=byte_size,
+        default="2GB",
+        help="largest safetensors shard (default 2GB)",
+    )
     for command in (to_megatron, to_hf):
         command.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
         command.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-        command.add_argument("--overwrite", action="store_true",
-                             help="replace the output folder if it exists")
+        command.add_argument(
+            "--overwrite", action="store_true", help="replace the output folder if it exists"
+        )
         command.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
@@ -76,22 +100,38 @@ def main(argv: list[str] | None = None) -> None:
     from bapo_megatron.distributed.context import ParallelContext
     from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf
 
-    context = ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=args.tp,
-                                                        pipeline_model_parallel_size=args.pp))
+    context = ParallelContext.initialize(
+        ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    )
     progress = not args.no_progress
     # every rank may create them: mkdir with exist_ok tolerates a concurrent creation
     Path(args.out).absolute().parent.mkdir(parents=True, exist_ok=True)
     try:
         if args.command == "hf-to-megatron":
-            model, _ = hf_to_megatron(args.hf, args.out, context, params_dtype=args.params_dtype,
-                                      overwrite=args.overwrite, progress=progress)
-            summary = (f"wrote Megatron checkpoint {args.out} ({model.model_type}, "
-                       f"{model.num_layers} layers, {model.params_dtype}) "
-                       f"at TP{args.tp}/PP{args.pp}")
+            model, _ = hf_to_megatron(
+                args.hf,
+                args.out,
+                context,
+                params_dtype=args.params_dtype,
+                overwrite=args.overwrite,
+                progress=progress,
+            )
+            summary = (
+                f"wrote Megatron checkpoint {args.out} ({model.model_type}, "
+                f"{model.num_layers} layers, {model.params_dtype}) "
+                f"at TP{args.tp}/PP{args.pp}"
+            )
         else:
-            megatron_to_hf(args.checkpoint, args.out, context, dtype=args.dtype,
-                           hf_files_from=args.hf_files_from, max_shard_bytes=args.max_shard_size,
-                           overwrite=args.overwrite, progress=progress)
+            megatron_to_hf(
+                args.checkpoint,
+                args.out,
+                context,
+                dtype=args.dtype,
+                hf_files_from=args.hf_files_from,
+                max_shard_bytes=args.max_shard_size,
+                overwrite=args.overwrite,
+                progress=progress,
+            )
             summary = f"wrote HF folder {args.out} from {args.checkpoint}"
         if context.rank == 0:
             print(summary, flush=True)
@@ -100,4 +140,3 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     finally:
         context.teardown()
-

@@ -66,8 +66,9 @@ def rule_nbytes(rule: ParamRule, model: ModelConfig, element_size: int) -> int:
     return sum(math.prod(shape) for shape in hf_tensor_shapes(rule, model)) * element_size
 
 
-def plan_buckets(rules: Sequence[ParamRule], model: ModelConfig, bucket_bytes: int,
-                 element_size: int) -> list[list[ParamRule]]:
+def plan_buckets(
+    rules: Sequence[ParamRule], model: ModelConfig, bucket_bytes: int, element_size: int
+) -> list[list[ParamRule]]:
     """Group ``rules`` (in their order) greedily into buckets of at most ``bucket_bytes`` of HF
     tensors; a rule larger than the bound forms a bucket alone. Rules not exported (the tied
     output layer) are dropped."""
@@ -88,11 +89,17 @@ def plan_buckets(rules: Sequence[ParamRule], model: ModelConfig, bucket_bytes: i
 
 
 @torch.no_grad()
-def export_weights(chunks: Sequence[torch.nn.Module], model: ModelConfig,
-                   context: ParallelContext, *, version: int,
-                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None,
-                   to_all_tp_ranks: bool = False,
-                   transport: TransportKind | ShardTransport = "auto") -> Iterator[WeightBucket]:
+def export_weights(
+    chunks: Sequence[torch.nn.Module],
+    model: ModelConfig,
+    context: ParallelContext,
+    *,
+    version: int,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype | None = None,
+    to_all_tp_ranks: bool = False,
+    transport: TransportKind | ShardTransport = "auto",
+) -> Iterator[WeightBucket]:
     """Yield this stage's parameters as whole HF tensors in buckets of at most ``bucket_bytes``
     (a single larger tensor group, e.g. a big embedding, comes alone).
 
@@ -114,8 +121,9 @@ def export_weights(chunks: Sequence[torch.nn.Module], model: ModelConfig,
         params.update((name, p.detach()) for name, p in chunk_parameters(chunk))
     unknown = sorted(set(params) - {r.megatron for r in rules})
     if unknown:
-        raise ValueError(f"export: parameters {unknown} have no rule in the "
-                         f"{model.model_type!r} name map")
+        raise ValueError(
+            f"export: parameters {unknown} have no rule in the {model.model_type!r} name map"
+        )
     if not params:
         return
     dtype = dtype or getattr(torch, model.params_dtype)  # the same on every stage
@@ -123,15 +131,23 @@ def export_weights(chunks: Sequence[torch.nn.Module], model: ModelConfig,
     element_size = torch.empty((), dtype=dtype).element_size()
     buckets = plan_buckets(owned, model, bucket_bytes, element_size)
     if isinstance(transport, str):
-        mover = make_transport(transport, context, next(iter(params.values())).device,
-                               to_all_tp_ranks)
+        mover = make_transport(
+            transport, context, next(iter(params.values())).device, to_all_tp_ranks
+        )
     elif transport.to_all != to_all_tp_ranks:
-        raise ValueError(f"export: the transport was built with to_all={transport.to_all}, "
-                         f"but to_all_tp_ranks={to_all_tp_ranks}")
+        raise ValueError(
+            f"export: the transport was built with to_all={transport.to_all}, "
+            f"but to_all_tp_ranks={to_all_tp_ranks}"
+        )
     else:
         mover = transport
     for index, bucket in enumerate(buckets):
         tensors = mover.assemble(bucket, params, model, dtype)
         if tensors is not None:
-            yield WeightBucket(version=version, pipeline_rank=context.pp_rank, index=index,
-                               last=index == len(buckets) - 1, tensors=tensors)
+            yield WeightBucket(
+                version=version,
+                pipeline_rank=context.pp_rank,
+                index=index,
+                last=index == len(buckets) - 1,
+                tensors=tensors,
+            )

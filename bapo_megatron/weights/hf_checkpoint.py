@@ -52,17 +52,26 @@ def _open_safetensors(path: Path, stack: contextlib.ExitStack) -> Any:
     try:
         return stack.enter_context(safe_open(str(path), framework="pt"))
     except (SafetensorError, OSError) as err:
-        raise ValueError(f"HF checkpoint: weight file {path} cannot be read (missing, truncated "
-                         f"or not safetensors): {err}") from None
+        raise ValueError(
+            f"HF checkpoint: weight file {path} cannot be read (missing, truncated "
+            f"or not safetensors): {err}"
+        ) from None
 
 
 class HFCheckpoint:
     """A validated HF checkpoint folder, open for lazy reading. Use as a context manager (or
     call :meth:`close`); build with :meth:`open`."""
 
-    def __init__(self, folder: Path, model: ModelConfig, name_map: NameMap,
-                 handles: dict[str, Any], locations: dict[str, str], dtype: torch.dtype,
-                 stack: contextlib.ExitStack) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        model: ModelConfig,
+        name_map: NameMap,
+        handles: dict[str, Any],
+        locations: dict[str, str],
+        dtype: torch.dtype,
+        stack: contextlib.ExitStack,
+    ) -> None:
         self.folder = folder
         """The checkpoint folder."""
         self.model = model
@@ -87,8 +96,10 @@ class HFCheckpoint:
         locations = _weight_locations(folder)
         stack = contextlib.ExitStack()
         try:
-            handles = {name: _open_safetensors(folder / name, stack)
-                       for name in sorted(set(locations.values()))}
+            handles = {
+                name: _open_safetensors(folder / name, stack)
+                for name in sorted(set(locations.values()))
+            }
             dtype = _check_tensors(folder, model, name_map, handles, locations)
         except BaseException:
             stack.close()
@@ -130,16 +141,23 @@ def _weight_locations(folder: Path) -> dict[str, str]:
             raise ValueError(f"HF checkpoint: {index_path} is not valid JSON: {err}") from None
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(
-                isinstance(v, str) for v in weight_map.values()):
-            raise ValueError(f"HF checkpoint: {index_path} has no 'weight_map' object of "
-                             "tensor name -> file name")
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise ValueError(
+                f"HF checkpoint: {index_path} has no 'weight_map' object of "
+                "tensor name -> file name"
+            )
         for name, file in weight_map.items():
             if "/" in file or file.startswith("."):
-                raise ValueError(f"HF checkpoint: {index_path} puts tensor {name!r} in {file!r}, "
-                                 "which is not a file of the folder")
+                raise ValueError(
+                    f"HF checkpoint: {index_path} puts tensor {name!r} in {file!r}, "
+                    "which is not a file of the folder"
+                )
             if not (folder / file).is_file():
-                raise ValueError(f"HF checkpoint: shard {folder / file} (listed in {INDEX_FILE} "
-                                 f"for tensor {name!r}) does not exist")
+                raise ValueError(
+                    f"HF checkpoint: shard {folder / file} (listed in {INDEX_FILE} "
+                    f"for tensor {name!r}) does not exist"
+                )
         return dict(weight_map)
     if (folder / SINGLE_FILE).is_file():
         with contextlib.ExitStack() as stack:
@@ -147,26 +165,36 @@ def _weight_locations(folder: Path) -> dict[str, str]:
             return {name: SINGLE_FILE for name in handle.keys()}
     others = sorted(p.name for p in folder.iterdir() if p.suffix in OTHER_WEIGHT_SUFFIXES)
     if others:
-        raise ValueError(f"HF checkpoint {folder}: only safetensors weights are supported, "
-                         f"found {others}")
+        raise ValueError(
+            f"HF checkpoint {folder}: only safetensors weights are supported, found {others}"
+        )
     raise ValueError(f"HF checkpoint {folder}: neither {INDEX_FILE} nor {SINGLE_FILE} exists")
 
 
-def _check_tensors(folder: Path, model: ModelConfig, name_map: NameMap,
-                   handles: Mapping[str, Any], locations: Mapping[str, str]) -> torch.dtype:
+def _check_tensors(
+    folder: Path,
+    model: ModelConfig,
+    name_map: NameMap,
+    handles: Mapping[str, Any],
+    locations: Mapping[str, str],
+) -> torch.dtype:
     """Every tensor is where the index says, with the shape the config implies; returns the
     common dtype."""
     in_file = {file: set(handle.keys()) for file, handle in handles.items()}
     for name, file in locations.items():
         if name not in in_file[file]:
-            raise ValueError(f"HF checkpoint: {INDEX_FILE} puts tensor {name!r} in "
-                             f"{folder / file}, which does not contain it")
+            raise ValueError(
+                f"HF checkpoint: {INDEX_FILE} puts tensor {name!r} in "
+                f"{folder / file}, which does not contain it"
+            )
     expected = name_map.hf_shapes(model)
     for name in expected:
         if name not in locations:
-            raise ValueError(f"HF checkpoint {folder}: tensor {name!r} is missing (expected by "
-                             f"{CONFIG_FILE}: model_type {model.model_type!r}, "
-                             f"{model.num_layers} layers)")
+            raise ValueError(
+                f"HF checkpoint {folder}: tensor {name!r} is missing (expected by "
+                f"{CONFIG_FILE}: model_type {model.model_type!r}, "
+                f"{model.num_layers} layers)"
+            )
     dtypes: dict[str, torch.dtype] = {}
     for name, file in locations.items():
         if name.endswith(IGNORED_SUFFIXES):
@@ -177,23 +205,31 @@ def _check_tensors(folder: Path, model: ModelConfig, name_map: NameMap,
         elif name == "lm_head.weight" and model.tie_word_embeddings:
             want = expected["model.embed_tokens.weight"]  # a stored copy of the tied matrix
         else:
-            raise ValueError(f"HF checkpoint {folder / file}: unexpected tensor {name!r} for "
-                             f"{CONFIG_FILE} (model_type {model.model_type!r}, "
-                             f"{model.num_layers} layers, tie_word_embeddings="
-                             f"{model.tie_word_embeddings})")
+            raise ValueError(
+                f"HF checkpoint {folder / file}: unexpected tensor {name!r} for "
+                f"{CONFIG_FILE} (model_type {model.model_type!r}, "
+                f"{model.num_layers} layers, tie_word_embeddings="
+                f"{model.tie_word_embeddings})"
+            )
         shape = tuple(view.get_shape())
         if shape != want:
-            raise ValueError(f"HF checkpoint {folder / file}: tensor {name!r} has shape {shape}, "
-                             f"but {CONFIG_FILE} implies {want}")
+            raise ValueError(
+                f"HF checkpoint {folder / file}: tensor {name!r} has shape {shape}, "
+                f"but {CONFIG_FILE} implies {want}"
+            )
         if view.get_dtype() not in _DTYPES:
-            raise ValueError(f"HF checkpoint {folder / file}: tensor {name!r} has dtype "
-                             f"{view.get_dtype()}; expected one of {sorted(_DTYPES)}")
+            raise ValueError(
+                f"HF checkpoint {folder / file}: tensor {name!r} has dtype "
+                f"{view.get_dtype()}; expected one of {sorted(_DTYPES)}"
+            )
         dtypes[name] = _DTYPES[view.get_dtype()]
     (dtype, _), *others = Counter(dtypes.values()).most_common()
     if others:
         odd = next(name for name, d in dtypes.items() if d != dtype)
-        raise ValueError(f"HF checkpoint {folder}: tensor {odd!r} is {dtypes[odd]} while most are "
-                         f"{dtype}; checkpoints with mixed dtypes are not supported")
+        raise ValueError(
+            f"HF checkpoint {folder}: tensor {odd!r} is {dtypes[odd]} while most are "
+            f"{dtype}; checkpoints with mixed dtypes are not supported"
+        )
     return dtype
 
 
@@ -201,10 +237,15 @@ def non_weight_files(folder: str | Path) -> list[Path]:
     """The files a conversion carries along unchanged: every top-level file of the folder except
     weights and their index (config, generation config, tokenizer files, chat template...)."""
     folder = Path(folder)
-    return sorted(p for p in folder.iterdir()
-                  if p.is_file() and not p.name.startswith(".")
-                  and p.suffix != ".safetensors" and p.name != INDEX_FILE
-                  and p.suffix not in OTHER_WEIGHT_SUFFIXES)
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_file()
+        and not p.name.startswith(".")
+        and p.suffix != ".safetensors"
+        and p.name != INDEX_FILE
+        and p.suffix not in OTHER_WEIGHT_SUFFIXES
+    )
 
 
 def copy_files(files: Iterable[Path], destination: Path) -> None:
@@ -216,8 +257,9 @@ def copy_files(files: Iterable[Path], destination: Path) -> None:
 def write_shard(path: Path, tensors: Mapping[str, torch.Tensor]) -> int:
     """Write one safetensors file (with transformers' ``format: pt`` metadata); returns its
     tensor bytes."""
-    save_file({name: t.contiguous() for name, t in tensors.items()}, str(path),
-              metadata={"format": "pt"})
+    save_file(
+        {name: t.contiguous() for name, t in tensors.items()}, str(path), metadata={"format": "pt"}
+    )
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
@@ -230,6 +272,8 @@ def name_shards(folder: Path, shards: list[tuple[str, list[str], int]]) -> None:
         final = f"model-{k:05d}-of-{total:05d}.safetensors"
         (folder / file).rename(folder / final)
         weight_map.update((name, final) for name in names)
-    index = {"metadata": {"total_size": sum(size for *_, size in shards)},
-             "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        "metadata": {"total_size": sum(size for *_, size in shards)},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

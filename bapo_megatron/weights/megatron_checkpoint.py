@@ -59,9 +59,15 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def save_megatron_checkpoint(chunks: Sequence[torch.nn.Module], model: ModelConfig,
-                             folder: str | Path, *, hf_dtype: torch.dtype | None = None,
-                             hf_files: Iterable[Path] = (), overwrite: bool = False) -> None:
+def save_megatron_checkpoint(
+    chunks: Sequence[torch.nn.Module],
+    model: ModelConfig,
+    folder: str | Path,
+    *,
+    hf_dtype: torch.dtype | None = None,
+    hf_files: Iterable[Path] = (),
+    overwrite: bool = False,
+) -> None:
     """Save this rank's ``chunks`` of ``model`` to ``folder`` (collective over the world).
 
     The folder appears only once complete (:func:`~bapo_megatron.files.atomic.staged_folder`).
@@ -69,13 +75,18 @@ def save_megatron_checkpoint(chunks: Sequence[torch.nn.Module], model: ModelConf
     """
     hf_files = list(hf_files)
     with staged_folder(folder, overwrite=overwrite) as staging:
-        state = {key: _unwrap(chunk).sharded_state_dict()
-                 for key, chunk in zip(state_keys(len(chunks)), chunks)}
+        state = {
+            key: _unwrap(chunk).sharded_state_dict()
+            for key, chunk in zip(state_keys(len(chunks)), chunks)
+        }
         checkpoint_writer_queue_ends_with_us()
         dist_checkpointing.save(state, str(staging))
         if not dist.is_initialized() or dist.get_rank() == 0:
-            info = {"format_version": FORMAT_VERSION, "model": dataclasses.asdict(model),
-                    "hf_dtype": DTYPE_NAMES[hf_dtype] if hf_dtype is not None else None}
+            info = {
+                "format_version": FORMAT_VERSION,
+                "model": dataclasses.asdict(model),
+                "hf_dtype": DTYPE_NAMES[hf_dtype] if hf_dtype is not None else None,
+            }
             (staging / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
             if hf_files:
                 (staging / HF_FILES_DIR).mkdir()
@@ -86,8 +97,10 @@ def read_checkpoint_info(folder: str | Path) -> CheckpointInfo:
     """The model and origin recorded in a checkpoint folder; ``ValueError`` naming the file."""
     path = Path(folder) / INFO_FILE
     if not path.is_file():
-        raise ValueError(f"Megatron checkpoint {folder}: {INFO_FILE} does not exist (not a "
-                         "checkpoint written by bapo_megatron, or an incomplete one)")
+        raise ValueError(
+            f"Megatron checkpoint {folder}: {INFO_FILE} does not exist (not a "
+            "checkpoint written by bapo_megatron, or an incomplete one)"
+        )
     try:
         info = json.loads(path.read_text())
         version = info["format_version"]
@@ -108,8 +121,9 @@ def check_same_model(expected: ModelConfig, found: ModelConfig, where: str) -> N
             raise ValueError(f"{where}: model.{field.name} is {b!r}, but the model has {a!r}")
 
 
-def load_megatron_checkpoint(chunks: Sequence[torch.nn.Module], model: ModelConfig,
-                             folder: str | Path) -> None:
+def load_megatron_checkpoint(
+    chunks: Sequence[torch.nn.Module], model: ModelConfig, folder: str | Path
+) -> None:
     """Load the checkpoint ``folder`` into this rank's ``chunks`` of ``model``, whatever layout
     it was saved at (collective over the world). The recorded model must equal ``model``."""
     info = read_checkpoint_info(folder)

@@ -68,8 +68,12 @@ _LayerEntry = tuple[str, tuple[str, ...], Layout, int | None]
 
 _LLAMA_LAYER: tuple[_LayerEntry, ...] = (
     ("input_layernorm.weight", ("input_layernorm.weight",), "same", None),
-    ("self_attention.linear_qkv.weight",
-     ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv", 0),
+    (
+        "self_attention.linear_qkv.weight",
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        "qkv",
+        0,
+    ),
     ("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "same", 1),
     ("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "same", None),
     ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up", 0),
@@ -77,10 +81,18 @@ _LLAMA_LAYER: tuple[_LayerEntry, ...] = (
 )
 
 # Qwen2 / Qwen2.5: Llama's layer plus a bias on q, k and v (and nothing else).
-_QWEN2_LAYER: tuple[_LayerEntry, ...] = _LLAMA_LAYER[:2] + (
-    ("self_attention.linear_qkv.bias",
-     ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv", 0),
-) + _LLAMA_LAYER[2:]
+_QWEN2_LAYER: tuple[_LayerEntry, ...] = (
+    _LLAMA_LAYER[:2]
+    + (
+        (
+            "self_attention.linear_qkv.bias",
+            ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+            "qkv",
+            0,
+        ),
+    )
+    + _LLAMA_LAYER[2:]
+)
 
 # Transformer Engine's fused layers own the pre-norm weights; the local spec (CPU) has separate
 # norm modules. Megatron's own checkpoints use the TE names as keys for both.
@@ -103,23 +115,38 @@ class NameMap:
         """Every Megatron parameter of the whole ``model``, in HF order: embedding, layers, final
         norm, output layer (untied; tied: the loading-only copy of the embedding)."""
         if model.model_type != self.model_type:
-            raise ValueError(f"name map {self.model_type!r} cannot describe a model of "
-                             f"model_type {model.model_type!r}")
+            raise ValueError(
+                f"name map {self.model_type!r} cannot describe a model of "
+                f"model_type {model.model_type!r}"
+            )
         has_bias = any(m.endswith(".bias") for m, *_ in self.layer)
         if model.qkv_bias != has_bias:
-            raise ValueError(f"model.qkv_bias={model.qkv_bias} does not match the "
-                             f"{self.model_type!r} family (q/k/v bias: {has_bias})")
-        rules = [ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",),
-                           "same", 0)]
+            raise ValueError(
+                f"model.qkv_bias={model.qkv_bias} does not match the "
+                f"{self.model_type!r} family (q/k/v bias: {has_bias})"
+            )
+        rules = [
+            ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "same", 0)
+        ]
         for i in range(model.num_layers):
-            rules += [ParamRule(f"decoder.layers.{i}.{megatron}",
-                                tuple(f"model.layers.{i}.{name}" for name in hf), layout, tp_dim)
-                      for megatron, hf, layout, tp_dim in self.layer]
-        rules.append(ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "same",
-                               None))
+            rules += [
+                ParamRule(
+                    f"decoder.layers.{i}.{megatron}",
+                    tuple(f"model.layers.{i}.{name}" for name in hf),
+                    layout,
+                    tp_dim,
+                )
+                for megatron, hf, layout, tp_dim in self.layer
+            ]
+        rules.append(
+            ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "same", None)
+        )
         if model.tie_word_embeddings:
-            rules.append(ParamRule("output_layer.weight", ("model.embed_tokens.weight",), "same",
-                                   0, exported=False))
+            rules.append(
+                ParamRule(
+                    "output_layer.weight", ("model.embed_tokens.weight",), "same", 0, exported=False
+                )
+            )
         else:
             rules.append(ParamRule("output_layer.weight", ("lm_head.weight",), "same", 0))
         return rules
@@ -143,8 +170,9 @@ NAME_MAPS: dict[str, NameMap] = {
 def name_map_for(model_type: str) -> NameMap:
     """The registered name map of ``model_type``; ``ValueError`` listing the supported ones."""
     if model_type not in NAME_MAPS:
-        raise ValueError(f"no name map for HF model_type {model_type!r}; supported: "
-                         f"{sorted(NAME_MAPS)}")
+        raise ValueError(
+            f"no name map for HF model_type {model_type!r}; supported: {sorted(NAME_MAPS)}"
+        )
     return NAME_MAPS[model_type]
 
 
@@ -152,8 +180,11 @@ def hf_tensor_shapes(rule: ParamRule, model: ModelConfig) -> tuple[tuple[int, ..
     """Shapes of the whole HF tensors of ``rule`` for ``model``."""
     h, d = model.hidden_size, model.head_dim
     q, kv = model.num_attention_heads * d, model.num_query_groups * d
-    suffix = rule.megatron.split(".", 3)[-1] if rule.megatron.startswith("decoder.layers.") \
+    suffix = (
+        rule.megatron.split(".", 3)[-1]
+        if rule.megatron.startswith("decoder.layers.")
         else rule.megatron
+    )
     shapes = {
         "embedding.word_embeddings.weight": ((model.vocab_size, h),),
         "output_layer.weight": ((model.vocab_size, h),),
@@ -185,8 +216,10 @@ def tp_slice(rule: ParamRule, length: int, tp_rank: int, tp_size: int) -> slice:
     if rule.tp_dim is None:
         return slice(0, length)
     if length % tp_size:
-        raise ValueError(f"{rule.hf}: dimension {rule.tp_dim} of size {length} is not divisible "
-                         f"by the tensor-parallel size {tp_size}")
+        raise ValueError(
+            f"{rule.hf}: dimension {rule.tp_dim} of size {length} is not divisible "
+            f"by the tensor-parallel size {tp_size}"
+        )
     step = length // tp_size
     return slice(tp_rank * step, (tp_rank + 1) * step)
 
@@ -195,8 +228,9 @@ def merge(rule: ParamRule, parts: Sequence[torch.Tensor], model: ModelConfig) ->
     """The Megatron tensor made of the HF tensors ``parts`` (whole tensors, or one rank's
     :func:`tp_slice` of each, which gives that rank's shard)."""
     if len(parts) != len(rule.hf):
-        raise ValueError(f"{rule.megatron}: expected {len(rule.hf)} tensors {rule.hf}, "
-                         f"got {len(parts)}")
+        raise ValueError(
+            f"{rule.megatron}: expected {len(rule.hf)} tensors {rule.hf}, got {len(parts)}"
+        )
     if rule.layout == "same":
         return parts[0]
     if rule.layout == "gate_up":
@@ -206,8 +240,10 @@ def merge(rule: ParamRule, parts: Sequence[torch.Tensor], model: ModelConfig) ->
     groups = k.shape[0] // d  # query groups in these slices
     rest = q.shape[1:]
     # [G, heads_per_group * d | d | d, *rest] -> [G * (heads_per_group + 2) * d, *rest]
-    return torch.cat([q.reshape(groups, -1, *rest), k.reshape(groups, d, *rest),
-                      v.reshape(groups, d, *rest)], dim=1).reshape(-1, *rest)
+    return torch.cat(
+        [q.reshape(groups, -1, *rest), k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)],
+        dim=1,
+    ).reshape(-1, *rest)
 
 
 def split(rule: ParamRule, tensor: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, ...]:
@@ -221,12 +257,20 @@ def split(rule: ParamRule, tensor: torch.Tensor, model: ModelConfig) -> tuple[to
     per_group = model.num_attention_heads // model.num_query_groups
     rest = tensor.shape[1:]
     grouped = tensor.reshape(-1, per_group + 2, d, *rest)  # [G, q heads + k + v, d, *rest]
-    return (grouped[:, :per_group].reshape(-1, *rest), grouped[:, per_group].reshape(-1, *rest),
-            grouped[:, per_group + 1].reshape(-1, *rest))
+    return (
+        grouped[:, :per_group].reshape(-1, *rest),
+        grouped[:, per_group].reshape(-1, *rest),
+        grouped[:, per_group + 1].reshape(-1, *rest),
+    )
 
 
-def place_shard(rule: ParamRule, wholes: Sequence[torch.Tensor], shard: torch.Tensor,
-                tp_rank: int, model: ModelConfig) -> None:
+def place_shard(
+    rule: ParamRule,
+    wholes: Sequence[torch.Tensor],
+    shard: torch.Tensor,
+    tp_rank: int,
+    model: ModelConfig,
+) -> None:
     """Copy TP rank ``tp_rank``'s Megatron ``shard`` of ``rule`` into its place in the whole HF
     tensors ``wholes``: the slice ``tp_rank`` of ``tp_dim`` (the whole tensor when replicated),
     the inverse of :func:`tp_slice` + :func:`merge`. q/k/v are copied group by group through

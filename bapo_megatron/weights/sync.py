@@ -33,8 +33,14 @@ def named_tensors_of(buckets: Iterable[WeightBucket]) -> Iterator[tuple[str, tor
         yield from bucket.tensors.items()
 
 
-def push_weights(actor: Actor, engine: RolloutEngine | None, *, version: int, bucket_bytes: int,
-                 checksum: bool = False) -> str | None:
+def push_weights(
+    actor: Actor,
+    engine: RolloutEngine | None,
+    *,
+    version: int,
+    bucket_bytes: int,
+    checksum: bool = False,
+) -> str | None:
     """Export the actor's weights into its replica's engine as policy ``version`` (collective
     over the world; ``engine`` is None except on the replica's engine rank: tensor, pipeline
     and context rank 0). Returns the engine's checksum of what it loaded (engine rank, with
@@ -43,8 +49,9 @@ def push_weights(actor: Actor, engine: RolloutEngine | None, *, version: int, bu
     If the engine refuses the update, the engine rank still drains the stream (every other rank
     is in the middle of it), then every rank raises :class:`EngineFailure`."""
     context = actor.context
-    buckets = export_weights(actor.chunks, actor.model_config, context, version=version,
-                             bucket_bytes=bucket_bytes)
+    buckets = export_weights(
+        actor.chunks, actor.model_config, context, version=version, bucket_bytes=bucket_bytes
+    )
     # Ranks other than TP rank 0 only take part in the export's TP exchanges; with context
     # parallelism, CP rank 0's stages are the ones that send.
     sends = context.pp_size > 1 and context.tp_rank == 0 and context.cp_rank == 0
@@ -63,8 +70,11 @@ def push_weights(actor: Actor, engine: RolloutEngine | None, *, version: int, bu
         _drain(stream)  # after a refusal, the other ranks still wait in the stream's exchanges
     # every rank raises, as trainer.replicas.stop_if_any_engine_failed does (weights/ is below
     # trainer/ and does not import it)
-    raise_if_any_rank_failed(failure, error_type=EngineFailure,
-                             where=f"stopped during the weight update to version {version}")
+    raise_if_any_rank_failed(
+        failure,
+        error_type=EngineFailure,
+        where=f"stopped during the weight update to version {version}",
+    )
     return loaded
 
 
@@ -73,8 +83,9 @@ def _drain(items: Iterable) -> None:
         pass
 
 
-def _engine_stream(own: Iterable[WeightBucket], context: ParallelContext
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
+def _engine_stream(
+    own: Iterable[WeightBucket], context: ParallelContext
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The engine rank's stream: its stage's tensors, then those of stages 1, 2, ... in order."""
     yield from named_tensors_of(own)
     for stage in range(1, context.pp_size):
@@ -83,6 +94,7 @@ def _engine_stream(own: Iterable[WeightBucket], context: ParallelContext
 
 # Over the pipeline group, a stage sends, per bucket, its tensors' (name, shape, dtype) as one
 # object, then the tensors; an empty list ends the stage.
+
 
 def _send_stage(buckets: Iterable[WeightBucket], context: ParallelContext) -> None:
     engine_rank = dist.get_global_rank(context.pp_group, 0)

@@ -45,8 +45,13 @@ class ShardTransport(Protocol):
     reuse: bool
     """The yielded tensors live in a buffer that the next bucket overwrites."""
 
-    def assemble(self, rules: Sequence[ParamRule], params: Mapping[str, torch.Tensor],
-                 model: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+    def assemble(
+        self,
+        rules: Sequence[ParamRule],
+        params: Mapping[str, torch.Tensor],
+        model: ModelConfig,
+        dtype: torch.dtype,
+    ) -> dict[str, torch.Tensor] | None:
         """``{HF name: whole tensor in dtype}`` of ``rules`` on receiving ranks, None elsewhere
         (collective over the TP group)."""
 
@@ -68,12 +73,13 @@ class CollectiveTransport:
         device = params[rules[0].megatron].device
         pieces: list[torch.Tensor | None] | None = None
         if split_rules:
-            flat = torch.empty(sum(params[r.megatron].numel() for r in split_rules), dtype=dtype,
-                               device=device)
+            flat = torch.empty(
+                sum(params[r.megatron].numel() for r in split_rules), dtype=dtype, device=device
+            )
             offset = 0
             for rule in split_rules:  # the dtype conversion happens before the transfer
                 shard = params[rule.megatron]
-                flat[offset:offset + shard.numel()].view(shard.shape).copy_(shard)
+                flat[offset : offset + shard.numel()].view(shard.shape).copy_(shard)
                 offset += shard.numel()
             first = dist.get_global_rank(ctx.tp_group, 0)
             if self.to_all:
@@ -91,12 +97,17 @@ class CollectiveTransport:
         offset = 0
         for rule in rules:
             shard = params[rule.megatron]
-            wholes = [torch.empty(shape, dtype=dtype, device=device)
-                      for shape in hf_tensor_shapes(rule, model)]
+            wholes = [
+                torch.empty(shape, dtype=dtype, device=device)
+                for shape in hf_tensor_shapes(rule, model)
+            ]
             if rule in split_rules:
                 for rank, piece in enumerate(pieces):
-                    local = shard if rank == ctx.tp_rank else \
-                        piece[offset:offset + shard.numel()].view(shard.shape)
+                    local = (
+                        shard
+                        if rank == ctx.tp_rank
+                        else piece[offset : offset + shard.numel()].view(shard.shape)
+                    )
                     place_shard(rule, wholes, local, rank, model)
                 offset += shard.numel()
             else:
@@ -142,8 +153,13 @@ class SharedMemoryTransport:
     update or a file writer, is fine); one more barrier per bucket waits for the consumer.
     """
 
-    def __init__(self, context: ParallelContext, to_all: bool,
-                 fallback: ShardTransport | None = None, reuse: bool = False) -> None:
+    def __init__(
+        self,
+        context: ParallelContext,
+        to_all: bool,
+        fallback: ShardTransport | None = None,
+        reuse: bool = False,
+    ) -> None:
         self.context, self.to_all, self.fallback = context, to_all, fallback
         self.reuse = reuse
         self._kept: torch.Tensor | None = None  # the reused mapping, uint8
@@ -216,9 +232,11 @@ class SharedMemoryTransport:
         if error is not None:
             if self.fallback is not None:
                 return self.fallback.assemble(rules, params, model, dtype)
-            raise ValueError(f"transport='shared_memory': the first TP rank could not allocate a "
-                             f"bucket in {SHM_DIR} ({error}); use transport='collective' or a "
-                             "smaller bucket_bytes")
+            raise ValueError(
+                f"transport='shared_memory': the first TP rank could not allocate a "
+                f"bucket in {SHM_DIR} ({error}); use transport='collective' or a "
+                "smaller bucket_bytes"
+            )
         receiver = ctx.tp_rank == 0
         try:
             buffer = mapping[:nbytes].view(dtype)
@@ -228,7 +246,7 @@ class SharedMemoryTransport:
                 wholes = []
                 for shape in group:
                     numel = torch.Size(shape).numel()
-                    wholes.append(buffer[offset:offset + numel].view(shape))
+                    wholes.append(buffer[offset : offset + numel].view(shape))
                     offset += numel
                 if _is_split(rule, ctx) or receiver:  # replicated tensors: the receiver's copy
                     place_shard(rule, wholes, params[rule.megatron], ctx.tp_rank, model)
@@ -245,8 +263,14 @@ class SharedMemoryTransport:
         return out
 
 
-def make_transport(kind: TransportKind, context: ParallelContext, device: torch.device,
-                   to_all: bool, *, reuse: bool = False) -> ShardTransport:
+def make_transport(
+    kind: TransportKind,
+    context: ParallelContext,
+    device: torch.device,
+    to_all: bool,
+    *,
+    reuse: bool = False,
+) -> ShardTransport:
     """The transport of ``kind`` (collective over the TP group). `auto`: shared memory when the
     TP group is CPU processes on one host, else the collective. ``reuse``: the shared-memory
     transport refills one kept buffer (see :class:`SharedMemoryTransport`); the collective
@@ -256,8 +280,10 @@ def make_transport(kind: TransportKind, context: ParallelContext, device: torch.
     if kind != "collective" and context.tp_size > 1:
         possible = shared_memory_possible(context, device)
         if kind == "shared_memory" and not possible:
-            raise ValueError("transport='shared_memory' needs every TP rank to be a CPU process "
-                             "on this host with a writable /dev/shm")
+            raise ValueError(
+                "transport='shared_memory' needs every TP rank to be a CPU process "
+                "on this host with a writable /dev/shm"
+            )
         if possible:
             fallback = CollectiveTransport(context, to_all) if kind == "auto" else None
             return SharedMemoryTransport(context, to_all, fallback, reuse)

@@ -27,9 +27,16 @@ def model_config():
     """A tiny Llama-style model (2 layers: one per stage at PP2)."""
     from bapo_megatron.config import ModelConfig
 
-    return ModelConfig(model_type="llama", num_layers=2, hidden_size=32, ffn_hidden_size=64,
-                       num_attention_heads=4, num_query_groups=2, vocab_size=64,
-                       max_position_embeddings=32)
+    return ModelConfig(
+        model_type="llama",
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=64,
+        max_position_embeddings=32,
+    )
 
 
 def optimizer_config(distributed: bool = False, **changes):
@@ -37,9 +44,16 @@ def optimizer_config(distributed: bool = False, **changes):
     clipping on, so the step depends on the gradient norm."""
     from bapo_megatron.config import OptimizerConfig
 
-    settings = {"lr": 2e-3, "min_lr": 1e-4, "lr_warmup_steps": 1, "lr_decay_steps": 8,
-                "lr_decay_style": "cosine", "weight_decay": 0.01, "clip_grad": 0.5,
-                "use_distributed_optimizer": distributed}
+    settings = {
+        "lr": 2e-3,
+        "min_lr": 1e-4,
+        "lr_warmup_steps": 1,
+        "lr_decay_steps": 8,
+        "lr_decay_style": "cosine",
+        "weight_decay": 0.01,
+        "clip_grad": 0.5,
+        "use_distributed_optimizer": distributed,
+    }
     return OptimizerConfig(**{**settings, **changes})
 
 
@@ -68,10 +82,11 @@ def policy_batch(step: int, dp_rank: int):
     mask = torch.zeros(n, length, dtype=torch.bool)
     for i in range(n):
         start = int(torch.randint(3, 6, (), generator=g))
-        mask[i, start:int(torch.randint(start + 2, length + 1, (), generator=g))] = True
+        mask[i, start : int(torch.randint(start + 2, length + 1, (), generator=g))] = True
     old = torch.where(mask, -math.log(vocab) + 0.5 * torch.randn(n, length, generator=g), 0.0)
-    return PolicyBatch(tokens=tokens, response_mask=mask, old_logprobs=old,
-                       advantages=torch.randn(n, generator=g))
+    return PolicyBatch(
+        tokens=tokens, response_mask=mask, old_logprobs=old, advantages=torch.randn(n, generator=g)
+    )
 
 
 def train(actor, steps) -> list[dict[str, float]]:
@@ -83,8 +98,9 @@ def train(actor, steps) -> list[dict[str, float]]:
     clip = ClipSearchConfig.from_preset("paper")
     plan = SearchPlan.from_config(clip)
     loss = LossConfig(clip=clip)
-    return [train_step(actor, policy_batch(step, actor.context.dp_rank), loss, plan)
-            for step in steps]
+    return [
+        train_step(actor, policy_batch(step, actor.context.dp_rank), loss, plan) for step in steps
+    ]
 
 
 def random_draws() -> tuple:
@@ -132,12 +148,17 @@ def resume_run(context, root, trainer_state: dict, optimizer=None, model=None) -
     resumed = train(resumed_actor, range(step, step + STEPS_AFTER))
     resumed_params = parameters(resumed_actor)
     return {
-        "folder": folder, "step": step, "trainer_state": loaded_state,
-        "draws_after_save": draws_after_save, "draws_after_load": draws_after_load,
-        "continued": continued, "resumed": resumed,
+        "folder": folder,
+        "step": step,
+        "trainer_state": loaded_state,
+        "draws_after_save": draws_after_save,
+        "draws_after_load": draws_after_load,
+        "continued": continued,
+        "resumed": resumed,
         "initial_differs": any(not torch.equal(initial[k], continued_params[k]) for k in initial),
-        "unequal_params": sorted(k for k in continued_params
-                                 if not torch.equal(continued_params[k], resumed_params[k])),
+        "unequal_params": sorted(
+            k for k in continued_params if not torch.equal(continued_params[k], resumed_params[k])
+        ),
         "files": sorted(path.name for path in folder.iterdir()),
     }
 
@@ -159,15 +180,26 @@ def main(argv: list[str]) -> None:
     results = {}
     start = time.monotonic()
     for name, (tp, pp, distributed) in LAYOUTS.items():
-        context = ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=tp,
-                                                            pipeline_model_parallel_size=pp))
+        context = ParallelContext.initialize(
+            ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        )
         # Each rank keeps its own state (a replay buffer on some ranks only).
-        trainer_state = {"rank": args.rank, "buffer": torch.arange(3.0) + args.rank} \
-            if args.rank == 0 else {"rank": args.rank}
-        result = resume_run(context, Path(args.workdir) / name, trainer_state,
-                            optimizer=optimizer_config(distributed))
-        results[name] = dict(result, sent_state=trainer_state,
-                             ranks=(context.tp_rank, context.pp_rank, context.dp_rank))
+        trainer_state = (
+            {"rank": args.rank, "buffer": torch.arange(3.0) + args.rank}
+            if args.rank == 0
+            else {"rank": args.rank}
+        )
+        result = resume_run(
+            context,
+            Path(args.workdir) / name,
+            trainer_state,
+            optimizer=optimizer_config(distributed),
+        )
+        results[name] = dict(
+            result,
+            sent_state=trainer_state,
+            ranks=(context.tp_rank, context.pp_rank, context.dp_rank),
+        )
         context.teardown()
         print(f"{time.monotonic() - start:6.1f} s  {name} done", flush=True)  # in the rank's log
     gloo_launch.save_result(results, args.out)

@@ -37,14 +37,24 @@ from tests.helpers import gloo_launch  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 120.0
 BATCH, SEQ = 2, 12
-needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches are for CPU-only runs")
+needs_cpu = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU patches are for CPU-only runs"
+)
 
 
 def tiny_model(model_type: str = "llama", tied: bool = False) -> ModelConfig:
-    return ModelConfig(model_type=model_type, num_layers=2, hidden_size=64, ffn_hidden_size=128,
-                       num_attention_heads=4, num_query_groups=2, vocab_size=128,
-                       max_position_embeddings=64, tie_word_embeddings=tied,
-                       rope_theta=1e6 if model_type == "qwen2" else 10000.0)
+    return ModelConfig(
+        model_type=model_type,
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        rope_theta=1e6 if model_type == "qwen2" else 10000.0,
+    )
 
 
 VARIANTS = {"llama-untied": tiny_model("llama", False), "qwen2-tied": tiny_model("qwen2", True)}
@@ -81,7 +91,9 @@ def test_wrong_megatron_version_is_refused(monkeypatch):
     import megatron.core
 
     monkeypatch.setattr(megatron.core, "__version__", "0.15.2")
-    with pytest.raises(RuntimeError, match=r"targets megatron-core==0.16.1, but 0.15.2 is installed"):
+    with pytest.raises(
+        RuntimeError, match=r"targets megatron-core==0.16.1, but 0.15.2 is installed"
+    ):
         cpu_patches.apply_cpu_patches()
 
 
@@ -133,8 +145,10 @@ def test_tp1_forward_gives_logits_and_is_deterministic(single_process, variant):
     [other] = build_model(model_cfg, ParallelConfig(), single_process, seed=12)
     first, second, third = full_weights(model), full_weights(again), full_weights(other)
     assert all(torch.equal(first[k], second[k]) for k in first)
-    assert not torch.equal(first["decoder.layers.0.mlp.linear_fc1.weight"],
-                           third["decoder.layers.0.mlp.linear_fc1.weight"])
+    assert not torch.equal(
+        first["decoder.layers.0.mlp.linear_fc1.weight"],
+        third["decoder.layers.0.mlp.linear_fc1.weight"],
+    )
 
 
 @needs_cpu
@@ -154,11 +168,16 @@ def test_build_without_init_keeps_megatrons_tensor_parallel_attributes(single_pr
     """Grad-norm and optimizer code read ``tensor_model_parallel`` / ``partition_dim`` from the
     weights; Megatron sets them in its init functions, so skipping the random draws must not
     skip those (``perform_initialization=False`` did, and TP2 grad norms came out wrong)."""
+
     def attributes(initialize: bool) -> dict[str, tuple]:
         [model] = build_model(tiny_model(), ParallelConfig(), single_process, initialize=initialize)
-        return {name: tuple(getattr(p, a, None) for a in ("tensor_model_parallel", "partition_dim",
-                                                           "partition_stride"))
-                for name, p in model.named_parameters()}
+        return {
+            name: tuple(
+                getattr(p, a, None)
+                for a in ("tensor_model_parallel", "partition_dim", "partition_stride")
+            )
+            for name, p in model.named_parameters()
+        }
 
     drawn, allocated = attributes(True), attributes(False)
     assert allocated == drawn
@@ -166,7 +185,9 @@ def test_build_without_init_keeps_megatrons_tensor_parallel_attributes(single_pr
     # and the random draws were skipped: the seed no longer decides the weights
     [again] = build_model(tiny_model(), ParallelConfig(), single_process, seed=3)
     [other] = build_model(tiny_model(), ParallelConfig(), single_process, seed=3, initialize=False)
-    assert not torch.equal(again.embedding.word_embeddings.weight, other.embedding.word_embeddings.weight)
+    assert not torch.equal(
+        again.embedding.word_embeddings.weight, other.embedding.word_embeddings.weight
+    )
 
 
 def test_build_refuses_a_layout_that_does_not_fit(single_process):
@@ -184,13 +205,20 @@ def worker(args: argparse.Namespace) -> None:
     results: dict[str, object] = {}
 
     ctx = ParallelContext.initialize(ParallelConfig(tensor_model_parallel_size=2))
-    assert ctx.owns_process_group is False and (ctx.tp_size, ctx.dp_size, ctx.tp_rank) == (2, 1, args.rank)
+    assert ctx.owns_process_group is False and (ctx.tp_size, ctx.dp_size, ctx.tp_rank) == (
+        2,
+        1,
+        args.rank,
+    )
     for variant, model_cfg in VARIANTS.items():
         [model] = build_model(model_cfg, ctx.config, ctx)
         with torch.no_grad():
             for name, param in model.named_parameters():
-                param.copy_(tensor_parallel_shard(name, reference[variant]["weights"][name], param,
-                                                  ctx.tp_rank, ctx.tp_size))
+                param.copy_(
+                    tensor_parallel_shard(
+                        name, reference[variant]["weights"][name], param, ctx.tp_rank, ctx.tp_size
+                    )
+                )
             local = model(tokens, positions, None)  # [b, s, vocab / tp]
         assert local.shape == (BATCH, SEQ, 128 // 2)
         pieces = [torch.empty_like(local) for _ in range(ctx.tp_size)]
@@ -198,16 +226,26 @@ def worker(args: argparse.Namespace) -> None:
         results[variant] = torch.cat(pieces, dim=-1)
     ctx.teardown()
 
-    for name, layout in {"pp2": ParallelConfig(pipeline_model_parallel_size=2),
-                         "pp2-vpp2": ParallelConfig(pipeline_model_parallel_size=2,
-                                                    virtual_pipeline_model_parallel_size=2)}.items():
+    for name, layout in {
+        "pp2": ParallelConfig(pipeline_model_parallel_size=2),
+        "pp2-vpp2": ParallelConfig(
+            pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
+        ),
+    }.items():
         ctx = ParallelContext.initialize(layout)
-        chunks = build_model(dataclasses.replace(tiny_model("llama", tied=True), num_layers=4),
-                             layout, ctx)
-        results[name] = [dict(pre=c.pre_process, post=c.post_process,
-                              layers=len(c.decoder.layers),
-                              has_embedding=hasattr(c, "embedding"),
-                              has_output=hasattr(c, "output_layer")) for c in chunks]
+        chunks = build_model(
+            dataclasses.replace(tiny_model("llama", tied=True), num_layers=4), layout, ctx
+        )
+        results[name] = [
+            dict(
+                pre=c.pre_process,
+                post=c.post_process,
+                layers=len(c.decoder.layers),
+                has_embedding=hasattr(c, "embedding"),
+                has_output=hasattr(c, "output_layer"),
+            )
+            for c in chunks
+        ]
         ctx.teardown()
     gloo_launch.save_result(results, args.out)
     dist.destroy_process_group()
@@ -215,8 +253,9 @@ def worker(args: argparse.Namespace) -> None:
 
 def launch(world_size: int, workdir: Path, reference: Path) -> list[dict]:
     """Every rank's results of one launch of this file's workers (see tests/helpers/gloo_launch.py)."""
-    return gloo_launch.launch(__file__, world_size, workdir, ["--reference", reference],
-                              LAUNCH_TIMEOUT_S)
+    return gloo_launch.launch(
+        __file__, world_size, workdir, ["--reference", reference], LAUNCH_TIMEOUT_S
+    )
 
 
 @needs_cpu
@@ -227,14 +266,21 @@ def test_tp2_with_split_tp1_weights_gives_tp1_logits_and_pp_stages(tmp_path, sin
     for variant, model_cfg in VARIANTS.items():
         [model] = build_model(model_cfg, ParallelConfig(), single_process, seed=5)
         with torch.no_grad():
-            reference[variant] = dict(weights=full_weights(model), logits=model(tokens, positions, None))
+            reference[variant] = dict(
+                weights=full_weights(model), logits=model(tokens, positions, None)
+            )
     torch.save(reference, tmp_path / "reference.pt")
 
     results = launch(2, tmp_path, tmp_path / "reference.pt")
     for rank, result in enumerate(results):
         for variant in VARIANTS:
-            torch.testing.assert_close(result[variant], reference[variant]["logits"],
-                                       rtol=1e-5, atol=1e-5, msg=f"rank {rank} {variant}")
+            torch.testing.assert_close(
+                result[variant],
+                reference[variant]["logits"],
+                rtol=1e-5,
+                atol=1e-5,
+                msg=f"rank {rank} {variant}",
+            )
     # PP2 over 4 layers: stage 0 embeds, stage 1 holds the output (tied: a copy of the embedding)
     assert [r["pp2"] for r in results] == [
         [dict(pre=True, post=False, layers=2, has_embedding=True, has_output=False)],

@@ -85,15 +85,21 @@ def assert_resumed_exactly(result: dict, trainer_state: dict, what: str) -> None
 
 
 @needs_cpu
-@pytest.mark.parametrize(("dtype", "distributed"), [("float32", False), ("float32", True),
-                                                    ("bfloat16", True)],
-                         ids=["optimizer", "distributed-optimizer", "bf16-distributed-optimizer"])
+@pytest.mark.parametrize(
+    ("dtype", "distributed"),
+    [("float32", False), ("float32", True), ("bfloat16", True)],
+    ids=["optimizer", "distributed-optimizer", "bf16-distributed-optimizer"],
+)
 def test_resume_in_one_process_continues_exactly(context, tmp_path, dtype, distributed):
-    state = {"epoch": 3, "replay": [torch.arange(4.0), "prompt-17"],
-             "cursor": {"file": "a", "line": 9}}
+    state = {
+        "epoch": 3,
+        "replay": [torch.arange(4.0), "prompt-17"],
+        "cursor": {"file": "a", "line": 9},
+    }
     model = dataclasses.replace(model_config(), params_dtype=dtype)
-    result = resume_run(context, tmp_path / "run", state, optimizer=optimizer_config(distributed),
-                        model=model)
+    result = resume_run(
+        context, tmp_path / "run", state, optimizer=optimizer_config(distributed), model=model
+    )
     assert_resumed_exactly(result, state, "one process")
     assert {INFO_FILE, RANK_FILE.format(rank=0), "metadata.json"} <= set(result["files"])
     assert result["folder"] == tmp_path / "run" / "step_00000002"
@@ -130,7 +136,10 @@ def test_keep_last_and_latest_checkpoint(context, tmp_path):
     for step in (1, 2, 3):
         save_checkpoint(tmp_path, step, actor, {"step": step}, keep_last=None)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step_00000001", "step_00000002", "step_00000003"]
+        "step_00000001",
+        "step_00000002",
+        "step_00000003",
+    ]
     assert save_checkpoint(tmp_path, 4, actor, {}, keep_last=2) == tmp_path / "step_00000004"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000003", "step_00000004"]
 
@@ -148,8 +157,9 @@ def test_keep_last_and_latest_checkpoint(context, tmp_path):
 
     with pytest.raises(ValueError, match="keep_last"):
         save_checkpoint(tmp_path, 5, actor, {}, keep_last=0)
-    bf16 = build(context, seed=5,
-                 model=dataclasses.replace(model_config(), params_dtype="bfloat16"))
+    bf16 = build(
+        context, seed=5, model=dataclasses.replace(model_config(), params_dtype="bfloat16")
+    )
     with pytest.raises(ValueError, match="optimizer.use_distributed_optimizer=true"):
         save_checkpoint(tmp_path, 5, bf16, {}, keep_last=None)
     with pytest.raises(TypeError, match="trainer_state must be a dict"):
@@ -175,21 +185,37 @@ BROKEN = {  # name -> (what is done to a good checkpoint, what the error must sa
     "json deleted": (lambda f: (f / INFO_FILE).unlink(), "bapo_checkpoint.json does not exist"),
     "json truncated": (lambda f: _truncate(f / INFO_FILE), "malformed"),
     "weights only": (lambda f: _edit_json(f, lambda i: i.pop("trainer")), "weights-only"),
-    "step missing": (lambda f: _edit_json(f, lambda i: i["trainer"].pop("step")),
-                     "malformed.*'step'"),
-    "newer format": (lambda f: _edit_json(f, lambda i: i["trainer"].update(format_version=9)),
-                     "trainer.format_version 9"),
+    "step missing": (
+        lambda f: _edit_json(f, lambda i: i["trainer"].pop("step")),
+        "malformed.*'step'",
+    ),
+    "newer format": (
+        lambda f: _edit_json(f, lambda i: i["trainer"].update(format_version=9)),
+        "trainer.format_version 9",
+    ),
     "megatron metadata deleted": (lambda f: (f / "metadata.json").unlink(), "metadata"),
-    "rank file deleted": (lambda f: (f / RANK_FILE.format(rank=0)).unlink(),
-                          "rank_00000.pt missing"),
-    "rank file truncated": (lambda f: _truncate(f / RANK_FILE.format(rank=0)),
-                            "rank_00000.pt cannot be read"),
-    "other world size": (lambda f: _edit_json(f, lambda i: i["trainer"].update(world_size=2)),
-                         "world size 2.*per-rank files"),
-    "other layout": (lambda f: _edit_json(f, lambda i: i["trainer"]["layout"].update(
-        tensor_model_parallel_size=2)), "parallel.tensor_model_parallel_size=2.*per-rank files"),
-    "other model": (lambda f: _edit_json(f, lambda i: i["model"].update(ffn_hidden_size=96)),
-                    "model.ffn_hidden_size is 96"),
+    "rank file deleted": (
+        lambda f: (f / RANK_FILE.format(rank=0)).unlink(),
+        "rank_00000.pt missing",
+    ),
+    "rank file truncated": (
+        lambda f: _truncate(f / RANK_FILE.format(rank=0)),
+        "rank_00000.pt cannot be read",
+    ),
+    "other world size": (
+        lambda f: _edit_json(f, lambda i: i["trainer"].update(world_size=2)),
+        "world size 2.*per-rank files",
+    ),
+    "other layout": (
+        lambda f: _edit_json(
+            f, lambda i: i["trainer"]["layout"].update(tensor_model_parallel_size=2)
+        ),
+        "parallel.tensor_model_parallel_size=2.*per-rank files",
+    ),
+    "other model": (
+        lambda f: _edit_json(f, lambda i: i["model"].update(ffn_hidden_size=96)),
+        "model.ffn_hidden_size is 96",
+    ),
 }
 
 
@@ -209,8 +235,9 @@ def test_broken_or_foreign_checkpoints_are_refused(context, tmp_path):
     assert all(torch.equal(before[k], p) for k, p in parameters(actor).items())
 
     # Another architecture, optimizer kind or schedule than the run's.
-    other_model = build(context, seed=5,
-                        model=dataclasses.replace(model_config(), ffn_hidden_size=96))
+    other_model = build(
+        context, seed=5, model=dataclasses.replace(model_config(), ffn_hidden_size=96)
+    )
     with pytest.raises(ValueError, match="model.ffn_hidden_size is 64, but the model has 96"):
         load_checkpoint(good, other_model)
     with pytest.raises(ValueError, match="optimizer.use_distributed_optimizer=False"):
@@ -253,8 +280,10 @@ def test_loading_never_unpickles_objects_from_the_checkpoint(context, tmp_path):
     saved = torch.load(good / RANK_FILE.format(rank=0), weights_only=True)
 
     def crafted_rank_file(folder: Path, marker: Path) -> None:
-        torch.save(dict(saved, trainer_state={"x": _CreatesFile(marker)}),
-                   folder / RANK_FILE.format(rank=0))
+        torch.save(
+            dict(saved, trainer_state={"x": _CreatesFile(marker)}),
+            folder / RANK_FILE.format(rank=0),
+        )
 
     def format_1(folder: Path, marker: Path) -> None:
         crafted_rank_file(folder, marker)
@@ -264,10 +293,20 @@ def test_loading_never_unpickles_objects_from_the_checkpoint(context, tmp_path):
         (folder / ".metadata").write_bytes(pickle.dumps(_CreatesFile(marker)))
 
     cases = {
-        "rank file": (crafted_rank_file, (r"rank_00000\.pt cannot be read safely: it holds "
-                                         r"pickled Python objects")),
-        "format 1": (format_1, (r"trainer\.format_version is 1, whose per-rank files "
-                               r".*rank_00000\.pt.*unpickling.*train\.load_checkpoint=")),
+        "rank file": (
+            crafted_rank_file,
+            (
+                r"rank_00000\.pt cannot be read safely: it holds "
+                r"pickled Python objects"
+            ),
+        ),
+        "format 1": (
+            format_1,
+            (
+                r"trainer\.format_version is 1, whose per-rank files "
+                r".*rank_00000\.pt.*unpickling.*train\.load_checkpoint="
+            ),
+        ),
         "megatron metadata": (crafted_metadata, r"\.metadata is refused.*(builtins|io)\.open"),
     }
     for name, (craft, message) in cases.items():
@@ -283,16 +322,20 @@ def test_loading_never_unpickles_objects_from_the_checkpoint(context, tmp_path):
     marker = tmp_path / "weights.marker"
     crafted_metadata(tmp_path / "megatron-metadata", marker)
     with pytest.raises(ValueError, match=r"\.metadata is refused"):
-        load_megatron_checkpoint(build(context, seed=6).chunks, model_config(),
-                                 tmp_path / "megatron-metadata")
+        load_megatron_checkpoint(
+            build(context, seed=6).chunks, model_config(), tmp_path / "megatron-metadata"
+        )
     assert not marker.exists()
 
 
 @needs_cpu
 def test_trainer_state_must_be_plain_data(context, tmp_path):
     actor = build(context, seed=5)
-    with pytest.raises(ValueError, match=r"trainer_state of rank 0 cannot be saved: "
-                                         r"trainer_state\['replay'\]\[0\] is a PosixPath"):
+    with pytest.raises(
+        ValueError,
+        match=r"trainer_state of rank 0 cannot be saved: "
+        r"trainer_state\['replay'\]\[0\] is a PosixPath",
+    ):
         save_checkpoint(tmp_path, 1, actor, {"replay": [Path("x")]}, keep_last=None)
     with pytest.raises(ValueError, match=r"trainer_state has the key \(1, 2\)"):
         save_checkpoint(tmp_path, 1, actor, {(1, 2): 0}, keep_last=None)

@@ -70,9 +70,17 @@ SPECIAL_RANK = 1
 # Decision metrics that are counts, grid values or ratios of counts: equal bit for bit. The rest
 # are float sums whose order differs between one process and a reduce over ranks: 1e-12.
 EXACT_METRICS = {
-    "bapo/c_low", "bapo/c_high", "bapo/search_steps", "bapo/target_met", "bapo/tokens",
-    "bapo/positive_tokens", "bapo/negative_tokens", "bapo/positive_token_share",
-    "bapo/negative_token_share", "bapo/clip_frac_positive", "bapo/clip_frac_negative",
+    "bapo/c_low",
+    "bapo/c_high",
+    "bapo/search_steps",
+    "bapo/target_met",
+    "bapo/tokens",
+    "bapo/positive_tokens",
+    "bapo/negative_tokens",
+    "bapo/positive_token_share",
+    "bapo/negative_token_share",
+    "bapo/clip_frac_positive",
+    "bapo/clip_frac_negative",
     "bapo/clip_frac_dual",
 }
 LOCAL_METRICS = {"bapo/ratio_min_local", "bapo/ratio_max_local"}
@@ -91,8 +99,10 @@ class Case:
         return f"{self.preset}-{self.aggregation}-{self.layout}-{self.granularity}-{self.backend}"
 
 
-CASES = [Case(*values)
-         for values in itertools.product(PRESETS, AGGREGATIONS, LAYOUTS, GRANULARITIES, BACKENDS)]
+CASES = [
+    Case(*values)
+    for values in itertools.product(PRESETS, AGGREGATIONS, LAYOUTS, GRANULARITIES, BACKENDS)
+]
 
 _PLANS: dict[str, SearchPlan] = {}
 
@@ -215,8 +225,15 @@ def single_process(data: dict, case: Case) -> dict:
     counter = CountingReduce(identity_reduce)
     normalizer = loss_normalizer(data["mask"], case.aggregation)
     loss, metrics = bapo_loss(
-        logp_new, data["logp_old"], data["advantages"], data["mask"], plan=plan,
-        normalizer=normalizer, aggregation=case.aggregation, reduce=counter, backend=case.backend,
+        logp_new,
+        data["logp_old"],
+        data["advantages"],
+        data["mask"],
+        plan=plan,
+        normalizer=normalizer,
+        aggregation=case.aggregation,
+        reduce=counter,
+        backend=case.backend,
     )
     loss.backward()
     return {
@@ -274,8 +291,16 @@ def rank_part(data: dict, case: Case, rank: int) -> dict:
         logp_new.retain_grad()
         before = counter.calls
         loss, metrics = bapo_loss(
-            logp_new, logp_old[mb], advantages[mb], mask[mb], plan=plan, normalizer=normalizer,
-            aggregation=case.aggregation, reduce=counter, decision=decision, backend=case.backend,
+            logp_new,
+            logp_old[mb],
+            advantages[mb],
+            mask[mb],
+            plan=plan,
+            normalizer=normalizer,
+            aggregation=case.aggregation,
+            reduce=counter,
+            decision=decision,
+            backend=case.backend,
         )
         loss_calls.append(counter.calls - before)
         loss.backward()  # gradients of theta accumulate over micro-batches
@@ -326,11 +351,17 @@ def worker_main(argv: list[str]) -> None:
         dist.destroy_process_group()
 
 
-def launch(world_size: int, workdir: Path, data_path: Path, fail_rank: int = -1,
-           timeout: float = LAUNCH_TIMEOUT_S) -> list[dict]:
+def launch(
+    world_size: int,
+    workdir: Path,
+    data_path: Path,
+    fail_rank: int = -1,
+    timeout: float = LAUNCH_TIMEOUT_S,
+) -> list[dict]:
     """Every rank's results of one launch of this file's workers (see tests/helpers/gloo_launch.py)."""
-    return gloo_launch.launch(__file__, world_size, workdir,
-                              ["--data", data_path, "--fail-rank", fail_rank], timeout)
+    return gloo_launch.launch(
+        __file__, world_size, workdir, ["--data", data_path, "--fail-rank", fail_rank], timeout
+    )
 
 
 # ------------------------------------------------------------------------------- pytest
@@ -403,10 +434,12 @@ def test_ranks_choose_the_single_process_bounds(runs, world_size, case):
             assert key in got["metrics"], f"{at}: metric {key} missing"
             if key in EXACT_METRICS:
                 assert got["metrics"][key] == value, (
-                    f"{at}: {key} {got['metrics'][key]!r} != single process {value!r}")
+                    f"{at}: {key} {got['metrics'][key]!r} != single process {value!r}"
+                )
             else:
                 assert _close(got["metrics"][key], value, 1e-12, 1e-15), (
-                    f"{at}: {key} {got['metrics'][key]!r} vs single process {value!r}")
+                    f"{at}: {key} {got['metrics'][key]!r} vs single process {value!r}"
+                )
         # Every bapo_loss call of a micro-batch step reports the step's decision.
         for call in got["metrics_per_call"]:
             assert (call["bapo/c_low"], call["bapo/c_high"]) == chosen, at
@@ -442,8 +475,13 @@ def test_rank_losses_and_gradients_sum_to_single_process(runs, world_size, case)
     where = f"{case.id}, world size {world_size}, seed {data[case.id]['seed']}"
 
     loss = sum(r["loss"] for r in per_rank)
-    torch.testing.assert_close(loss, single["loss"], rtol=1e-12, atol=1e-15,
-                               msg=lambda m: f"{where}: loss summed over ranks\n{m}")
+    torch.testing.assert_close(
+        loss,
+        single["loss"],
+        rtol=1e-12,
+        atol=1e-15,
+        msg=lambda m: f"{where}: loss summed over ranks\n{m}",
+    )
 
     theta_grad = sum(r["theta_grad"] for r in per_rank)
     want = single["theta_grad"]
@@ -458,7 +496,10 @@ def test_rank_losses_and_gradients_sum_to_single_process(runs, world_size, case)
     for rank, got in enumerate(per_rank):
         lo, hi = bounds[rank], bounds[rank + 1]
         torch.testing.assert_close(
-            got["logp_grad"], single["logp_grad"][lo:hi], rtol=1e-12, atol=0.0,
+            got["logp_grad"],
+            single["logp_grad"][lo:hi],
+            rtol=1e-12,
+            atol=0.0,
             msg=lambda m: f"{where}, rank {rank}: per-token gradient of logp_new\n{m}",
         )
     if case.layout != "even":

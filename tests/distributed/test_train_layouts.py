@@ -55,9 +55,18 @@ from bapo_megatron.config import (  # noqa: E402
 from bapo_megatron.distributed.context import ParallelContext  # noqa: E402
 from tests.helpers import gloo_launch  # noqa: E402
 
-MODEL = ModelConfig(model_type="qwen2", num_layers=4, hidden_size=64, ffn_hidden_size=128,
-                    num_attention_heads=4, num_query_groups=2, vocab_size=128,
-                    max_position_embeddings=64, tie_word_embeddings=True, rope_theta=1e6)
+MODEL = ModelConfig(
+    model_type="qwen2",
+    num_layers=4,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=128,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+    rope_theta=1e6,
+)
 ACTOR = ActorConfig(micro_batch_size=1, temperature=0.8, seed=3)
 OPTIMIZER = OptimizerConfig(lr=3e-3, weight_decay=0.01, clip_grad=0.5)
 LOSS = LossConfig(aggregation="token-mean")
@@ -69,12 +78,23 @@ LAYOUTS = {
     "tp2-dp2": ParallelConfig(tensor_model_parallel_size=2),
     "pp2-dp2": ParallelConfig(pipeline_model_parallel_size=2),
     "tp2-sp-dp2": ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
-    "pp2-vpp2-dp2": ParallelConfig(pipeline_model_parallel_size=2,
-                                   virtual_pipeline_model_parallel_size=2),
+    "pp2-vpp2-dp2": ParallelConfig(
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
+    ),
 }
 UNEVEN = {"5+3": [5, 3], "8+0": [8, 0]}
-COMPARED = ("loss", "grad_norm", "entropy", "bapo/c_low", "bapo/c_high", "bapo/rho_before",
-            "bapo/rho_after", "bapo/search_steps", "bapo/clip_frac_positive", "response_tokens")
+COMPARED = (
+    "loss",
+    "grad_norm",
+    "entropy",
+    "bapo/c_low",
+    "bapo/c_high",
+    "bapo/rho_before",
+    "bapo/rho_after",
+    "bapo/search_steps",
+    "bapo/clip_frac_positive",
+    "response_tokens",
+)
 # Adam turns float rounding in near-zero gradient components into differences of the size of
 # an update; 1% of the most a parameter can move in STEPS steps (about lr per step).
 PARAM_TOLERANCE = 0.01 * OPTIMIZER.lr * STEPS
@@ -113,17 +133,28 @@ def interleaved(batch: PolicyBatch, dp: int) -> PolicyBatch:
     """The order in which one process sees micro-batch i of every rank of an even dp split."""
     per_rank = batch.num_sequences // dp
     order = torch.arange(batch.num_sequences).view(dp, per_rank).t().reshape(-1)
-    return dataclasses.replace(batch, tokens=batch.tokens[order], response_mask=batch.response_mask[order],
-                               old_logprobs=batch.old_logprobs[order], advantages=batch.advantages[order])
+    return dataclasses.replace(
+        batch,
+        tokens=batch.tokens[order],
+        response_mask=batch.response_mask[order],
+        old_logprobs=batch.old_logprobs[order],
+        advantages=batch.advantages[order],
+    )
 
 
-def train(context: ParallelContext, weights: dict[str, torch.Tensor], batch: PolicyBatch,
-          granularity: str, micro_batch_size: int = ACTOR.micro_batch_size,
-          optimizer: OptimizerConfig = OPTIMIZER) -> dict:
+def train(
+    context: ParallelContext,
+    weights: dict[str, torch.Tensor],
+    batch: PolicyBatch,
+    granularity: str,
+    micro_batch_size: int = ACTOR.micro_batch_size,
+    optimizer: OptimizerConfig = OPTIMIZER,
+) -> dict:
     """Build an actor with ``weights``, train STEPS steps on ``batch``; metrics per step and the
     final parameters by global name (this rank's shards)."""
-    actor = build_actor(MODEL, dataclasses.replace(ACTOR, micro_batch_size=micro_batch_size),
-                        optimizer, context)
+    actor = build_actor(
+        MODEL, dataclasses.replace(ACTOR, micro_batch_size=micro_batch_size), optimizer, context
+    )
     load_whole_model_weights(actor.chunks, weights, context)
     step_plan = plan(granularity)
     metrics = [train_step(actor, batch, LOSS, step_plan) for _ in range(STEPS)]
@@ -150,25 +181,43 @@ def worker(args: argparse.Namespace) -> None:
         runs = {}
         for granularity in GRANULARITIES:
             run = train(context, weights, local, granularity)
-            runs[granularity] = dict(metrics=run["metrics"],
-                                     param_error=_param_error(run["params"], finals[(dp, granularity)], context))
+            runs[granularity] = dict(
+                metrics=run["metrics"],
+                param_error=_param_error(run["params"], finals[(dp, granularity)], context),
+            )
         if layout_name == "tp2-dp2":  # Megatron's distributed optimizer: states sharded over DP
-            run = train(context, weights, local, "step",
-                        optimizer=dataclasses.replace(OPTIMIZER, use_distributed_optimizer=True))
+            run = train(
+                context,
+                weights,
+                local,
+                "step",
+                optimizer=dataclasses.replace(OPTIMIZER, use_distributed_optimizer=True),
+            )
             runs["distributed-optimizer step"] = dict(
-                metrics=run["metrics"], param_error=_param_error(run["params"], finals[(dp, "step")], context))
+                metrics=run["metrics"],
+                param_error=_param_error(run["params"], finals[(dp, "step")], context),
+            )
         if dp == 2:
             for case, counts in UNEVEN.items():
                 run = train(context, weights, shard_rows(batch, counts, context.dp_rank), "step")
-                runs["uneven " + case] = dict(metrics=run["metrics"],
-                                              param_error=_param_error(run["params"], finals[(1, "step")], context))
+                runs["uneven " + case] = dict(
+                    metrics=run["metrics"],
+                    param_error=_param_error(run["params"], finals[(1, "step")], context),
+                )
         actor = build_actor(MODEL, ACTOR, OPTIMIZER, context)
         load_whole_model_weights(actor.chunks, weights, context)
-        logprobs, entropy = compute_logprobs(actor.chunks, local, context,
-                                             micro_batch_size=2, temperature=ACTOR.temperature)
+        logprobs, entropy = compute_logprobs(
+            actor.chunks, local, context, micro_batch_size=2, temperature=ACTOR.temperature
+        )
         rows = slice(context.dp_rank * even[0], (context.dp_rank + 1) * even[0])
-        results[layout_name] = dict(runs=runs, rows=rows, logprobs=logprobs, entropy=entropy,
-                                    dp=dp, ranks=(context.tp_rank, context.pp_rank, context.dp_rank))
+        results[layout_name] = dict(
+            runs=runs,
+            rows=rows,
+            logprobs=logprobs,
+            entropy=entropy,
+            dp=dp,
+            ranks=(context.tp_rank, context.pp_rank, context.dp_rank),
+        )
         context.teardown()
     gloo_launch.save_result(results, args.out)
     dist.destroy_process_group()
@@ -179,7 +228,9 @@ def _param_error(params: dict, final: dict[str, torch.Tensor], context: Parallel
     worst = 0.0
     for global_name, (local_name, shard) in params.items():
         name = global_name if global_name in final else "embedding.word_embeddings.weight"
-        expected = tensor_parallel_shard(local_name, final[name], shard, context.tp_rank, context.tp_size)
+        expected = tensor_parallel_shard(
+            local_name, final[name], shard, context.tp_rank, context.tp_size
+        )
         worst = max(worst, float((shard.detach() - expected).abs().max()))
     return worst
 
@@ -200,48 +251,84 @@ def _assert_metrics_match(got: list[dict], want: list[dict], what: str) -> None:
 def test_layouts_match_the_single_process_run(tmp_path, single_process):
     context = single_process
     reference_actor = build_actor(MODEL, ACTOR, OPTIMIZER, context)
-    weights = {global_parameter_name(c, n): p.detach().clone()
-               for c in reference_actor.chunks for n, p in c.module.named_parameters()}
+    weights = {
+        global_parameter_name(c, n): p.detach().clone()
+        for c in reference_actor.chunks
+        for n, p in c.module.named_parameters()
+    }
 
     def initial_logprobs(batch: PolicyBatch) -> torch.Tensor:
-        return compute_logprobs(reference_actor.chunks, batch, context, micro_batch_size=3,
-                                temperature=ACTOR.temperature)[0]
+        return compute_logprobs(
+            reference_actor.chunks,
+            batch,
+            context,
+            micro_batch_size=3,
+            temperature=ACTOR.temperature,
+        )[0]
 
     batch = sequences(initial_logprobs)
-    ref_logprobs, ref_entropy = compute_logprobs(reference_actor.chunks, batch, context,
-                                                 micro_batch_size=NUM_SEQUENCES,
-                                                 temperature=ACTOR.temperature)
+    ref_logprobs, ref_entropy = compute_logprobs(
+        reference_actor.chunks,
+        batch,
+        context,
+        micro_batch_size=NUM_SEQUENCES,
+        temperature=ACTOR.temperature,
+    )
     references = {}
     for dp in (1, 2):
         for granularity in GRANULARITIES:
-            run = train(context, weights, batch if dp == 1 else interleaved(batch, dp), granularity,
-                        micro_batch_size=dp * ACTOR.micro_batch_size)
+            run = train(
+                context,
+                weights,
+                batch if dp == 1 else interleaved(batch, dp),
+                granularity,
+                micro_batch_size=dp * ACTOR.micro_batch_size,
+            )
             references[(dp, granularity)] = run
     # `step` does not depend on how the step is split: dp=1 and dp=2 orders agree.
-    _assert_metrics_match(references[(2, "step")]["metrics"], references[(1, "step")]["metrics"],
-                          "one process, interleaved order")
+    _assert_metrics_match(
+        references[(2, "step")]["metrics"],
+        references[(1, "step")]["metrics"],
+        "one process, interleaved order",
+    )
     # The search moved the bounds in some step, or the comparison below would be weak.
     assert any(m["bapo/search_steps"] > 0 for run in references.values() for m in run["metrics"])
-    final_weights = {key: {name: p.detach().clone() for name, (_, p) in run["params"].items()}
-                     for key, run in references.items()}
-    torch.save(dict(weights=weights, batch=batch, final_weights=final_weights), tmp_path / "data.pt")
+    final_weights = {
+        key: {name: p.detach().clone() for name, (_, p) in run["params"].items()}
+        for key, run in references.items()
+    }
+    torch.save(
+        dict(weights=weights, batch=batch, final_weights=final_weights), tmp_path / "data.pt"
+    )
 
-    results = gloo_launch.launch(__file__, 4, tmp_path, ["--data", tmp_path / "data.pt"],
-                                 LAUNCH_TIMEOUT_S)
+    results = gloo_launch.launch(
+        __file__, 4, tmp_path, ["--data", tmp_path / "data.pt"], LAUNCH_TIMEOUT_S
+    )
     errors = {}
     for rank, result in enumerate(results):
         for layout_name in LAYOUTS:
             got = result[layout_name]
             what = f"rank {rank} {layout_name} {got['ranks']}"
-            torch.testing.assert_close(got["logprobs"], ref_logprobs[got["rows"]], rtol=1e-5, atol=1e-5,
-                                       msg=what + " logprobs")
-            torch.testing.assert_close(got["entropy"], ref_entropy[got["rows"]], rtol=1e-5, atol=1e-5,
-                                       msg=what + " entropy")
+            torch.testing.assert_close(
+                got["logprobs"],
+                ref_logprobs[got["rows"]],
+                rtol=1e-5,
+                atol=1e-5,
+                msg=what + " logprobs",
+            )
+            torch.testing.assert_close(
+                got["entropy"],
+                ref_entropy[got["rows"]],
+                rtol=1e-5,
+                atol=1e-5,
+                msg=what + " entropy",
+            )
             for run_name, run in got["runs"].items():
                 dp = got["dp"] if run_name in GRANULARITIES else 1
                 granularity = run_name if run_name in GRANULARITIES else "step"  # step: any split
-                _assert_metrics_match(run["metrics"], references[(dp, granularity)]["metrics"],
-                                      f"{what} {run_name}")
+                _assert_metrics_match(
+                    run["metrics"], references[(dp, granularity)]["metrics"], f"{what} {run_name}"
+                )
                 errors[f"{what} {run_name}"] = run["param_error"]
     worst = max(errors, key=errors.get)
     assert errors[worst] < PARAM_TOLERANCE, f"{worst}: parameters differ by {errors[worst]:.3g}"

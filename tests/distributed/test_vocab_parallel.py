@@ -38,8 +38,9 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 # ------------------------------------------------------------------------------ reference
 
 
-def reference(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-              vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain float64 log-probs and entropy of softmax(logits / T) over the first ``vocab_size``
     columns (autograd-able; padded columns get no gradient)."""
     z = logits.to(torch.float64)[..., : vocab_size or logits.shape[-1]] / temperature
@@ -47,9 +48,14 @@ def reference(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
-def reference_with_grad(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                        w_logp: torch.Tensor, w_ent: torch.Tensor | None,
-                        vocab_size: int | None = None) -> dict[str, torch.Tensor]:
+def reference_with_grad(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    w_logp: torch.Tensor,
+    w_ent: torch.Tensor | None,
+    vocab_size: int | None = None,
+) -> dict[str, torch.Tensor]:
     x = logits.detach().to(torch.float64).requires_grad_(True)
     logp, ent = reference(x, targets, temperature, vocab_size)
     loss = (logp * w_logp).sum() + ((ent * w_ent).sum() if w_ent is not None else 0.0)
@@ -57,21 +63,32 @@ def reference_with_grad(logits: torch.Tensor, targets: torch.Tensor, temperature
     return {"logp": logp.detach(), "entropy": ent.detach(), "grad": x.grad}
 
 
-def ours_with_grad(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                   w_logp: torch.Tensor, w_ent: torch.Tensor | None, **kwargs) -> dict:
+def ours_with_grad(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    w_logp: torch.Tensor,
+    w_ent: torch.Tensor | None,
+    **kwargs,
+) -> dict:
     x = logits.detach().clone().requires_grad_(True)
-    logp, ent = token_logprobs_and_entropy(x, targets, temperature=temperature,
-                                           with_entropy=w_ent is not None, **kwargs)
+    logp, ent = token_logprobs_and_entropy(
+        x, targets, temperature=temperature, with_entropy=w_ent is not None, **kwargs
+    )
     loss = (logp * w_logp.to(logp.dtype)).sum()
     if w_ent is not None:
         loss = loss + (ent * w_ent.to(ent.dtype)).sum()
     loss.backward()
-    return {"logp": logp.detach(), "entropy": None if ent is None else ent.detach(),
-            "grad": x.grad}
+    return {"logp": logp.detach(), "entropy": None if ent is None else ent.detach(), "grad": x.grad}
 
 
-def random_inputs(seed: int, shape: tuple[int, ...], vocab: int, scale: float = 3.0,
-                  target_limit: int | None = None):
+def random_inputs(
+    seed: int,
+    shape: tuple[int, ...],
+    vocab: int,
+    scale: float = 3.0,
+    target_limit: int | None = None,
+):
     g = torch.Generator().manual_seed(seed)
     logits = scale * torch.randn(*shape, vocab, generator=g, dtype=torch.float64)
     targets = torch.randint(0, target_limit or vocab, shape, generator=g)
@@ -81,8 +98,9 @@ def random_inputs(seed: int, shape: tuple[int, ...], vocab: int, scale: float = 
 
 
 def assert_close(got, want, rtol, atol, what):
-    torch.testing.assert_close(got.to(torch.float64), want, rtol=rtol, atol=atol,
-                               msg=lambda m: f"{what}\n{m}")
+    torch.testing.assert_close(
+        got.to(torch.float64), want, rtol=rtol, atol=atol, msg=lambda m: f"{what}\n{m}"
+    )
 
 
 # ------------------------------------------------------------------------- single process
@@ -122,11 +140,13 @@ def test_gradcheck():
     for temperature in (1.0, 0.7):
         assert torch.autograd.gradcheck(
             lambda x: token_logprobs_and_entropy(x, targets, temperature=temperature),
-            (logits.clone().requires_grad_(True),))
+            (logits.clone().requires_grad_(True),),
+        )
 
 
-@pytest.mark.parametrize(("dtype", "tol", "grad_tol"),
-                         [(torch.float32, 2e-5, 1e-5), (torch.bfloat16, 2e-5, 2e-2)])
+@pytest.mark.parametrize(
+    ("dtype", "tol", "grad_tol"), [(torch.float32, 2e-5, 1e-5), (torch.bfloat16, 2e-5, 2e-2)]
+)
 def test_low_precision_inputs(dtype, tol, grad_tol):
     """Computed in float32 from the rounded inputs; bf16 gradients come back in bf16."""
     logits, targets, w_logp, w_ent = random_inputs(4, (4, 8), 301, scale=4.0)
@@ -176,9 +196,14 @@ if __name__ != "__main__":  # workers skip importing hypothesis (about 1 s each)
     from hypothesis import strategies as st
 
     @settings(max_examples=40, deadline=None)
-    @given(batch=st.integers(1, 3), seq=st.integers(1, 4), vocab=st.integers(1, 40),
-           temperature=st.floats(0.05, 4.0), scale=st.floats(0.0, 30.0),
-           seed=st.integers(0, 2**16))
+    @given(
+        batch=st.integers(1, 3),
+        seq=st.integers(1, 4),
+        vocab=st.integers(1, 40),
+        temperature=st.floats(0.05, 4.0),
+        scale=st.floats(0.0, 30.0),
+        seed=st.integers(0, 2**16),
+    )
     def test_property_matches_reference(batch, seq, vocab, temperature, scale, seed):
         logits, targets, w_logp, w_ent = random_inputs(seed, (batch, seq), vocab, scale=scale)
         want = reference_with_grad(logits, targets, temperature, w_logp, w_ent)
@@ -256,21 +281,33 @@ def shard_bounds(vocab: int, layout: str, world_size: int) -> list[int]:
 
 def case_inputs(case: Case, world_size: int) -> dict:
     logits, targets, w_logp, w_ent = random_inputs(
-        case.seed, SHAPE, case.vocab, target_limit=case.vocab_size)
+        case.seed, SHAPE, case.vocab, target_limit=case.vocab_size
+    )
     bounds = shard_bounds(case.vocab, case.layout, world_size)
     flat = targets.view(-1)  # some targets on the first and last column of every shard
     edges = [b for lo, hi in zip(bounds, bounds[1:]) if hi > lo for b in (lo, hi - 1)]
     edges = [b for b in edges if case.vocab_size is None or b < case.vocab_size]
     flat[: len(edges)] = torch.tensor(edges)
-    return {"logits": logits.to(DTYPES[case.dtype]), "targets": targets, "w_logp": w_logp,
-            "w_ent": w_ent if case.with_entropy else None, "bounds": bounds}
+    return {
+        "logits": logits.to(DTYPES[case.dtype]),
+        "targets": targets,
+        "w_logp": w_logp,
+        "w_ent": w_ent if case.with_entropy else None,
+        "bounds": bounds,
+    }
 
 
 class CollectiveCounter:
     """Counts ``dist`` collectives (and forbids gathers) while installed."""
 
-    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast",
-             "reduce_scatter_tensor", "all_to_all_single")
+    NAMES = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "broadcast",
+        "reduce_scatter_tensor",
+        "all_to_all_single",
+    )
 
     def __init__(self):
         self.calls: list[str] = []
@@ -282,6 +319,7 @@ class CollectiveCounter:
         def counted(*args, **kwargs):
             self.calls.append(name)
             return self.saved[name](*args, **kwargs)
+
         return counted
 
     def take(self) -> list[str]:
@@ -294,15 +332,26 @@ def rank_part(case: Case, data: dict, rank: int, group, counter: CollectiveCount
     x = data["logits"][..., lo:hi].clone().requires_grad_(True)
     counter.take()
     logp, ent = token_logprobs_and_entropy(
-        x, data["targets"], vocab_start=lo, group=group, temperature=case.temperature,
-        vocab_size=case.vocab_size, with_entropy=case.with_entropy)
+        x,
+        data["targets"],
+        vocab_start=lo,
+        group=group,
+        temperature=case.temperature,
+        vocab_size=case.vocab_size,
+        with_entropy=case.with_entropy,
+    )
     forward_calls = counter.take()
     loss = (logp * data["w_logp"].to(logp.dtype)).sum()
     if ent is not None:
         loss = loss + (ent * data["w_ent"].to(ent.dtype)).sum()
     loss.backward()
-    return {"logp": logp.detach(), "entropy": None if ent is None else ent.detach(),
-            "grad": x.grad, "forward_calls": forward_calls, "backward_calls": counter.take()}
+    return {
+        "logp": logp.detach(),
+        "entropy": None if ent is None else ent.detach(),
+        "grad": x.grad,
+        "forward_calls": forward_calls,
+        "backward_calls": counter.take(),
+    }
 
 
 def worker_main(argv: list[str]) -> None:
@@ -317,8 +366,10 @@ def worker_main(argv: list[str]) -> None:
         payload = torch.load(data_path, weights_only=False)
         singles = [dist.new_group([r]) for r in range(world_size)]  # every rank creates each
         counter = CollectiveCounter()
-        results = {c.name: rank_part(c, payload[c.name], rank, dist.group.WORLD, counter)
-                   for c in map(lambda d: Case(**d), payload["cases"])}
+        results = {
+            c.name: rank_part(c, payload[c.name], rank, dist.group.WORLD, counter)
+            for c in map(lambda d: Case(**d), payload["cases"])
+        }
         # A group of one: the whole vocabulary here, no collective at all.
         case = Case(**payload["cases"][0])
         whole = dict(payload[case.name], bounds=[0, case.vocab])
@@ -331,8 +382,9 @@ def worker_main(argv: list[str]) -> None:
             targets[0, 0] = bad
             lo, hi = data["bounds"][rank], data["bounds"][rank + 1]
             try:
-                token_logprobs_and_entropy(data["logits"][..., lo:hi], targets, vocab_start=lo,
-                                           group=dist.group.WORLD)
+                token_logprobs_and_entropy(
+                    data["logits"][..., lo:hi], targets, vocab_start=lo, group=dist.group.WORLD
+                )
                 errors.append("no error")
             except ValueError as error:
                 errors.append(str(error))
@@ -348,8 +400,9 @@ def worker_main(argv: list[str]) -> None:
 
 def launch(world_size: int, workdir: Path, data_path: Path) -> list[dict]:
     """Every rank's results of one launch of this file's workers (see tests/helpers/gloo_launch.py)."""
-    return gloo_launch.launch(__file__, world_size, workdir,
-                              ["--data", data_path, "--fail-rank", -1], LAUNCH_TIMEOUT_S)
+    return gloo_launch.launch(
+        __file__, world_size, workdir, ["--data", data_path, "--fail-rank", -1], LAUNCH_TIMEOUT_S
+    )
 
 
 @pytest.fixture(scope="module")
@@ -377,10 +430,22 @@ def test_shards_match_single_process(launched, world_size, case):
     inputs, ranks = launched(world_size)
     data = inputs[case.name]
     where = f"{case.name}, world size {world_size}, shards {data['bounds']}"
-    single = ours_with_grad(data["logits"], data["targets"], case.temperature, data["w_logp"],
-                            data["w_ent"], vocab_size=case.vocab_size)
-    ref = reference_with_grad(data["logits"], data["targets"], case.temperature, data["w_logp"],
-                              data["w_ent"], vocab_size=case.vocab_size)
+    single = ours_with_grad(
+        data["logits"],
+        data["targets"],
+        case.temperature,
+        data["w_logp"],
+        data["w_ent"],
+        vocab_size=case.vocab_size,
+    )
+    ref = reference_with_grad(
+        data["logits"],
+        data["targets"],
+        case.temperature,
+        data["w_logp"],
+        data["w_ent"],
+        vocab_size=case.vocab_size,
+    )
     per_rank = [r[case.name] for r in ranks]
     grad = torch.cat([r["grad"] for r in per_rank], dim=-1)
     if case.dtype == "float64":  # against the plain float64 computation
@@ -402,7 +467,7 @@ def test_shards_match_single_process(launched, world_size, case):
     if not case.with_entropy:
         assert all(r["entropy"] is None for r in per_rank), where
     if case.vocab_size is not None:
-        assert not grad[..., case.vocab_size:].any(), where
+        assert not grad[..., case.vocab_size :].any(), where
     for rank, got in enumerate(per_rank):
         assert got["forward_calls"] == ["all_reduce", "all_reduce"], (where, rank)
         assert got["backward_calls"] == [], (where, rank)
@@ -414,8 +479,9 @@ def test_group_of_one_and_errors(launched, world_size):
     inputs, ranks = launched(world_size)
     case = CASES[0]
     data = inputs[case.name]
-    ref = reference_with_grad(data["logits"], data["targets"], case.temperature, data["w_logp"],
-                              data["w_ent"])
+    ref = reference_with_grad(
+        data["logits"], data["targets"], case.temperature, data["w_logp"], data["w_ent"]
+    )
     for rank, got in enumerate(ranks):
         one = got["group-of-one"]
         assert one["forward_calls"] == [] and one["backward_calls"] == [], rank

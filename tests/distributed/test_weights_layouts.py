@@ -44,8 +44,9 @@ pytest.importorskip("megatron.core")
 WORKER = Path(__file__).with_name("weights_layouts_worker.py")
 LAUNCH_TIMEOUT_S = 300.0
 WORLD = 4
-needs_cpu = pytest.mark.skipif(torch.cuda.is_available(),
-                               reason="CPU patches are for CPU-only runs")
+needs_cpu = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU patches are for CPU-only runs"
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +57,9 @@ def launched(tmp_path_factory):
     reference = {}
     for seed, variant in enumerate(MP_VARIANTS):
         model = hf_models.save_hf_folder(work / variant, variant, seed=seed + 10, layers=LAYERS)
-        reference[variant] = dict(logits=hf_models.hf_logits(model),
-                                  tensors=hf_models.read_hf_tensors(work / variant))
+        reference[variant] = dict(
+            logits=hf_models.hf_logits(model), tensors=hf_models.read_hf_tensors(work / variant)
+        )
     results = gloo_launch.launch(WORKER, WORLD, work, ["--workdir", work], LAUNCH_TIMEOUT_S)
     return work, reference, results
 
@@ -76,8 +78,13 @@ def test_converted_checkpoint_gives_transformers_logits(launched, layout):
             if rank not in last:
                 assert logits is None
                 continue
-            torch.testing.assert_close(logits, reference[variant]["logits"], rtol=0, atol=1e-5,
-                                       msg=f"{variant} at {layout}, rank {rank}")
+            torch.testing.assert_close(
+                logits,
+                reference[variant]["logits"],
+                rtol=0,
+                atol=1e-5,
+                msg=f"{variant} at {layout}, rank {rank}",
+            )
 
 
 @needs_cpu
@@ -93,8 +100,9 @@ def exported_by_sender(results: list[dict], key: tuple) -> dict[int, list[dict]]
     return {rank: r[key] for rank, r in enumerate(results) if r[key]}
 
 
-def check_stage_buckets(buckets: list[dict], stage: int, layers: set[int], bound: int,
-                        version: int) -> list[str]:
+def check_stage_buckets(
+    buckets: list[dict], stage: int, layers: set[int], bound: int, version: int
+) -> list[str]:
     """One stage's buckets are numbered, versioned, bounded and hold its layers; their names."""
     assert [b["index"] for b in buckets] == list(range(len(buckets))) and len(buckets) > 2
     assert [b["last"] for b in buckets] == [False] * (len(buckets) - 1) + [True]
@@ -123,8 +131,9 @@ def test_live_export_at_tp2_pp2_equals_offline_conversion(launched, variant, tra
     exported: dict[str, torch.Tensor] = {}
     for rank, buckets in senders.items():
         stage = places[rank]["pp_rank"]
-        names = check_stage_buckets(buckets, stage, {0, 1} if stage == 0 else {2, 3},
-                                    BUCKET_BYTES, VERSION)
+        names = check_stage_buckets(
+            buckets, stage, {0, 1} if stage == 0 else {2, 3}, BUCKET_BYTES, VERSION
+        )
         assert not set(names) & set(exported)
         exported.update((n, t) for b in buckets for n, t in b["tensors"].items())
     assert sorted(exported) == sorted(original)  # tied: no lm_head.weight, as HF saves it
@@ -136,8 +145,9 @@ def test_live_export_at_tp2_pp2_equals_offline_conversion(launched, variant, tra
     assert sorted(everyone) == list(range(WORLD))
     for rank, buckets in everyone.items():
         stage = places[rank]["pp_rank"]
-        check_stage_buckets(buckets, stage, {0, 1} if stage == 0 else {2, 3},
-                            BUCKET_BYTES // 2, VERSION + 1)
+        check_stage_buckets(
+            buckets, stage, {0, 1} if stage == 0 else {2, 3}, BUCKET_BYTES // 2, VERSION + 1
+        )
         for name, tensor in ((n, t) for b in buckets for n, t in b["tensors"].items()):
             assert tensor.dtype == torch.bfloat16
             assert torch.equal(tensor, original[name].to(torch.bfloat16)), (rank, name)
@@ -150,15 +160,19 @@ def test_push_weights_streams_every_stage_into_the_colocated_engine(launched, va
     _, reference, results = launched
     original = reference[variant]["tensors"]
     places = [r["place", "tp2pp2"] for r in results]
-    engine_rank = next(rank for rank, p in enumerate(places)
-                       if p["tp_rank"] == 0 and p["pp_rank"] == 0)
+    engine_rank = next(
+        rank for rank, p in enumerate(places) if p["tp_rank"] == 0 and p["pp_rank"] == 0
+    )
     for rank, result in enumerate(results):
         if rank != engine_rank:  # nothing reached the other ranks
             assert result["push", variant] is None
     # the refusal stops every rank with the engine rank's error; none hangs waiting for it
     [message] = {result["push-refused", variant] for result in results}
-    match = re.fullmatch(rf"stopped during the weight update to version {VERSION}: "
-                         rf"rank {engine_rank}: ValueError: refused (\S+)", str(message))
+    match = re.fullmatch(
+        rf"stopped during the weight update to version {VERSION}: "
+        rf"rank {engine_rank}: ValueError: refused (\S+)",
+        str(message),
+    )
     assert match and match.group(1) in original, message
     loaded, version = results[engine_rank]["push", variant]
     assert version == VERSION
@@ -178,13 +192,16 @@ def test_full_shared_memory_falls_back_to_the_collective_or_is_refused(launched)
     variant = MP_VARIANTS[0]
     original = reference[variant]["tensors"]
     senders = exported_by_sender(results, ("export-shm-full", variant))
-    exported = {n: t for buckets in senders.values() for b in buckets
-                for n, t in b["tensors"].items()}
+    exported = {
+        n: t for buckets in senders.values() for b in buckets for n, t in b["tensors"].items()
+    }
     assert len(senders) == 2 and sorted(exported) == sorted(original)
     assert all(torch.equal(exported[name], original[name]) for name in original)
     for result in results:  # every rank refuses, none hangs
-        assert "first TP rank could not allocate a bucket in /dev/shm" in \
-            result["refused-shm-full", variant]
+        assert (
+            "first TP rank could not allocate a bucket in /dev/shm"
+            in result["refused-shm-full", variant]
+        )
         assert "No space left on device" in result["refused-shm-full", variant]
 
 
@@ -219,8 +236,7 @@ def test_live_export_with_virtual_stages(launched, variant):
     exported: dict[str, torch.Tensor] = {}
     for rank, buckets in senders.items():
         stage = results[rank]["place", "pp2vpp2"]["pp_rank"]
-        check_stage_buckets(buckets, stage, {0, 2} if stage == 0 else {1, 3}, BUCKET_BYTES,
-                            VERSION)
+        check_stage_buckets(buckets, stage, {0, 2} if stage == 0 else {1, 3}, BUCKET_BYTES, VERSION)
         exported.update((n, t) for b in buckets for n, t in b["tensors"].items())
     assert sorted(exported) == sorted(original)
     assert all(torch.equal(exported[name], original[name]) for name in original)
@@ -238,12 +254,14 @@ def test_megatron_to_hf_from_tp2_pp2_is_bitwise_and_loads_in_transformers(launch
         back = hf_models.read_hf_tensors(folder)
         original = reference[variant]["tensors"]
         assert sorted(back) == sorted(original)
-        assert all(torch.equal(back[k], original[k]) and back[k].dtype == original[k].dtype
-                   for k in original)
+        assert all(
+            torch.equal(back[k], original[k]) and back[k].dtype == original[k].dtype
+            for k in original
+        )
         config = (folder / "config.json").read_bytes()
         assert config == (work / variant / "config.json").read_bytes()
         model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
-        torch.testing.assert_close(hf_models.hf_logits(model), reference[variant]["logits"],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            hf_models.hf_logits(model), reference[variant]["logits"], rtol=0, atol=0
+        )
     assert not list(work.glob(".*.incomplete"))
-

@@ -22,8 +22,13 @@ import time
 LAYERS = 4
 VARIANTS = ("llama-untied", "qwen2-tied")
 # name -> (TP, PP, virtual stages per PP rank); TP2/PP2 first: the others load its checkpoint
-LAYOUTS = {"tp2pp2": (2, 2, None), "tp2pp1": (2, 1, None), "tp1pp2": (1, 2, None),
-           "tp1pp1": (1, 1, None), "pp2vpp2": (1, 2, 2)}
+LAYOUTS = {
+    "tp2pp2": (2, 2, None),
+    "tp2pp1": (2, 1, None),
+    "tp1pp2": (1, 2, None),
+    "tp1pp1": (1, 1, None),
+    "pp2vpp2": (1, 2, 2),
+}
 TRANSPORTS = ("shared_memory", "collective")
 BUCKET_BYTES = 70_000  # every single tensor group fits (the largest, gate+up in fp32, is 64 KiB)
 VERSION = 3
@@ -67,9 +72,13 @@ def main(argv: list[str]) -> None:
         ids, _ = hf_models.tokens()
         batch = PolicyBatch(tokens=ids, response_mask=torch.zeros_like(ids, dtype=torch.bool))
         # the interleaved schedule wants as many micro-batches as stages
-        outputs = run_schedule(chunks, [batch] * ctx.pp_size,
-                               lambda mb, logits: (logits.sum() * 0, {"logits": logits.detach()}),
-                               ctx, forward_only=True)
+        outputs = run_schedule(
+            chunks,
+            [batch] * ctx.pp_size,
+            lambda mb, logits: (logits.sum() * 0, {"logits": logits.detach()}),
+            ctx,
+            forward_only=True,
+        )
         if not ctx.is_last_stage():
             return None
         local = outputs[0]["logits"].float().contiguous()  # [b, s, V / TP]
@@ -78,13 +87,24 @@ def main(argv: list[str]) -> None:
         return torch.cat(pieces, dim=-1)
 
     def records(buckets):
-        return [dict(version=b.version, stage=b.pipeline_rank, index=b.index, last=b.last,
-                     nbytes=b.nbytes, tensors=b.tensors) for b in buckets]
+        return [
+            dict(
+                version=b.version,
+                stage=b.pipeline_rank,
+                index=b.index,
+                last=b.last,
+                nbytes=b.nbytes,
+                tensors=b.tensors,
+            )
+            for b in buckets
+        ]
 
     def with_full_shm(fn):
         """fn() while posix_fallocate fails as on a full /dev/shm."""
+
         def full(fd, offset, length):
             raise OSError(errno.ENOSPC, "No space left on device")
+
         real, os.posix_fallocate = os.posix_fallocate, full
         try:
             return fn()
@@ -113,9 +133,13 @@ def main(argv: list[str]) -> None:
 
     results: dict[tuple, object] = {}
     for layout, (tp, pp, vpp) in LAYOUTS.items():
-        ctx = ParallelContext.initialize(ParallelConfig(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-            virtual_pipeline_model_parallel_size=vpp))
+        ctx = ParallelContext.initialize(
+            ParallelConfig(
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+                virtual_pipeline_model_parallel_size=vpp,
+            )
+        )
         for variant in VARIANTS:
             model, chunks = hf_to_megatron(work / variant, work / f"{variant}-{layout}", ctx)
             log(f"{layout} {variant}: converted")
@@ -125,31 +149,68 @@ def main(argv: list[str]) -> None:
                 load_megatron_checkpoint(loaded, model, work / f"{variant}-tp2pp2")
                 converted = dict(p for c in chunks for p in chunk_parameters(c))
                 resharded = dict(p for c in loaded for p in chunk_parameters(c))
-                results["resharded", variant, layout] = sorted(converted) == sorted(resharded) \
-                    and all(torch.equal(converted[k], resharded[k]) for k in converted)
+                results["resharded", variant, layout] = sorted(converted) == sorted(
+                    resharded
+                ) and all(torch.equal(converted[k], resharded[k]) for k in converted)
                 log(f"{layout} {variant}: loaded the TP2/PP2 checkpoint")
             if layout == "tp2pp2":
                 for transport in TRANSPORTS:
-                    results["export", variant, transport] = records(export_weights(
-                        chunks, model, ctx, version=VERSION, bucket_bytes=BUCKET_BYTES,
-                        transport=transport))
-                    results["export-bf16", variant, transport] = records(export_weights(
-                        chunks, model, ctx, version=VERSION + 1, bucket_bytes=BUCKET_BYTES // 2,
-                        dtype=torch.bfloat16, to_all_tp_ranks=True, transport=transport))
+                    results["export", variant, transport] = records(
+                        export_weights(
+                            chunks,
+                            model,
+                            ctx,
+                            version=VERSION,
+                            bucket_bytes=BUCKET_BYTES,
+                            transport=transport,
+                        )
+                    )
+                    results["export-bf16", variant, transport] = records(
+                        export_weights(
+                            chunks,
+                            model,
+                            ctx,
+                            version=VERSION + 1,
+                            bucket_bytes=BUCKET_BYTES // 2,
+                            dtype=torch.bfloat16,
+                            to_all_tp_ranks=True,
+                            transport=transport,
+                        )
+                    )
                 if variant == VARIANTS[0]:  # /dev/shm full: auto falls back, shared_memory refuses
-                    results["export-shm-full", variant] = with_full_shm(lambda: records(
-                        export_weights(chunks, model, ctx, version=VERSION,
-                                       bucket_bytes=BUCKET_BYTES)))
-                    results["refused-shm-full", variant] = with_full_shm(lambda: refusal(
-                        export_weights(chunks, model, ctx, version=VERSION,
-                                       bucket_bytes=BUCKET_BYTES, transport="shared_memory")))
+                    results["export-shm-full", variant] = with_full_shm(
+                        lambda: records(
+                            export_weights(
+                                chunks, model, ctx, version=VERSION, bucket_bytes=BUCKET_BYTES
+                            )
+                        )
+                    )
+                    results["refused-shm-full", variant] = with_full_shm(
+                        lambda: refusal(
+                            export_weights(
+                                chunks,
+                                model,
+                                ctx,
+                                version=VERSION,
+                                bucket_bytes=BUCKET_BYTES,
+                                transport="shared_memory",
+                            )
+                        )
+                    )
                     # one kept buffer, refilled for every bucket of two exports
-                    mover = make_transport("shared_memory", ctx, torch.device("cpu"), False,
-                                           reuse=True)
+                    mover = make_transport(
+                        "shared_memory", ctx, torch.device("cpu"), False, reuse=True
+                    )
                     for round_ in range(2):
                         kept, storages, alive = [], [], []
-                        for bucket in export_weights(chunks, model, ctx, version=round_,
-                                                     bucket_bytes=BUCKET_BYTES, transport=mover):
+                        for bucket in export_weights(
+                            chunks,
+                            model,
+                            ctx,
+                            version=round_,
+                            bucket_bytes=BUCKET_BYTES,
+                            transport=mover,
+                        ):
                             first = next(iter(bucket.tensors.values()))
                             alive.append(first)  # new mappings could not take its address
                             storages.append(first.untyped_storage().data_ptr())
@@ -166,14 +227,20 @@ def main(argv: list[str]) -> None:
                         results[key, variant] = str(err)
                 log(f"{layout} {variant}: exported")
             if layout == "pp2vpp2":
-                results["export-vpp", variant] = records(export_weights(
-                    chunks, model, ctx, version=VERSION, bucket_bytes=BUCKET_BYTES))
+                results["export-vpp", variant] = records(
+                    export_weights(chunks, model, ctx, version=VERSION, bucket_bytes=BUCKET_BYTES)
+                )
             if layout in ("tp2pp2", "tp1pp1"):
-                megatron_to_hf(work / f"{variant}-tp2pp2", work / f"{variant}-back-{layout}", ctx,
-                               max_shard_bytes=BUCKET_BYTES)
+                megatron_to_hf(
+                    work / f"{variant}-tp2pp2",
+                    work / f"{variant}-back-{layout}",
+                    ctx,
+                    max_shard_bytes=BUCKET_BYTES,
+                )
                 log(f"{layout} {variant}: back to HF")
-        results["place", layout] = dict(tp_rank=ctx.tp_rank, pp_rank=ctx.pp_rank,
-                                        dp_rank=ctx.dp_rank)
+        results["place", layout] = dict(
+            tp_rank=ctx.tp_rank, pp_rank=ctx.pp_rank, dp_rank=ctx.dp_rank
+        )
         ctx.teardown()
     gloo_launch.save_result(results, args.out)
     dist.destroy_process_group()

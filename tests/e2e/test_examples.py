@@ -31,13 +31,31 @@ SCRIPTS = (LAUNCH / "torchrun_multinode.sh", LAUNCH / "slurm.sbatch")
 # Published shapes (the models' HF config.json). The R1 distills keep their base model's shapes.
 ARCHITECTURES = {
     "qwen2.5-7b": ModelConfig(
-        model_type="qwen2", num_layers=28, hidden_size=3584, ffn_hidden_size=18944,
-        num_attention_heads=28, num_query_groups=4, vocab_size=152064, rope_theta=1e6,
-        tie_word_embeddings=False, max_position_embeddings=131072, params_dtype="bfloat16"),
+        model_type="qwen2",
+        num_layers=28,
+        hidden_size=3584,
+        ffn_hidden_size=18944,
+        num_attention_heads=28,
+        num_query_groups=4,
+        vocab_size=152064,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+        max_position_embeddings=131072,
+        params_dtype="bfloat16",
+    ),
     "qwen2.5-32b": ModelConfig(
-        model_type="qwen2", num_layers=64, hidden_size=5120, ffn_hidden_size=27648,
-        num_attention_heads=40, num_query_groups=8, vocab_size=152064, rope_theta=1e6,
-        tie_word_embeddings=False, max_position_embeddings=131072, params_dtype="bfloat16"),
+        model_type="qwen2",
+        num_layers=64,
+        hidden_size=5120,
+        ffn_hidden_size=27648,
+        num_attention_heads=40,
+        num_query_groups=8,
+        vocab_size=152064,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+        max_position_embeddings=131072,
+        params_dtype="bfloat16",
+    ),
 }
 
 # What each GPU recipe promises: its architecture, its engine, its model folder's size tag.
@@ -60,7 +78,9 @@ def _launch_world(text: str) -> tuple[int, int]:
     """(nodes, GPUs per node) from the recipe's launch comment."""
     nodes = re.findall(r"^#.*\bNNODES=(\d+)", text, re.MULTILINE)
     gpus = re.findall(r"^#.*\bGPUS_PER_NODE=(\d+)", text, re.MULTILINE)
-    assert len(set(nodes)) == 1 and len(set(gpus)) == 1, "the launch comment must give NNODES= and GPUS_PER_NODE= once"
+    assert len(set(nodes)) == 1 and len(set(gpus)) == 1, (
+        "the launch comment must give NNODES= and GPUS_PER_NODE= once"
+    )
     return int(nodes[0]), int(gpus[0])
 
 
@@ -110,7 +130,9 @@ def test_gpu_recipe(name):
     assert nodes > 1, "a multi-node recipe"
     dp = validate_layout(model, cfg.parallel, world, H100_WITH_TE)
     assert dp >= 1
-    assert gpus_per_node % cfg.parallel.tensor_model_parallel_size == 0, "a TP group stays inside a node"
+    assert gpus_per_node % cfg.parallel.tensor_model_parallel_size == 0, (
+        "a TP group stays inside a node"
+    )
     assert cfg.parallel.sequence_parallel
     assert cfg.parallel.fp8 is None, "FP8 stays off in the recipe (shown commented)"
 
@@ -149,11 +171,14 @@ def test_commented_fp8_line_validates_where_fp8_runs(name):
         validate_layout(model, cfg.parallel, nodes * gpus_per_node, a100)
 
 
-@pytest.mark.parametrize("text,field", [
-    ("rollout:\n  prompts_per_stepp: 16\n", "prompts_per_stepp"),
-    ("rolout:\n  prompts_per_step: 16\n", "rolout"),
-    ("parallel:\n  tensor_parallel_size: 4\n", "tensor_parallel_size"),
-])
+@pytest.mark.parametrize(
+    "text,field",
+    [
+        ("rollout:\n  prompts_per_stepp: 16\n", "prompts_per_stepp"),
+        ("rolout:\n  prompts_per_step: 16\n", "rolout"),
+        ("parallel:\n  tensor_parallel_size: 4\n", "tensor_parallel_size"),
+    ],
+)
 def test_misspelled_key_is_refused_by_name(tmp_path, text, field):
     recipe = (EXAMPLES / "tiny_cpu" / "train.yaml").read_text()
     # into the recipe's own section when it has one: a section written twice is refused as such
@@ -175,22 +200,51 @@ def test_launch_script_is_valid_bash_and_executable(script):
 
 
 def _dry_run(args: list[str], env: dict[str, str], cwd: Path = REPO_ROOT) -> str:
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE")}
-    done = subprocess.run(args, env={**base, "BAPO_DRY_RUN": "1", **env}, cwd=cwd,
-                          capture_output=True, text=True, check=True)
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE")
+    }
+    done = subprocess.run(
+        args,
+        env={**base, "BAPO_DRY_RUN": "1", **env},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return done.stdout
 
 
 def test_torchrun_script_passes_shape_and_overrides():
-    out = _dry_run([str(SCRIPTS[0]), "examples/qwen2.5-7b/train.yaml", "train.steps=3",
-                    "data.system_prompt=think step by step"],
-                   {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"})
+    out = _dry_run(
+        [
+            str(SCRIPTS[0]),
+            "examples/qwen2.5-7b/train.yaml",
+            "train.steps=3",
+            "data.system_prompt=think step by step",
+        ],
+        {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"},
+    )
     assert shlex.split(out) == [
-        "torchrun", "--nnodes", "2", "--nproc-per-node", "8", "--node-rank", "1",
-        "--master-addr", "10.0.0.1", "--master-port", "29500",
-        "-m", "bapo_megatron.train", "--config", "examples/qwen2.5-7b/train.yaml",
-        "train.steps=3", "data.system_prompt=think step by step"]
+        "torchrun",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "8",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "10.0.0.1",
+        "--master-port",
+        "29500",
+        "-m",
+        "bapo_megatron.train",
+        "--config",
+        "examples/qwen2.5-7b/train.yaml",
+        "train.steps=3",
+        "data.system_prompt=think step by step",
+    ]
 
 
 def test_torchrun_script_without_config_prints_usage():
@@ -201,16 +255,26 @@ def test_torchrun_script_without_config_prints_usage():
 def test_slurm_script_starts_one_torchrun_per_node(tmp_path):
     # Stand-ins for srun (runs its command once per node with that node's SLURM_NODEID) and
     # scontrol (expands the node list).
-    (tmp_path / "srun").write_text('#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\n'
-                                   'for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do '
-                                   'SLURM_NODEID=$i "$@"; done\n')
+    (tmp_path / "srun").write_text(
+        "#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\n"
+        "for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do "
+        'SLURM_NODEID=$i "$@"; done\n'
+    )
     (tmp_path / "scontrol").write_text('#!/bin/sh\nprintf "gpu-a\\ngpu-b\\ngpu-c\\n"\n')
     for tool in ("srun", "scontrol"):
         (tmp_path / tool).chmod(0o755)
-    env = {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(REPO_ROOT),
-           "SLURM_JOB_NUM_NODES": "3", "SLURM_JOB_NODELIST": "gpu-[a-c]", "SLURM_JOB_ID": "77"}
-    out = _dry_run(["bash", str(SCRIPTS[1]), "examples/qwen2.5-32b/train.yaml", "train.steps=2"],
-                   env, cwd=tmp_path)
+    env = {
+        "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_SUBMIT_DIR": str(REPO_ROOT),
+        "SLURM_JOB_NUM_NODES": "3",
+        "SLURM_JOB_NODELIST": "gpu-[a-c]",
+        "SLURM_JOB_ID": "77",
+    }
+    out = _dry_run(
+        ["bash", str(SCRIPTS[1]), "examples/qwen2.5-32b/train.yaml", "train.steps=2"],
+        env,
+        cwd=tmp_path,
+    )
     commands = [shlex.split(line) for line in out.splitlines() if line.startswith("torchrun")]
     assert [c[c.index("--node-rank") + 1] for c in commands] == ["0", "1", "2"]
     for command in commands:

@@ -16,7 +16,10 @@ def test_plan_covers_the_grid(tmp_path):
     assert len(runs) == 5 * 6 * 3
     assert len({run.output_dir for run in runs}) == len(runs)
     lag = next(r for r in runs if r.staleness == "lag16")
-    assert "algorithm.rollout_lag=16" in lag.overrides and f"train.steps={settings.steps + 16}" in lag.overrides
+    assert (
+        "algorithm.rollout_lag=16" in lag.overrides
+        and f"train.steps={settings.steps + 16}" in lag.overrides
+    )
     fixed = next(r for r in runs if r.method == "fixed-0.6")
     assert fixed.overrides[:3] == list(METHODS["fixed-0.6"])
     assert staleness_overrides("partial8", settings)[0] == "rollout.partial_tokens_per_round=8"
@@ -37,15 +40,28 @@ def test_minimal_sweep_end_to_end(tmp_path):
         assert json.loads((run.output_dir / "run.json").read_text())["returncode"] == 0
         assert any(line.startswith(f"| {run.method} | {run.seed} |") for line in text.splitlines())
     assert "## The paper's claims, as measured here" in text and "Failed runs" not in text
-    for name in ("reward", "entropy", "positive_contribution", "clip_fractions", "grad_norm", "overview"):
+    for name in (
+        "reward",
+        "entropy",
+        "positive_contribution",
+        "clip_fractions",
+        "grad_norm",
+        "overview",
+    ):
         png = tmp_path / "plots" / "reuse4" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
         assert f"plots/reuse4/{name}.png" in text
     assert "The sweep took" in text
     # a second call reuses the start and the finished runs: only the report is written again
-    kept = {path: path.stat().st_mtime_ns for run in runs
-            for path in (run.output_dir / "run.json", run.output_dir / "train.log",
-                         tmp_path / "start" / "model" / "config.json")}
+    kept = {
+        path: path.stat().st_mtime_ns
+        for run in runs
+        for path in (
+            run.output_dir / "run.json",
+            run.output_dir / "train.log",
+            tmp_path / "start" / "model" / "config.json",
+        )
+    }
     run_sweep(settings, tmp_path, progress=lambda line: None)
     assert {path: path.stat().st_mtime_ns for path in kept} == kept
 
@@ -54,18 +70,39 @@ def test_summary_leaves_updates_without_advantaged_tokens_out_of_rho_and_grad_no
     from bapo_megatron.repro.sweep_report import summarize_run
 
     def update(step, rho, grad, positive, negative, met=1.0):
-        return {"step": step, "epoch": 0, "entropy": 0.5, "grad_norm": grad, "bapo/rho_after": rho,
-                "bapo/rho_before": rho, "bapo/target_met": met, "bapo/positive_tokens": positive,
-                "bapo/negative_tokens": negative, "bapo/clip_frac_positive": 0.0,
-                "bapo/clip_frac_negative": 0.0}
+        return {
+            "step": step,
+            "epoch": 0,
+            "entropy": 0.5,
+            "grad_norm": grad,
+            "bapo/rho_after": rho,
+            "bapo/rho_before": rho,
+            "bapo/target_met": met,
+            "bapo/positive_tokens": positive,
+            "bapo/negative_tokens": negative,
+            "bapo/clip_frac_positive": 0.0,
+            "bapo/clip_frac_negative": 0.0,
+        }
 
-    rollout = {"step": 1, "reward/mean": 0.5, "reward/accuracy": 0.5, "response_length/right": 3.0,
-               "response_length/wrong": 5.0, "rollout/truncated_fraction": 0.0}
-    records = [rollout, update(1, 0.5, 2.0, 3, 4), update(2, 0.0, 0.0, 0, 0),
-               update(3, 0.3, 4.0, 1, 6, met=0.0), update(4, 0.0, 0.0, 0, 0)]
+    rollout = {
+        "step": 1,
+        "reward/mean": 0.5,
+        "reward/accuracy": 0.5,
+        "response_length/right": 3.0,
+        "response_length/wrong": 5.0,
+        "rollout/truncated_fraction": 0.0,
+    }
+    records = [
+        rollout,
+        update(1, 0.5, 2.0, 3, 4),
+        update(2, 0.0, 0.0, 0, 0),
+        update(3, 0.3, 4.0, 1, 6, met=0.0),
+        update(4, 0.0, 0.0, 0, 0),
+    ]
     (tmp_path / "tensorboard").mkdir()
     (tmp_path / "tensorboard" / "metrics.jsonl").write_text(
-        "".join(json.dumps(r) + "\n" for r in records))
+        "".join(json.dumps(r) + "\n" for r in records)
+    )
     summary = summarize_run(tmp_path)
     assert summary["mean_rho"] == pytest.approx(0.4)  # (0.5 + 0.3) / 2, not / 4
     assert summary["rho_at_target"] == pytest.approx(0.5)

@@ -11,15 +11,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # The scripts import the package (and bench_bapo_loss.py tests/) from this checkout, which the
 # editable install may not point at.
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
-                                                                 os.environ.get("PYTHONPATH")]))}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+}
 
 
 def test_loss_benchmark_smoke():
     out = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench_bapo_loss.py"), "--sizes", "64K",
-         "--repeats", "1", "--threads", "1"],
-        check=True, capture_output=True, text=True, timeout=300, env=ENV,
+        [
+            sys.executable,
+            str(ROOT / "tools" / "bench_bapo_loss.py"),
+            "--sizes",
+            "64K",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
     ).stdout
     report = json.loads(out.strip().splitlines()[-1])
     res = report["sizes"]["64K"]
@@ -31,10 +45,31 @@ def test_loss_benchmark_smoke():
 
 def test_actor_step_benchmark_smoke():
     out = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench_actor_step.py"), "--layouts", "tp1",
-         "--steps", "1", "--warmup", "1", "--sequences", "2", "--length", "16", "--layers", "2",
-         "--hidden", "64", "--vocab", "128"],
-        check=True, capture_output=True, text=True, timeout=300, env=ENV,
+        [
+            sys.executable,
+            str(ROOT / "tools" / "bench_actor_step.py"),
+            "--layouts",
+            "tp1",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--sequences",
+            "2",
+            "--length",
+            "16",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--vocab",
+            "128",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
     ).stdout
     report = json.loads(out.strip().splitlines()[-1])
     tp1 = report["layouts"]["tp1"]
@@ -45,11 +80,37 @@ def test_actor_step_benchmark_smoke():
 
 def test_weights_benchmark_smoke(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench_weights.py"), "--dtype", "float32",
-         "--hidden", "64", "--layers", "4", "--ffn", "128", "--heads", "4", "--kv-heads", "2",
-         "--vocab", "128", "--repeats", "1", "--bucket-mib", "0.05", "--workdir", str(tmp_path),
-         "--timeout", "240"],
-        check=True, capture_output=True, text=True, timeout=300, env=ENV,
+        [
+            sys.executable,
+            str(ROOT / "tools" / "bench_weights.py"),
+            "--dtype",
+            "float32",
+            "--hidden",
+            "64",
+            "--layers",
+            "4",
+            "--ffn",
+            "128",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--vocab",
+            "128",
+            "--repeats",
+            "1",
+            "--bucket-mib",
+            "0.05",
+            "--workdir",
+            str(tmp_path),
+            "--timeout",
+            "240",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
     ).stdout
     report = json.loads(out.strip().splitlines()[-1])
     assert report["benchmark"] == "weights"
@@ -59,8 +120,13 @@ def test_weights_benchmark_smoke(tmp_path):
     layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
     assert report["parameters"] == 2 * 128 * 64 + 4 * layer + 2 * (4 * 2 * 64 + 64)
     assert report["model_bytes"] == 4 * report["parameters"]
-    for key in ("copy_gbps", "export_gbps", "export_kept_buffer_gbps", "hf_to_megatron_s",
-                "read_write_s"):
+    for key in (
+        "copy_gbps",
+        "export_gbps",
+        "export_kept_buffer_gbps",
+        "hf_to_megatron_s",
+        "read_write_s",
+    ):
         assert report[key] > 0, key
     assert abs(report["export_over_copy"] - report["export_gbps"] / report["copy_gbps"]) < 0.01
 
@@ -70,7 +136,11 @@ def test_rollout_benchmark_smoke():
 
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench_rollout.py"), "--quick"],
-        check=True, capture_output=True, text=True, timeout=300, env=ENV,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
     ).stdout
     report = json.loads(out.strip().splitlines()[-1])
     assert report["benchmark"] == "rollout"

@@ -20,8 +20,10 @@ from tests.helpers.train_runs import (  # noqa: E402
     subprocess_env,
 )
 
-pytestmark = [pytest.mark.multiprocess,
-              pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs")]
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs"),
+]
 SCRIPT = REPO_ROOT / "examples" / "tiny_cpu" / "torchrun_2proc.sh"
 STEPS = ["train.steps=3"]
 
@@ -31,15 +33,17 @@ def single_process(tmp_path_factory, warm_start):
     return run_in_process(tmp_path_factory.mktemp("one"), *warm_start[0], *STEPS)
 
 
-
-
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_two_process_run_matches_one_process(tmp_path, warm_start, single_process, layout):
     # the warm start was saved in one process: a weights checkpoint loads at any layout
-    result = subprocess.run(["bash", str(SCRIPT), *FAST, *warm_start[0], *STEPS,
-                             f"train.output_dir={tmp_path}"],
-                            cwd=REPO_ROOT, env={**subprocess_env(), "LAYOUT": layout},
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        ["bash", str(SCRIPT), *FAST, *warm_start[0], *STEPS, f"train.output_dir={tmp_path}"],
+        cwd=REPO_ROOT,
+        env={**subprocess_env(), "LAYOUT": layout},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     records = read_metrics(tmp_path)
     ours, reference = rollout_records(records), rollout_records(single_process)

@@ -32,22 +32,37 @@ def test_warmup_lowers_the_cross_entropy_and_leaves_room_for_rl(warm_start):
 
 
 def test_default_run_logs_every_step_to_tensorboard(tmp_path, warm_start):
-    records = run_in_process(tmp_path, *warm_start[0], "train.steps=3", "logging.logprob_diff_interval=1")
+    records = run_in_process(
+        tmp_path, *warm_start[0], "train.steps=3", "logging.logprob_diff_interval=1"
+    )
     rollouts = rollout_records(records)
     steps = optimizer_records(records)
     assert [r["rollout_step"] for r in rollouts] == [1, 2, 3]
     # two mini-batches per rollout step (the example's optimizer_steps_per_rollout): 6 updates
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     for r in steps:
-        for key in ("loss", "entropy", "grad_norm", "bapo/c_low", "bapo/c_high", "bapo/rho_before",
-                    "bapo/rho_after", "bapo/search_steps", "bapo/ratio_min", "bapo/ratio_max",
-                    "staleness/mean", "staleness/max"):
+        for key in (
+            "loss",
+            "entropy",
+            "grad_norm",
+            "bapo/c_low",
+            "bapo/c_high",
+            "bapo/rho_before",
+            "bapo/rho_after",
+            "bapo/search_steps",
+            "bapo/ratio_min",
+            "bapo/ratio_max",
+            "staleness/mean",
+            "staleness/max",
+        ):
             assert math.isfinite(r[key]), key
     # mini-batch reuse: the second update of each rollout batch trains one version stale data
     assert [r["staleness/max"] for r in steps] == [0, 1, 0, 1, 0, 1]
     for r in rollouts:
         # trained tokens of both updates of the step (not only the last one) per train second
-        trained = sum(u["response_tokens"] for u in steps if u["rollout_step"] == r["rollout_step"] - 1)
+        trained = sum(
+            u["response_tokens"] for u in steps if u["rollout_step"] == r["rollout_step"] - 1
+        )
         assert r["throughput/train_tokens_per_s"] * r["time/train"] == pytest.approx(trained)
         assert 0 <= r["reward/mean"] <= 1
         assert r["rollout/generated_tokens"] > 0
@@ -58,24 +73,64 @@ def test_default_run_logs_every_step_to_tensorboard(tmp_path, warm_start):
     # TensorBoard's own reader sees the same values as the jsonl
     scalars = read_scalars(tmp_path / "tensorboard")
     assert [step for step, _ in scalars["bapo/rho_after"]] == [1, 2, 3, 4, 5, 6]
-    assert [v for _, v in scalars["reward/mean"]] == pytest.approx([r["reward/mean"] for r in rollouts])
+    assert [v for _, v in scalars["reward/mean"]] == pytest.approx(
+        [r["reward/mean"] for r in rollouts]
+    )
     assert (tmp_path / "checkpoints").is_dir()
 
 
-@pytest.mark.parametrize("mode, overrides", [
-    ("lag", ["algorithm.rollout_lag=2", "algorithm.optimizer_steps_per_rollout=1", "train.steps=5"]),
-    ("replay", ["algorithm.replay_fraction=0.5", "algorithm.optimizer_steps_per_rollout=1",
-                "algorithm.replay_max_staleness=2", "train.steps=5"]),
-    ("partial", ["rollout.partial_tokens_per_round=4", "algorithm.optimizer_steps_per_rollout=1",
-                 "train.steps=5"]),
-    ("recompute-tis", ["algorithm.old_logprobs=recompute", "loss.truncated_is_cap=2.0",
-                       "algorithm.epochs=2", "train.steps=1"]),
-    # mini-batches left empty on every rank: groups filtered out, or responses not finished yet
-    ("filter-k4", ["algorithm.filter_equal_groups=true", "algorithm.optimizer_steps_per_rollout=4",
-                   "train.steps=4"]),
-    ("partial-k4", ["rollout.partial_tokens_per_round=6", "algorithm.optimizer_steps_per_rollout=4",
-                    "train.steps=4"]),
-])
+@pytest.mark.parametrize(
+    "mode, overrides",
+    [
+        (
+            "lag",
+            ["algorithm.rollout_lag=2", "algorithm.optimizer_steps_per_rollout=1", "train.steps=5"],
+        ),
+        (
+            "replay",
+            [
+                "algorithm.replay_fraction=0.5",
+                "algorithm.optimizer_steps_per_rollout=1",
+                "algorithm.replay_max_staleness=2",
+                "train.steps=5",
+            ],
+        ),
+        (
+            "partial",
+            [
+                "rollout.partial_tokens_per_round=4",
+                "algorithm.optimizer_steps_per_rollout=1",
+                "train.steps=5",
+            ],
+        ),
+        (
+            "recompute-tis",
+            [
+                "algorithm.old_logprobs=recompute",
+                "loss.truncated_is_cap=2.0",
+                "algorithm.epochs=2",
+                "train.steps=1",
+            ],
+        ),
+        # mini-batches left empty on every rank: groups filtered out, or responses not finished yet
+        (
+            "filter-k4",
+            [
+                "algorithm.filter_equal_groups=true",
+                "algorithm.optimizer_steps_per_rollout=4",
+                "train.steps=4",
+            ],
+        ),
+        (
+            "partial-k4",
+            [
+                "rollout.partial_tokens_per_round=6",
+                "algorithm.optimizer_steps_per_rollout=4",
+                "train.steps=4",
+            ],
+        ),
+    ],
+)
 def test_off_policy_modes(tmp_path, warm_start, mode, overrides):
     records = run_in_process(tmp_path, *warm_start[0], *overrides)
     steps = optimizer_records(records)
@@ -113,17 +168,27 @@ def test_off_policy_modes(tmp_path, warm_start, mode, overrides):
         per_step = [sum(1 for u in steps if u["rollout_step"] == k) for k in range(4)]
         assert sum(per_step) == len(steps) > 0
         assert any(0 < n < 4 for n in per_step), per_step  # some mini-batch was empty everywhere
-        assert all(r["policy_version"] == sum(per_step[:k + 1]) for k, r in enumerate(rollouts))
+        assert all(r["policy_version"] == sum(per_step[: k + 1]) for k, r in enumerate(rollouts))
         if mode == "filter-k4":
             kept = [r["rollout/informative_groups"] for r in rollouts]
             assert per_step == [min(4, int(n)) for n in kept] and min(kept) < 4
 
 
-def test_console_line_per_step_and_a_fresh_start_replaces_the_old_records(tmp_path, warm_start, capsys):
-    run_in_process(tmp_path, *warm_start[0], "train.steps=2", "algorithm.optimizer_steps_per_rollout=1")
+def test_console_line_per_step_and_a_fresh_start_replaces_the_old_records(
+    tmp_path, warm_start, capsys
+):
+    run_in_process(
+        tmp_path, *warm_start[0], "train.steps=2", "algorithm.optimizer_steps_per_rollout=1"
+    )
     capsys.readouterr()
-    records = run_in_process(tmp_path, *warm_start[0], "train.steps=1", "checkpoint.resume=false",
-                             "logging.console=true", "algorithm.optimizer_steps_per_rollout=1")
+    records = run_in_process(
+        tmp_path,
+        *warm_start[0],
+        "train.steps=1",
+        "checkpoint.resume=false",
+        "logging.console=true",
+        "algorithm.optimizer_steps_per_rollout=1",
+    )
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert len(lines) == 1 and lines[0].startswith("step 1/1 | reward ") and " rho " in lines[0]
     # only the second run's records: one update, one rollout step
@@ -147,10 +212,13 @@ def test_bad_config_is_refused_naming_the_key(tmp_path):
 def test_an_engine_past_its_deadline_stops_the_run_naming_it(tmp_path):
     from bapo_megatron.rollout.guard import EngineFailure
 
-    with pytest.raises(EngineFailure, match=r"stopped during rollout step 0 \(generation, rewards\): "
-                                            r"rank 0: EngineFailure: rollout engine 'embedded' of "
-                                            r"data-parallel replica 0: generate gave no result within "
-                                            r"0.001 s"):
+    with pytest.raises(
+        EngineFailure,
+        match=r"stopped during rollout step 0 \(generation, rewards\): "
+        r"rank 0: EngineFailure: rollout engine 'embedded' of "
+        r"data-parallel replica 0: generate gave no result within "
+        r"0.001 s",
+    ):
         run_in_process(tmp_path, "warmup.steps=0", "rollout.timeout_s=0.001")
     assert read_metrics(tmp_path) == []  # nothing was logged for the step that failed
 
@@ -162,10 +230,18 @@ def _walk_model_folder(folder):
     from bapo_megatron.data.synthetic_task import walk_tokenizer
 
     tokenizer = walk_tokenizer()
-    config = transformers.LlamaConfig(vocab_size=16, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=48, rms_norm_eps=1e-6,
-                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
+    config = transformers.LlamaConfig(
+        vocab_size=16,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=48,
+        rms_norm_eps=1e-6,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -175,12 +251,22 @@ def test_prompt_file_and_hf_model_with_bad_rows(tmp_path):
     model = tmp_path / "model"
     _walk_model_folder(model)
     data = tmp_path / "train.jsonl"
-    rows = [{"prompt": "7>12", "answer": "8 9 10 11 12"}, {"prompt": "", "answer": "1"},
-            {"prompt": "3>1", "answer": "2 1", "id": "q3"}]
+    rows = [
+        {"prompt": "7>12", "answer": "8 9 10 11 12"},
+        {"prompt": "", "answer": "1"},
+        {"prompt": "3>1", "answer": "2 1", "id": "q3"},
+    ]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
-    common = ["model=null", f"train.model_path={model}", "data.synthetic_task=null",
-              f"data.train_file={data}", "warmup.steps=0", "train.steps=2", "rollout.prompts_per_step=2",
-              "algorithm.optimizer_steps_per_rollout=1"]
+    common = [
+        "model=null",
+        f"train.model_path={model}",
+        "data.synthetic_task=null",
+        f"data.train_file={data}",
+        "warmup.steps=0",
+        "train.steps=2",
+        "rollout.prompts_per_step=2",
+        "algorithm.optimizer_steps_per_rollout=1",
+    ]
     result = run_subprocess(tmp_path / "strict", *common)
     assert result.returncode != 0
     assert f"{data}:2" in result.stderr and "'prompt'" in result.stderr

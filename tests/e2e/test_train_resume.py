@@ -26,36 +26,62 @@ from tests.helpers.train_runs import (  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs")
 # Values that must repeat exactly; times and throughput do not.
-COMPARED = ("reward/mean", "rollout/generated_tokens", "response_length/mean", "loss", "grad_norm",
-            "entropy", "bapo/rho_after", "bapo/c_low", "bapo/c_high", "staleness/max", "lr")
+COMPARED = (
+    "reward/mean",
+    "rollout/generated_tokens",
+    "response_length/mean",
+    "loss",
+    "grad_norm",
+    "entropy",
+    "bapo/rho_after",
+    "bapo/c_low",
+    "bapo/c_high",
+    "staleness/max",
+    "lr",
+)
 
 
 def comparable(records):
-    return [(r["step"], {k: r[k] for k in COMPARED if k in r}) for r in records
-            if "warmup/cross_entropy" not in r]
+    return [
+        (r["step"], {k: r[k] for k in COMPARED if k in r})
+        for r in records
+        if "warmup/cross_entropy" not in r
+    ]
 
 
-def kill_after(output, overrides, checkpoint_step: int, extra_delay: float, *,
-               while_writing: bool = False) -> None:
+def kill_after(
+    output, overrides, checkpoint_step: int, extra_delay: float, *, while_writing: bool = False
+) -> None:
     """Start the trainer as a process, SIGKILL it ``extra_delay`` s after checkpoint
     ``checkpoint_step`` appears, or (``while_writing``) as soon as its staging folder appears,
     in the middle of writing it."""
-    proc = subprocess.Popen(training_command(output, *overrides), cwd=REPO_ROOT, env=subprocess_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        training_command(output, *overrides),
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     name = f"step_{checkpoint_step:08d}"
     target = output / "checkpoints" / (f".{name}.incomplete" if while_writing else name)
     deadline = time.monotonic() + 300
     try:
         while not target.exists():
             if proc.poll() is not None:
-                raise AssertionError(f"the run ended (exit {proc.returncode}) before {target.name}: "
-                                     f"{proc.stderr.read()[-3000:]}")
+                raise AssertionError(
+                    f"the run ended (exit {proc.returncode}) before {target.name}: "
+                    f"{proc.stderr.read()[-3000:]}"
+                )
             assert time.monotonic() < deadline, f"no {target.name} within 300 s"
             time.sleep(0.002 if while_writing else 0.02)
         time.sleep(extra_delay)
     finally:
-        children = [int(pid) for path in Path(f"/proc/{proc.pid}/task").glob("*/children")
-                    for pid in path.read_text().split()]
+        children = [
+            int(pid)
+            for path in Path(f"/proc/{proc.pid}/task").glob("*/children")
+            for pid in path.read_text().split()
+        ]
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     # what the trainer started (its reward workers) ends with it
@@ -73,15 +99,29 @@ def running(pid: int) -> bool:
     return state != "Z"  # a zombie has ended; it only waits to be reaped
 
 
-@pytest.mark.parametrize("mode, overrides, delay", [
-    # replay with the example's two mini-batches per rollout step, killed while checkpoint 3
-    # is being written (delay None)
-    ("replay", ["algorithm.replay_fraction=0.5"], None),
-    ("partial", ["rollout.partial_tokens_per_round=6", "algorithm.optimizer_steps_per_rollout=1"], 0.3),
-])
-def test_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, warm_start, mode, overrides, delay):
-    common = [*warm_start[0], *overrides, "train.steps=5", "checkpoint.interval=1",
-              "checkpoint.keep_last=2"]
+@pytest.mark.parametrize(
+    "mode, overrides, delay",
+    [
+        # replay with the example's two mini-batches per rollout step, killed while checkpoint 3
+        # is being written (delay None)
+        ("replay", ["algorithm.replay_fraction=0.5"], None),
+        (
+            "partial",
+            ["rollout.partial_tokens_per_round=6", "algorithm.optimizer_steps_per_rollout=1"],
+            0.3,
+        ),
+    ],
+)
+def test_resume_after_sigkill_equals_the_uninterrupted_run(
+    tmp_path, warm_start, mode, overrides, delay
+):
+    common = [
+        *warm_start[0],
+        *overrides,
+        "train.steps=5",
+        "checkpoint.interval=1",
+        "checkpoint.keep_last=2",
+    ]
     uninterrupted = run_in_process(tmp_path / "whole", *common)
 
     killed = tmp_path / "killed"
@@ -109,8 +149,14 @@ def test_finished_run_does_not_train_again(tmp_path, warm_start, capsys):
     again = run_in_process(tmp_path, *common)
     assert comparable(again) == comparable(first)
     assert "already holds a run finished at rollout step 2" in capsys.readouterr().out
-    result = subprocess.run(training_command(tmp_path, *common, "train.steps=3"), cwd=REPO_ROOT,
-                            env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        training_command(tmp_path, *common, "train.steps=3"),
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = rollout_records(read_metrics(tmp_path))
     assert [r["rollout_step"] for r in records] == [1, 2, 3]

@@ -107,8 +107,18 @@ def search(r, adv, mask, cfg, reduce=lambda x: x) -> ReferenceResult:
     return ReferenceResult(low(k_low), high(k_high), steps, rho_before, share(p, n), p, n)
 
 
-def loss_and_grad(logp_new, logp_old, adv, mask, c_low, c_high, dual_clip, aggregation, normalizer,
-                  is_weights=None):
+def loss_and_grad(
+    logp_new,
+    logp_old,
+    adv,
+    mask,
+    c_low,
+    c_high,
+    dual_clip,
+    aggregation,
+    normalizer,
+    is_weights=None,
+):
     """Loss value and its textbook gradient w.r.t. logp_new, written out by hand:
     dL_t/dlogp_new_t = -A_t w_t r_t for unclipped tokens, 0 for clipped ones (and 0 where the
     log-ratio clamp at +-20 is active)."""

@@ -27,8 +27,13 @@ class WorkerFailure(AssertionError):
     """A multi-process launch failed; the message holds every rank's output."""
 
 
-def launch(script: str | Path, world_size: int, workdir: Path, extra_args: list[str] = (),
-           timeout: float = 180.0) -> list[dict]:
+def launch(
+    script: str | Path,
+    world_size: int,
+    workdir: Path,
+    extra_args: list[str] = (),
+    timeout: float = 180.0,
+) -> list[dict]:
     """Run ``world_size`` copies of ``script`` and return each rank's saved results."""
     python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, **ONE_THREAD, "PYTHONPATH": python_path}
@@ -42,12 +47,26 @@ def launch(script: str | Path, world_size: int, workdir: Path, extra_args: list[
     deadline = time.monotonic() + timeout
     try:
         for rank in range(world_size):
-            cmd = [sys.executable, "-u", str(Path(script).resolve()), "--rank", str(rank),
-                   "--world-size", str(world_size), "--init", str(init), "--out", str(outs[rank]),
-                   *map(str, extra_args)]
+            cmd = [
+                sys.executable,
+                "-u",
+                str(Path(script).resolve()),
+                "--rank",
+                str(rank),
+                "--world-size",
+                str(world_size),
+                "--init",
+                str(init),
+                "--out",
+                str(outs[rank]),
+                *map(str, extra_args),
+            ]
             with open(logs[rank], "wb") as log:
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                              cwd=REPO_ROOT))
+                procs.append(
+                    subprocess.Popen(
+                        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT
+                    )
+                )
         while problem is None:
             codes = [p.poll() for p in procs]
             if all(code == 0 for code in codes):
@@ -94,9 +113,13 @@ def join_group(args: argparse.Namespace, timeout_s: float) -> None:
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{args.init}", rank=args.rank,
-                            world_size=args.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{args.init}",
+        rank=args.rank,
+        world_size=args.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def save_result(results: object, out: str | Path) -> None:

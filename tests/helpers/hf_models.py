@@ -25,16 +25,24 @@ VARIANTS: dict[str, tuple[str, bool]] = {
 }
 
 
-def build_hf_model(variant: str, seed: int = 0, dtype: torch.dtype = torch.float32,
-                   layers: int = LAYERS) -> torch.nn.Module:
+def build_hf_model(
+    variant: str, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = LAYERS
+) -> torch.nn.Module:
     """A random transformers model of ``variant`` in eval mode."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     model_type, tied = VARIANTS[variant]
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
-                  num_hidden_layers=layers, num_attention_heads=HEADS,
-                  num_key_value_heads=KV_HEADS, max_position_embeddings=64,
-                  tie_word_embeddings=tied, rms_norm_eps=1e-6)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        rms_norm_eps=1e-6,
+    )
     if model_type == "qwen2":
         config, cls = Qwen2Config(**common, rope_theta=1e6), Qwen2ForCausalLM
     else:
@@ -57,12 +65,18 @@ def save_tokenizer(folder: Path) -> None:
     vocab = {f"w{i}": i for i in range(VOCAB)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0",
-                            eos_token="w1").save_pretrained(str(folder))
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="w0", eos_token="w1"
+    ).save_pretrained(str(folder))
 
 
-def save_hf_folder(folder: Path, variant: str, seed: int = 0,
-                   dtype: torch.dtype = torch.float32, layers: int = LAYERS) -> torch.nn.Module:
+def save_hf_folder(
+    folder: Path,
+    variant: str,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    layers: int = LAYERS,
+) -> torch.nn.Module:
     """Build ``variant``, save it and a tokenizer to ``folder``; return the model."""
     model = build_hf_model(variant, seed, dtype, layers)
     model.save_pretrained(str(folder), safe_serialization=True, max_shard_size="40KB")

@@ -23,7 +23,9 @@ SEARCH_VARIANTS = [
 ]
 
 
-def random_batch(seed: int, dtype=torch.float64, batch: int | None = None, tokens: int | None = None):
+def random_batch(
+    seed: int, dtype=torch.float64, batch: int | None = None, tokens: int | None = None
+):
     """One batch: dict of logp_old, logp_new (leaf, requires grad), advantages, mask."""
     g = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.rand(*shape, generator=g, dtype=dtype)  # noqa: E731

@@ -13,10 +13,18 @@ from tests.helpers.gloo_launch import ONE_THREAD, REPO_ROOT
 
 TINY_CONFIG = REPO_ROOT / "examples" / "tiny_cpu" / "train.yaml"
 # Small and short: a few rollout steps of 4 prompts x 4 samples after a 20-step warm-up.
-FAST = ["warmup.steps=20", "train.steps=4", "rollout.prompts_per_step=4",
-        "rollout.samples_per_prompt=4", "rollout.max_new_tokens=16", "checkpoint.interval=0",
-        "logging.console=false", "actor.micro_batch_size=16", "warmup.batch_size=16",
-        "data.synthetic_size=200"]
+FAST = [
+    "warmup.steps=20",
+    "train.steps=4",
+    "rollout.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "rollout.max_new_tokens=16",
+    "checkpoint.interval=0",
+    "logging.console=false",
+    "actor.micro_batch_size=16",
+    "warmup.batch_size=16",
+    "data.synthetic_size=200",
+]
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
@@ -52,18 +60,36 @@ def run_in_process(output_dir: Path, *overrides: str, config: Path = TINY_CONFIG
 
 
 def training_command(output_dir: Path, *overrides: str, config: Path = TINY_CONFIG) -> list[str]:
-    return [sys.executable, "-m", "bapo_megatron.train", "--config", str(config), *FAST,
-            f"train.output_dir={output_dir}", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "bapo_megatron.train",
+        "--config",
+        str(config),
+        *FAST,
+        f"train.output_dir={output_dir}",
+        *overrides,
+    ]
 
 
 def subprocess_env() -> dict[str, str]:
     env = {**os.environ, **ONE_THREAD}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])
+    )
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     return env
 
 
-def run_subprocess(output_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(training_command(output_dir, *overrides), cwd=REPO_ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=timeout)
+def run_subprocess(
+    output_dir: Path, *overrides: str, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        training_command(output_dir, *overrides),
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

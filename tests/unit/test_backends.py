@@ -35,18 +35,38 @@ def test_ties_on_grid_values_follow_the_loss_convention():
     mask = torch.ones(6, dtype=torch.bool)
     for backend in ("numba", "torch"):
         stats, _ = contribution_stats(ratio, ratio.log(), adv, mask, plan, backend)
-        counts = stats[2 * (38 + 18): 3 * (38 + 18)]
+        counts = stats[2 * (38 + 18) : 3 * (38 + 18)]
         pos, neg = counts[:38], counts[38:]
         assert pos[0] == 1 and pos[1] == 1 and pos[36] == 1  # #{h < r} = 0, 1, 36
         assert neg[1] == 1 and neg[2] == 1 and neg[16] == 1  # #{l <= r} = 1, 2, 16
 
 
-@pytest.mark.parametrize("values", [
-    (0.6, 0.62, 0.64, 0.66, 0.68, 0.7, 0.72, 0.74, 0.76, 0.78, 0.8, 0.82, 0.84, 0.86, 0.88, 0.9),
-    (1.2, 1.5, 1.8, 2.0),  # clamped last step
-    (1.2, 1.25, 1.3, 1.3000001),  # a last step far smaller than the others
-    (1.28,),  # fixed clip
-])
+@pytest.mark.parametrize(
+    "values",
+    [
+        (
+            0.6,
+            0.62,
+            0.64,
+            0.66,
+            0.68,
+            0.7,
+            0.72,
+            0.74,
+            0.76,
+            0.78,
+            0.8,
+            0.82,
+            0.84,
+            0.86,
+            0.88,
+            0.9,
+        ),
+        (1.2, 1.5, 1.8, 2.0),  # clamped last step
+        (1.2, 1.25, 1.3, 1.3000001),  # a last step far smaller than the others
+        (1.28,),  # fixed clip
+    ],
+)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_grid_lookup_counts_exactly_like_searchsorted(values, dtype):
     import numpy as np
@@ -67,8 +87,10 @@ def test_grid_lookup_counts_exactly_like_searchsorted(values, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("preset,overrides", [("paper", {}), ("reference", {"c_high_step": 0.3}),
-                                              ("paper", {"dual_clip": 3.0})])
+@pytest.mark.parametrize(
+    "preset,overrides",
+    [("paper", {}), ("reference", {"c_high_step": 0.3}), ("paper", {"dual_clip": 3.0})],
+)
 def test_backends_agree_on_ratios_at_and_next_to_every_candidate(preset, overrides, dtype):
     plan = SearchPlan.from_config(ClipSearchConfig.from_preset(preset, **overrides))
     grid = torch.tensor(plan.c_low_values + plan.c_high_values + (3.0,), dtype=dtype)

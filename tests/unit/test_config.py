@@ -12,40 +12,60 @@ def test_presets_match_the_spec():
     paper = ClipSearchConfig.from_preset("paper")
     assert (paper.c_low_start, paper.c_low_max, paper.c_low_step) == (0.6, 0.9, 0.02)
     assert (paper.c_high_start, paper.c_high_max, paper.c_high_step) == (1.2, 3.0, 0.05)
-    assert (paper.schedule, paper.semantics, paper.target_unit, paper.target) == ("paper", "gradient", "share", 0.4)
+    assert (paper.schedule, paper.semantics, paper.target_unit, paper.target) == (
+        "paper",
+        "gradient",
+        "share",
+        0.4,
+    )
     assert paper.dual_clip is None
     ref = ClipSearchConfig.from_preset("reference")
     assert (ref.c_low_start, ref.c_low_max, ref.c_low_step) == (0.6, 0.8, 0.05)
     assert (ref.c_high_start, ref.c_high_max, ref.c_high_step) == (1.2, 2.0, 0.05)
-    assert (ref.schedule, ref.semantics, ref.target_unit, ref.target) == ("reference", "surrogate", "ratio", 1.0)
+    assert (ref.schedule, ref.semantics, ref.target_unit, ref.target) == (
+        "reference",
+        "surrogate",
+        "ratio",
+        1.0,
+    )
     assert ref.dual_clip == 3.0
 
 
 def test_yaml_with_preset_and_dotted_overrides(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("loss:\n  aggregation: seq-mean-token-mean\n  clip:\n    preset: reference\n    c_high_max: 2.5\n")
+    path.write_text(
+        "loss:\n  aggregation: seq-mean-token-mean\n  clip:\n    preset: reference\n    c_high_max: 2.5\n"
+    )
     cfg = load_config(path, ["loss.clip.dual_clip=null", "loss.clip.target=1.5"])
     assert isinstance(cfg, Config)
     assert cfg.loss.aggregation == "seq-mean-token-mean"
     clip = cfg.loss.clip
     assert (clip.preset, clip.schedule, clip.c_high_max, clip.dual_clip, clip.target) == (
-        "reference", "reference", 2.5, None, 1.5)
+        "reference",
+        "reference",
+        2.5,
+        None,
+        1.5,
+    )
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["loss.clip.c_hgh_max=2"], "loss.clip: unknown field"),
-    (["loss.clip.c_high_max=abc"], "loss.clip.c_high_max: expected a number"),
-    (["loss.clip.preset=ppo"], "loss.clip.preset must be one of"),
-    (["loss.clip.schedule=fast"], "loss.clip.schedule: expected one of"),
-    (["loss.aggregation=mean"], "loss.aggregation: expected one of"),
-    (["loss.clip.c_low_max=0.5"], "c_low_start <= c_low_max"),
-    (["loss.clip.c_high_start=0.9"], "1 <= c_high_start"),
-    (["loss.clip.c_low_step=0"], "loss.clip.c_low_step must be > 0"),
-    (["loss.clip.target=1.5"], "loss.clip.target is a share"),
-    (["loss.clip.dual_clip=0.5"], "loss.clip.dual_clip must be > 1"),
-    (["loss.clip=3"], "loss.clip: expected a mapping"),
-    (["loss.clip.target"], "expected dotted.key=value"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["loss.clip.c_hgh_max=2"], "loss.clip: unknown field"),
+        (["loss.clip.c_high_max=abc"], "loss.clip.c_high_max: expected a number"),
+        (["loss.clip.preset=ppo"], "loss.clip.preset must be one of"),
+        (["loss.clip.schedule=fast"], "loss.clip.schedule: expected one of"),
+        (["loss.aggregation=mean"], "loss.aggregation: expected one of"),
+        (["loss.clip.c_low_max=0.5"], "c_low_start <= c_low_max"),
+        (["loss.clip.c_high_start=0.9"], "1 <= c_high_start"),
+        (["loss.clip.c_low_step=0"], "loss.clip.c_low_step must be > 0"),
+        (["loss.clip.target=1.5"], "loss.clip.target is a share"),
+        (["loss.clip.dual_clip=0.5"], "loss.clip.dual_clip must be > 1"),
+        (["loss.clip=3"], "loss.clip: expected a mapping"),
+        (["loss.clip.target"], "expected dotted.key=value"),
+    ],
+)
 def test_bad_values_name_the_field(overrides, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
         load_config(None, overrides)
@@ -58,11 +78,19 @@ def test_missing_file_is_named(tmp_path):
 
 # Each ill-typed value, written once as YAML: (dotted key, YAML text of the value, expected in the message).
 ILL_TYPED = [
-    ("optimizer.lr", "'0.001'", "expected a number (float), got '0.001' (a string: a quoted number"),
+    (
+        "optimizer.lr",
+        "'0.001'",
+        "expected a number (float), got '0.001' (a string: a quoted number",
+    ),
     ("optimizer.lr", '"1e-3"', "expected a number (float), got '1e-3' (a string"),
     ("rollout.max_new_tokens", "'64'", "expected an integer, got '64' (a string"),
     ("optimizer.lr", "[0.001]", "expected a number (float), got [0.001] (a list)"),
-    ("rollout.max_new_tokens", "{tokens: 64}", "expected an integer, got {'tokens': 64} (a mapping)"),
+    (
+        "rollout.max_new_tokens",
+        "{tokens: 64}",
+        "expected an integer, got {'tokens': 64} (a mapping)",
+    ),
     ("optimizer.lr", "true", "expected a number (float), got true (a boolean)"),
     ("rollout.max_new_tokens", "false", "expected an integer, got false (a boolean)"),
     ("rollout.max_new_tokens", "2.5", "expected an integer, got 2.5 (a float)"),
@@ -111,10 +139,17 @@ def test_ill_typed_values_are_refused_with_the_dotted_key(tmp_path, where, key, 
 
 @pytest.mark.parametrize("where", ["yaml", "override"])
 def test_well_typed_values_are_accepted(tmp_path, where):
-    values = {"optimizer.lr": "1e-3", "optimizer.min_lr": "0", "optimizer.adam_eps": "1.0e-6",
-              "rollout.max_new_tokens": "64", "rollout.server_urls": "http://a:8000",
-              "loss.clip.dual_clip": "2", "loss.aggregation": "seq-mean-token-sum",
-              "data.shuffle": "false", "train.max_position_embeddings": "null"}
+    values = {
+        "optimizer.lr": "1e-3",
+        "optimizer.min_lr": "0",
+        "optimizer.adam_eps": "1.0e-6",
+        "rollout.max_new_tokens": "64",
+        "rollout.server_urls": "http://a:8000",
+        "loss.clip.dual_clip": "2",
+        "loss.aggregation": "seq-mean-token-sum",
+        "data.shuffle": "false",
+        "train.max_position_embeddings": "null",
+    }
     if where == "yaml":
         path = tmp_path / "run.yaml"
         path.write_text(
@@ -122,10 +157,13 @@ def test_well_typed_values_are_accepted(tmp_path, where):
             "rollout:\n  max_new_tokens: 64\n  server_urls: http://a:8000\n"
             "loss:\n  aggregation: seq-mean-token-sum\n  clip:\n    dual_clip: 2\n"
             "data:\n  synthetic_task: walk\n  shuffle: false\n"
-            "train:\n  max_position_embeddings: null\n")
+            "train:\n  max_position_embeddings: null\n"
+        )
         cfg = load_config(path)
     else:
-        cfg = load_config(None, ["data.synthetic_task=walk"] + [f"{k}={v}" for k, v in values.items()])
+        cfg = load_config(
+            None, ["data.synthetic_task=walk"] + [f"{k}={v}" for k, v in values.items()]
+        )
     assert cfg.optimizer.lr == 1e-3 and type(cfg.optimizer.lr) is float
     assert cfg.optimizer.min_lr == 0.0 and type(cfg.optimizer.min_lr) is float
     assert cfg.optimizer.adam_eps == 1e-6
@@ -152,9 +190,16 @@ def test_unparsable_yaml_names_the_file_or_override(tmp_path, where):
 
 
 # A config that passes check_training: a tiny model from random weights on the synthetic task.
-TRAINABLE = ["data.synthetic_task=walk", "model.model_type=llama", "model.num_layers=2",
-             "model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4",
-             "model.num_query_groups=2", "model.vocab_size=128"]
+TRAINABLE = [
+    "data.synthetic_task=walk",
+    "model.model_type=llama",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=128",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.vocab_size=128",
+]
 
 
 def test_the_trainable_config_trains():
@@ -174,7 +219,8 @@ def test_a_rollout_lag_that_leaves_no_training_step_is_refused():
         cfg.check_training()
     assert str(raised.value).startswith(
         "algorithm.rollout_lag (5) must be smaller than train.steps (5): the first 5 rollout steps "
-        "only generate")
+        "only generate"
+    )
     load_config(None, TRAINABLE + ["algorithm.rollout_lag=5", "train.steps=6"]).check_training()
 
 
@@ -188,24 +234,39 @@ def test_one_sample_per_prompt_is_refused_for_training_only():
     load_config(None, TRAINABLE + ["rollout.samples_per_prompt=2"]).check_training()
 
 
-@pytest.mark.parametrize("text,key,lines", [
-    ("train:\n  steps: 3\nloss:\n  aggregation: token-mean\ntrain:\n  seed: 1\n", "train", (1, 5)),
-    ("train:\n  steps: 3\n  seed: 1\n  steps: 4\n", "train.steps", (2, 4)),
-    ("loss:\n  clip:\n    target: 0.3\n    preset: paper\n    target: 0.5\n", "loss.clip.target", (3, 5)),
-    ("rollout:\n  server_urls:\n    - {a: 1, a: 2}\n", "rollout.server_urls[0].a", (3, 3)),
-])
+@pytest.mark.parametrize(
+    "text,key,lines",
+    [
+        (
+            "train:\n  steps: 3\nloss:\n  aggregation: token-mean\ntrain:\n  seed: 1\n",
+            "train",
+            (1, 5),
+        ),
+        ("train:\n  steps: 3\n  seed: 1\n  steps: 4\n", "train.steps", (2, 4)),
+        (
+            "loss:\n  clip:\n    target: 0.3\n    preset: paper\n    target: 0.5\n",
+            "loss.clip.target",
+            (3, 5),
+        ),
+        ("rollout:\n  server_urls:\n    - {a: 1, a: 2}\n", "rollout.server_urls[0].a", (3, 3)),
+    ],
+)
 def test_a_key_written_twice_is_refused_with_its_lines(tmp_path, text, key, lines):
     path = tmp_path / "run.yaml"
     path.write_text(text)
     with pytest.raises(ValueError) as raised:
         load_config(path)
     assert str(raised.value).startswith(
-        f"config file {path}: key {key!r} is written twice, on lines {lines[0]} and {lines[1]}")
+        f"config file {path}: key {key!r} is written twice, on lines {lines[0]} and {lines[1]}"
+    )
 
 
 def test_a_key_written_twice_in_an_override_is_refused():
-    with pytest.raises(ValueError, match=r"override 'loss=\{aggregation: token-mean, aggregation: "
-                                         r"seq-mean-token-sum\}': key 'aggregation' is written twice"):
+    with pytest.raises(
+        ValueError,
+        match=r"override 'loss=\{aggregation: token-mean, aggregation: "
+        r"seq-mean-token-sum\}': key 'aggregation' is written twice",
+    ):
         load_config(None, ["loss={aggregation: token-mean, aggregation: seq-mean-token-sum}"])
 
 

@@ -10,11 +10,25 @@ from bapo_megatron.repro.stale_batches import off_policy_batch
 def test_demo_prints_every_preset_and_a_custom_row(tmp_path, capsys):
     cfg = tmp_path / "loss.yaml"
     cfg.write_text("loss:\n  clip:\n    preset: reference\n    dual_clip: null\n")
-    demo.main(["--config", str(cfg), "--staleness", "4", "--prompts", "8", "--max-tokens", "64",
-               "loss.clip.c_high_max=2.5"])
+    demo.main(
+        [
+            "--config",
+            str(cfg),
+            "--staleness",
+            "4",
+            "--prompts",
+            "8",
+            "--max-tokens",
+            "64",
+            "loss.clip.c_high_max=2.5",
+        ]
+    )
     out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0] in
-            (*CLIP_PRESETS, "custom")]
+    rows = [
+        line.split()
+        for line in out.splitlines()
+        if line.split() and line.split()[0] in (*CLIP_PRESETS, "custom")
+    ]
     assert [r[0] for r in rows] == [*CLIP_PRESETS, "custom"]
     for row in rows:
         c_low, c_high, steps, before, after = map(float, row[1:6])

@@ -39,8 +39,12 @@ ROWS = [
     ({"id": "coin", "problem": "flip z", "answer": "1"}, None),
     ({"id": "unscorable", "problem": "give e", "answer": "\\boxed{}"}, 0),  # reward raises
 ]
-BAD_LINES = ['{"problem": "", "answer": "1"}', '{"problem": "x"}', "not json",
-             json.dumps({"id": "long", "problem": "a" * 70, "answer": "0"})]  # > 64 positions
+BAD_LINES = [
+    '{"problem": "", "answer": "1"}',
+    '{"problem": "x"}',
+    "not json",
+    json.dumps({"id": "long", "problem": "a" * 70, "answer": "0"}),
+]  # > 64 positions
 
 
 def _hanging_reward(response: str, ground_truth: str) -> float:
@@ -95,8 +99,10 @@ def test_aime_format_parquet_is_read(tmp_path):
 
     from bapo_megatron.data.prompts import PromptRow, load_prompts
 
-    rows = [{"id": 60, "problem": "Find x.", "answer": 204, "solution": "..."},
-            {"id": 61, "problem": "", "answer": 1, "solution": "..."}]
+    rows = [
+        {"id": 60, "problem": "Find x.", "answer": 204, "solution": "..."},
+        {"id": 61, "problem": "", "answer": 1, "solution": "..."},
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "aime.parquet")
     loaded = load_prompts(tmp_path / "aime.parquet", skip_bad_rows=True)
     assert loaded.rows == [PromptRow(id="60", prompt="Find x.", answer="204")]
@@ -108,7 +114,9 @@ def test_aime_format_parquet_is_read(tmp_path):
 
 def _tokenizer():
     # The user turn alone, so the last prompt token is the problem's last character.
-    return character_tokenizer(CHARS, "{% for message in messages %}{{ message['content'] }}{% endfor %}")
+    return character_tokenizer(
+        CHARS, "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    )
 
 
 def _known_answer_folder(folder: Path) -> None:
@@ -117,10 +125,18 @@ def _known_answer_folder(folder: Path) -> None:
 
     tokenizer = _tokenizer()
     vocab, hidden = len(tokenizer), 64
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=64,
-                                      rms_norm_eps=1e-6, eos_token_id=1, pad_token_id=0)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     ids = tokenizer.convert_tokens_to_ids
@@ -150,15 +166,22 @@ def known_answers(tmp_path_factory) -> tuple[Path, Path]:
     """(the HF folder with known answers, the benchmark file with good and bad rows)."""
     root = tmp_path_factory.mktemp("evaluation")
     _known_answer_folder(root / "hf")
-    lines = [json.dumps(row) for row, _ in ROWS[:4]] + BAD_LINES[:2] \
-        + [json.dumps(row) for row, _ in ROWS[4:]] + BAD_LINES[2:]
+    lines = (
+        [json.dumps(row) for row, _ in ROWS[:4]]
+        + BAD_LINES[:2]
+        + [json.dumps(row) for row, _ in ROWS[4:]]
+        + BAD_LINES[2:]
+    )
     (root / "bench.jsonl").write_text("\n".join(lines) + "\n")
     return root / "hf", root / "bench.jsonl"
 
 
 def _without_origin(report: dict) -> dict:
-    return {key: value for key, value in report.items()
-            if key not in ("checkpoint", "checkpoint_kind", "engine", "tokenizer", "wall_time_s")}
+    return {
+        key: value
+        for key, value in report.items()
+        if key not in ("checkpoint", "checkpoint_kind", "engine", "tokenizer", "wall_time_s")
+    }
 
 
 def _tool_main(argv: list[str]) -> dict:
@@ -170,9 +193,27 @@ def _tool_main(argv: list[str]) -> dict:
 
 
 def _args(out: Path) -> list[str]:
-    return ["--k", str(K), "--pass-k", "1,2,4", "--max-new-tokens", "4", "--batch-size", "3",
-            "--reward", "math_lenient", "--reward-workers", "1", "--reward-timeout", "60",
-            "--seed", "3", "--no-progress", "--out", str(out)]
+    return [
+        "--k",
+        str(K),
+        "--pass-k",
+        "1,2,4",
+        "--max-new-tokens",
+        "4",
+        "--batch-size",
+        "3",
+        "--reward",
+        "math_lenient",
+        "--reward-workers",
+        "1",
+        "--reward-timeout",
+        "60",
+        "--seed",
+        "3",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
 
 
 def test_known_answers_through_the_command_line(known_answers, tmp_path):
@@ -196,7 +237,8 @@ def test_known_answers_through_the_command_line(known_answers, tmp_path):
     # the unscorable answer: every check raised, counted, and scored incorrect
     assert problems["unscorable"]["scoring_errors"] == K and report["scoring_errors"] == K
     assert report["scoring_error_messages"][0].startswith(
-        "problem 'unscorable' sample 0: reward 'math_lenient' on response ")
+        "problem 'unscorable' sample 0: reward 'math_lenient' on response "
+    )
     assert "ValueError: ground truth" in report["scoring_error_messages"][0]
     assert report["timeouts"] == 0 and report["truncated"] == 0
     # 3 malformed rows and one prompt too long for the model's 64 positions
@@ -239,14 +281,19 @@ def test_megatron_and_trainer_checkpoints_give_the_hf_report(known_answers, tmp_
     finally:
         context.teardown()
     reports = {}
-    runs = [("hf", hf, []), ("megatron", tmp_path / "megatron", []),
-            ("trainer", tmp_path / "run" / "checkpoints", ["--tokenizer", str(hf)])]
+    runs = [
+        ("hf", hf, []),
+        ("megatron", tmp_path / "megatron", []),
+        ("trainer", tmp_path / "run" / "checkpoints", ["--tokenizer", str(hf)]),
+    ]
     for name, source, extra in runs:
-        reports[name] = _tool_main([str(source), str(bench), *_args(tmp_path / f"{name}.json"),
-                                    *extra])
+        reports[name] = _tool_main(
+            [str(source), str(bench), *_args(tmp_path / f"{name}.json"), *extra]
+        )
     assert reports["megatron"]["checkpoint_kind"] == "megatron"
-    assert reports["trainer"]["checkpoint"] == str(tmp_path / "run" / "checkpoints"
-                                                   / "step_00000005")
+    assert reports["trainer"]["checkpoint"] == str(
+        tmp_path / "run" / "checkpoints" / "step_00000005"
+    )
     # The path of vLLM/SGLang: a temporary HF folder, opened by the engine factory (faked here).
     opened = []
 
@@ -255,11 +302,19 @@ def test_megatron_and_trainer_checkpoints_give_the_hf_report(known_answers, tmp_
         return EmbeddedEngine.from_pretrained(model_path, pad_token_id=pad_token_id)
 
     monkeypatch.setattr(factory, "build_engine", fake_build_engine)
-    settings = evaluation.EvalSettings(k=K, pass_ks=(1, 2, 4), max_new_tokens=4, batch_size=3,
-                                       reward="math_lenient", reward_workers=1,
-                                       reward_timeout_s=60, seed=3)
-    reports["vllm"] = evaluation.run_evaluation(tmp_path / "megatron", bench, settings,
-                                                engine="vllm", progress=False)
+    settings = evaluation.EvalSettings(
+        k=K,
+        pass_ks=(1, 2, 4),
+        max_new_tokens=4,
+        batch_size=3,
+        reward="math_lenient",
+        reward_workers=1,
+        reward_timeout_s=60,
+        seed=3,
+    )
+    reports["vllm"] = evaluation.run_evaluation(
+        tmp_path / "megatron", bench, settings, engine="vllm", progress=False
+    )
     engine_kind, files = opened[0]
     assert engine_kind == "vllm" and {"config.json", "tokenizer.json"} <= set(files)
     want = _without_origin(reports["hf"])
@@ -287,9 +342,16 @@ class _FixedEngine:
         for p, _ in enumerate(prompts):
             texts = self.texts[self.calls + p]
             assert len(texts) == params.n
-            samples += [RolloutSample(prompt_index=p, sample_index=i, prompt_token_ids=[2],
-                                      token_ids=self.tokenizer.encode(text) + [1],
-                                      finish_reason="stop") for i, text in enumerate(texts)]
+            samples += [
+                RolloutSample(
+                    prompt_index=p,
+                    sample_index=i,
+                    prompt_token_ids=[2],
+                    token_ids=self.tokenizer.encode(text) + [1],
+                    finish_reason="stop",
+                )
+                for i, text in enumerate(texts)
+            ]
         self.calls += len(prompts)
         return samples
 
@@ -307,12 +369,26 @@ def test_reward_errors_and_timeouts_are_counted_per_problem():
     tokenizer = _tokenizer()
     rows = [PromptRow(id="a", prompt="a", answer="1"), PromptRow(id="b", prompt="b", answer="2")]
     engine = _FixedEngine(tokenizer, [["1", "9", "1"], ["2", "3", "9"]])
-    settings = EvalSettings(k=3, reward="tests.unit.test_evaluation:_hanging_reward", reward_workers=2,
-                            reward_timeout_s=1.0, batch_size=2)
+    settings = EvalSettings(
+        k=3,
+        reward="tests.unit.test_evaluation:_hanging_reward",
+        reward_workers=2,
+        reward_timeout_s=1.0,
+        batch_size=2,
+    )
     counts = Counts()
     with reward_pool(settings) as pool:
-        results = evaluate_rows(engine, tokenizer, encode_rows(tokenizer, rows, settings),
-                                settings, pool, counts=counts, progress=False)
+        results = evaluate_rows(
+            engine,
+            tokenizer,
+            encode_rows(tokenizer, rows, settings),
+            settings,
+            pool,
+            counts=counts,
+            progress=False,
+        )
     assert [(r.id, r.correct, r.timeouts, r.scoring_errors) for r in results] == [
-        ("a", 2, 1, 0), ("b", 1, 1, 0)]
+        ("a", 2, 1, 0),
+        ("b", 1, 1, 0),
+    ]
     assert not counts.scoring_errors and not counts.bad_rows

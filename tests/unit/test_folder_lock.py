@@ -13,16 +13,22 @@ import pytest
 
 from bapo_megatron.files.lock import FolderLock, FolderLocked
 
-HOLD = ("import sys, time\n"
-        "from bapo_megatron.files.lock import FolderLock\n"
-        "FolderLock(sys.argv[1], 'training run').acquire()\n"
-        "print('held', flush=True)\n"
-        "sys.stdin.read()\n")  # holds until its stdin closes or it is killed
+HOLD = (
+    "import sys, time\n"
+    "from bapo_megatron.files.lock import FolderLock\n"
+    "FolderLock(sys.argv[1], 'training run').acquire()\n"
+    "print('held', flush=True)\n"
+    "sys.stdin.read()\n"
+)  # holds until its stdin closes or it is killed
 
 
 def _holder(folder):
-    process = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(folder)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert process.stdout.readline() == "held\n"
     return process
 
@@ -36,7 +42,8 @@ def test_a_second_process_is_refused_naming_the_holder(tmp_path):
         assert str(refused.value) == (
             f"{folder} is in use by another process (PID {holder.pid} on host "
             f"{socket.gethostname()}, training run); give this conversion another folder, or wait "
-            "for that one to end")
+            "for that one to end"
+        )
     finally:
         holder.stdin.close()
         holder.wait()

@@ -46,16 +46,29 @@ def test_an_intact_folder_passes(tmp_path):
     _check(folder)
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda f: (f / "model" / "__0_0.distcp").write_bytes(b"x" * 5000),
-     r"model/__0_0.distcp is 5000 bytes, 10000 when written \(truncated or overwritten\)"),
-    (lambda f: (f / "model" / "metadata.json").write_text('{"b": 2}'),
-     r"model/metadata.json: its contents changed since it was written"),
-    (lambda f: (f / "rank_00000.pt").unlink(), r"rank_00000.pt is missing \(listed in manifest.json\)"),
-    (lambda f: (f / "extra.bin").write_bytes(b"1"), r"files not in its manifest.json: \['extra.bin'\]"),
-    (lambda f: (f / MANIFEST_FILE).write_text("{garbage"), r"manifest.json is not a manifest"),
-    (lambda f: (f / MANIFEST_FILE).unlink(), r"manifest.json is missing"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            lambda f: (f / "model" / "__0_0.distcp").write_bytes(b"x" * 5000),
+            r"model/__0_0.distcp is 5000 bytes, 10000 when written \(truncated or overwritten\)",
+        ),
+        (
+            lambda f: (f / "model" / "metadata.json").write_text('{"b": 2}'),
+            r"model/metadata.json: its contents changed since it was written",
+        ),
+        (
+            lambda f: (f / "rank_00000.pt").unlink(),
+            r"rank_00000.pt is missing \(listed in manifest.json\)",
+        ),
+        (
+            lambda f: (f / "extra.bin").write_bytes(b"1"),
+            r"files not in its manifest.json: \['extra.bin'\]",
+        ),
+        (lambda f: (f / MANIFEST_FILE).write_text("{garbage"), r"manifest.json is not a manifest"),
+        (lambda f: (f / MANIFEST_FILE).unlink(), r"manifest.json is missing"),
+    ],
+)
 def test_each_damage_is_named(tmp_path, damage, message):
     folder, _ = _folder(tmp_path)
     damage(folder)

@@ -35,10 +35,12 @@ def _runs_at_import(node: ast.stmt) -> list[ast.stmt]:
     are lazy."""
     if isinstance(node, ast.If):
         if isinstance(node.test, ast.Name | ast.Attribute) and "TYPE_CHECKING" in ast.unparse(
-                node.test):
+            node.test
+        ):
             return list(node.orelse)
-        return [s for part in (node.body, node.orelse) for child in part
-                for s in _runs_at_import(child)]
+        return [
+            s for part in (node.body, node.orelse) for child in part for s in _runs_at_import(child)
+        ]
     if isinstance(node, ast.Try):
         parts = [node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)]
         return [s for part in parts for child in part for s in _runs_at_import(child)]
@@ -61,7 +63,7 @@ def import_graph() -> dict[str, set[str]]:
                 elif isinstance(node, ast.ImportFrom):
                     base = node.module or ""
                     if node.level:
-                        anchor = here.split(".")[:len(here.split(".")) - node.level + 1]
+                        anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
                         base = ".".join(anchor + ([base] if base else []))
                     names = [base] + [f"{base}.{alias.name}" for alias in node.names]
                 else:
@@ -81,7 +83,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         path.pop()
@@ -114,8 +116,10 @@ def test_no_import_cycle_between_subpackages():
     packages: dict[str, set[str]] = {}
     for module, targets in import_graph().items():
         packages.setdefault(subpackage(module), set()).update(
-            subpackage(t) for t in targets if subpackage(t) != subpackage(module)
-            and t != "bapo_megatron")
+            subpackage(t)
+            for t in targets
+            if subpackage(t) != subpackage(module) and t != "bapo_megatron"
+        )
     packages.pop("bapo_megatron", None)
     cycle = find_cycle(packages)
     assert cycle is None, "import cycle between subpackages: " + " -> ".join(cycle)
@@ -145,13 +149,19 @@ _BLOCKING_IMPORT = textwrap.dedent("""
 
 def _import_blocking(modules: list[str], blocked: list[str]) -> str:
     """Import ``modules`` in a new interpreter where ``blocked`` are not installed; its stderr."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
-                                                                     os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+    }
     env.pop("PYTHONWARNINGS", None)
-    done = subprocess.run([sys.executable, "-c", _BLOCKING_IMPORT.format(blocked=blocked,
-                                                                          modules=modules)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _BLOCKING_IMPORT.format(blocked=blocked, modules=modules)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
     return done.stderr
@@ -168,9 +178,10 @@ def test_every_module_imports_without_vllm_sglang_and_transformer_engine():
 
 
 def test_algorithm_and_config_import_with_torch_alone():
-    _import_blocking(["bapo_megatron.algo", "bapo_megatron.config",
-                      "bapo_megatron.config.loading"],
-                     ["megatron", "transformer_engine", "vllm", "sglang", "apex", "transformers"])
+    _import_blocking(
+        ["bapo_megatron.algo", "bapo_megatron.config", "bapo_megatron.config.loading"],
+        ["megatron", "transformer_engine", "vllm", "sglang", "apex", "transformers"],
+    )
 
 
 def _console_scripts() -> dict[str, str]:
@@ -201,6 +212,7 @@ def test_tool_wrappers_run_the_package_command_lines_without_path_edits():
             assert out.getvalue().startswith("usage: " + tool), (tool, out.getvalue()[:200])
     """)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]

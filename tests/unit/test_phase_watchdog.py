@@ -29,8 +29,10 @@ def test_the_report_names_the_rank_that_has_not_reached_the_phase():
     assert ranks[0].check() is None  # 30 s < stall_s
     clock.now += 40
     report = ranks[0].check()
-    assert report == ("rank 0 in 'step 4: train' since 70 s; rank 2 has not reached 'step 4: train': "
-                      "it is in 'step 4: rollout' since 75 s")
+    assert report == (
+        "rank 0 in 'step 4: train' since 70 s; rank 2 has not reached 'step 4: train': "
+        "it is in 'step 4: rollout' since 75 s"
+    )
     assert ranks[0].check() is None  # logged once per phase
     ranks[0].enter("step 4: weight sync")
     clock.now += 61
@@ -38,10 +40,14 @@ def test_the_report_names_the_rank_that_has_not_reached_the_phase():
 
 
 def test_a_rank_that_never_reported_and_ranks_in_step():
-    assert stall_report({0: ("a", 0.0), 1: None}, 0, 10.0) == \
-        "rank 0 in 'a' since 10 s; rank 1 has not reported any phase"
-    assert stall_report({0: ("a", 0.0), 1: ("a", 2.0)}, 0, 10.0) == \
-        "rank 0 in 'a' since 10 s; every other rank reports the same phase"
+    assert (
+        stall_report({0: ("a", 0.0), 1: None}, 0, 10.0)
+        == "rank 0 in 'a' since 10 s; rank 1 has not reported any phase"
+    )
+    assert (
+        stall_report({0: ("a", 0.0), 1: ("a", 2.0)}, 0, 10.0)
+        == "rank 0 in 'a' since 10 s; every other rank reports the same phase"
+    )
 
 
 def test_an_error_inside_a_phase_carries_the_report():
@@ -54,4 +60,5 @@ def test_an_error_inside_a_phase_carries_the_report():
         raise RuntimeError("Timed out waiting 10000ms for recv operation to complete")
     assert raised.value.__notes__ == [
         "where the ranks are: rank 0 in 'step 0: train' since 12 s; rank 1 has not reached "
-        "'step 0: train': it is in 'step 0: rollout' since 12 s"]
+        "'step 0: train': it is in 'step 0: rollout' since 12 s"
+    ]

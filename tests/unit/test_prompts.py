@@ -16,9 +16,11 @@ from bapo_megatron.config.loading import load_config
 from bapo_megatron.data.prompts import PromptRow, load_prompts, prompt_token_ids
 from bapo_megatron.data.task import encode_prompt, load_task
 
-ROWS = [{"prompt": "What is 2+3?", "answer": "5", "id": "a"},
-        {"prompt": "Compute 7*6.", "answer": 42},
-        {"prompt": "Half of one?", "answer": "\\frac{1}{2}", "id": 7}]
+ROWS = [
+    {"prompt": "What is 2+3?", "answer": "5", "id": "a"},
+    {"prompt": "Compute 7*6.", "answer": 42},
+    {"prompt": "Half of one?", "answer": "\\frac{1}{2}", "id": 7},
+]
 
 
 def write_jsonl(path, records, extra_lines=()):
@@ -28,27 +30,38 @@ def write_jsonl(path, records, extra_lines=()):
 
 def test_jsonl_and_parquet_give_the_same_rows(tmp_path):
     jsonl = load_prompts(write_jsonl(tmp_path / "p.jsonl", ROWS))
-    table = pa.Table.from_pylist([{**r, "answer": str(r["answer"]), "id": str(r.get("id", i))}
-                                  for i, r in enumerate(ROWS)])
+    table = pa.Table.from_pylist(
+        [{**r, "answer": str(r["answer"]), "id": str(r.get("id", i))} for i, r in enumerate(ROWS)]
+    )
     pq.write_table(table, tmp_path / "p.parquet")
     parquet = load_prompts(tmp_path / "p.parquet")
-    want = [PromptRow(id="a", prompt="What is 2+3?", answer="5"),
-            PromptRow(id="1", prompt="Compute 7*6.", answer="42"),
-            PromptRow(id="7", prompt="Half of one?", answer="\\frac{1}{2}")]
+    want = [
+        PromptRow(id="a", prompt="What is 2+3?", answer="5"),
+        PromptRow(id="1", prompt="Compute 7*6.", answer="42"),
+        PromptRow(id="7", prompt="Half of one?", answer="\\frac{1}{2}"),
+    ]
     assert jsonl.rows == want and parquet.rows == want and not jsonl.skipped
 
 
-@pytest.mark.parametrize("bad, message", [
-    ('{"prompt": "", "answer": "1"}', "field 'prompt' must be a non-empty string"),
-    ('{"prompt": "x"}', "field 'answer' must be a non-empty string or a finite number, got None"),
-    ('{"prompt": "x", "answer": true}', "field 'answer'"),
-    ('{"prompt": "x", "answer": "1", "id": [1]}', "field 'id'"),
-    ('[1, 2]', "expected an object"),
-    ('{"prompt": "x", "answer": ', "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ('{"prompt": "", "answer": "1"}', "field 'prompt' must be a non-empty string"),
+        (
+            '{"prompt": "x"}',
+            "field 'answer' must be a non-empty string or a finite number, got None",
+        ),
+        ('{"prompt": "x", "answer": true}', "field 'answer'"),
+        ('{"prompt": "x", "answer": "1", "id": [1]}', "field 'id'"),
+        ("[1, 2]", "expected an object"),
+        ('{"prompt": "x", "answer": ', "not valid JSON"),
+    ],
+)
 def test_bad_rows_name_file_line_and_field(tmp_path, bad, message):
     path = write_jsonl(tmp_path / "p.jsonl", ROWS[:1], [bad])
-    with pytest.raises(ValueError, match=f"{path}:2: .*{message}".replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(
+        ValueError, match=f"{path}:2: .*{message}".replace("[", r"\[").replace("(", r"\(")
+    ):
         load_prompts(path)
     skipped = load_prompts(path, skip_bad_rows=True)
     assert len(skipped.rows) == 1 and len(skipped.skipped) == 1 and ":2:" in skipped.skipped[0]
@@ -68,12 +81,25 @@ def test_bad_files(tmp_path):
 
 
 def test_chat_template_wraps_the_prompt():
-    words = ["<pad>", "<user>", "<assistant>", "<system>", "</turn>", "What", "is", "2+3?", "Be", "brief."]
+    words = [
+        "<pad>",
+        "<user>",
+        "<assistant>",
+        "<system>",
+        "</turn>",
+        "What",
+        "is",
+        "2+3?",
+        "Be",
+        "brief.",
+    ]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>")
-    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} </turn> "
-                               "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} </turn> "
+        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     row = PromptRow(id="0", prompt="What is 2+3?", answer="5")
     assert prompt_token_ids(tokenizer, row) == [1, 5, 6, 7, 4, 2]
     assert prompt_token_ids(tokenizer, row, system="Be brief.") == [3, 8, 9, 4, 1, 5, 6, 7, 4, 2]
@@ -85,20 +111,35 @@ GOOD = {"prompt": "What is 2+3?", "answer": "5"}
 def write_parquet(path, records):
     # pyarrow takes the columns from the first record only; a key missing from a record is null
     columns = list(dict.fromkeys(key for record in records for key in record))
-    pq.write_table(pa.Table.from_pylist([{key: r.get(key) for key in columns} for r in records]), path)
+    pq.write_table(
+        pa.Table.from_pylist([{key: r.get(key) for key in columns} for r in records]), path
+    )
     return path
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"prompt": "x"}, "field 'answer' must be a non-empty string or a finite number, got None"),  # null in parquet
-    ({"prompt": "", "answer": "1"}, "field 'prompt' must be a non-empty string, got ''"),
-    ({"prompt": "  ", "answer": "1"}, "field 'prompt' must be a non-empty string"),
-    ({"prompt": "x", "answer": "1", "id": [1]}, "field 'id' must be a string or an integer, got [1]"),
-    ({"prompt": 7, "answer": "1"}, "field 'prompt' must be a non-empty string, got 7"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (
+            {"prompt": "x"},
+            "field 'answer' must be a non-empty string or a finite number, got None",
+        ),  # null in parquet
+        ({"prompt": "", "answer": "1"}, "field 'prompt' must be a non-empty string, got ''"),
+        ({"prompt": "  ", "answer": "1"}, "field 'prompt' must be a non-empty string"),
+        (
+            {"prompt": "x", "answer": "1", "id": [1]},
+            "field 'id' must be a string or an integer, got [1]",
+        ),
+        ({"prompt": 7, "answer": "1"}, "field 'prompt' must be a non-empty string, got 7"),
+    ],
+)
 def test_bad_parquet_rows_name_file_row_and_field(tmp_path, bad, message):
     # a parquet column has one type, so a wrong-typed prompt needs the good row to use `problem`
-    good = {"problem": GOOD["prompt"], "answer": "5"} if not isinstance(bad.get("prompt", ""), str) else GOOD
+    good = (
+        {"problem": GOOD["prompt"], "answer": "5"}
+        if not isinstance(bad.get("prompt", ""), str)
+        else GOOD
+    )
     path = write_parquet(tmp_path / "p.parquet", [good, bad])
     with pytest.raises(ValueError) as raised:
         load_prompts(path)
@@ -109,12 +150,19 @@ def test_bad_parquet_rows_name_file_row_and_field(tmp_path, bad, message):
 
 
 def test_skip_mode_counts_every_bad_row_of_a_parquet_file(tmp_path):
-    rows = [GOOD, {"prompt": "x"}, {"prompt": "", "answer": "1"}, {"prompt": "Compute 7*6.", "answer": "42"},
-            {"prompt": "y", "answer": "2", "id": [2]}]
+    rows = [
+        GOOD,
+        {"prompt": "x"},
+        {"prompt": "", "answer": "1"},
+        {"prompt": "Compute 7*6.", "answer": "42"},
+        {"prompt": "y", "answer": "2", "id": [2]},
+    ]
     path = write_parquet(tmp_path / "p.parquet", rows)
     loaded = load_prompts(path, skip_bad_rows=True)
     assert [r.id for r in loaded.rows] == ["0", "3"]
-    assert [m.split(":")[0] for m in loaded.skipped] == [f"{path} 0-based row {i}" for i in (1, 2, 4)]
+    assert [m.split(":")[0] for m in loaded.skipped] == [
+        f"{path} 0-based row {i}" for i in (1, 2, 4)
+    ]
 
 
 def test_a_null_id_is_the_row_position(tmp_path):
@@ -130,10 +178,17 @@ def _walk_model_folder(folder, max_position_embeddings):
     from bapo_megatron.data.synthetic_task import walk_tokenizer
 
     tokenizer = walk_tokenizer()
-    transformers.LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=2,
-                             max_position_embeddings=max_position_embeddings,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=0).save_pretrained(folder)
+    transformers.LlamaConfig(
+        vocab_size=16,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=0,
+    ).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -142,16 +197,26 @@ def _walk_model_folder(folder, max_position_embeddings):
 def test_a_prompt_too_long_for_the_model_is_a_bad_row(tmp_path, suffix):
     # the walk chat template is the prompt's characters then ":", one token each: a prompt of
     # n characters is n + 1 tokens, and 16 positions hold n + 1 + 8 new tokens up to n = 7
-    rows = [{"prompt": "7>12", "answer": "8 9 10 11 12"}, {"prompt": "1234567>9", "answer": "no"},
-            {"prompt": "12345>6", "answer": "6", "id": "fits-exactly"}]
+    rows = [
+        {"prompt": "7>12", "answer": "8 9 10 11 12"},
+        {"prompt": "1234567>9", "answer": "no"},
+        {"prompt": "12345>6", "answer": "6", "id": "fits-exactly"},
+    ]
     path = tmp_path / f"train{suffix}"
     (write_jsonl if suffix == ".jsonl" else write_parquet)(path, rows)
     model = _walk_model_folder(tmp_path / "model", max_position_embeddings=64)
-    common = ["model=null", f"train.model_path={model}", f"data.train_file={path}",
-              "train.max_position_embeddings=16", "rollout.max_new_tokens=8"]
+    common = [
+        "model=null",
+        f"train.model_path={model}",
+        f"data.train_file={path}",
+        "train.max_position_embeddings=16",
+        "rollout.max_new_tokens=8",
+    ]
     where = f"{path}:2" if suffix == ".jsonl" else f"{path} 0-based row 1"
-    message = (f"{where}: the prompt is 10 tokens in the chat template; with rollout.max_new_tokens (8) "
-               "that is 18, more than the model's max_position_embeddings (16)")
+    message = (
+        f"{where}: the prompt is 10 tokens in the chat template; with rollout.max_new_tokens (8) "
+        "that is 18, more than the model's max_position_embeddings (16)"
+    )
     with pytest.raises(ValueError) as raised:
         load_task(load_config(None, common))
     assert str(raised.value) == message
@@ -167,7 +232,12 @@ def test_a_prompt_too_long_for_the_model_is_a_bad_row(tmp_path, suffix):
 def test_the_system_prompt_counts_toward_the_length(tmp_path):
     path = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "12345>6", "answer": "6"}])
     model = _walk_model_folder(tmp_path / "model", max_position_embeddings=16)
-    common = ["model=null", f"train.model_path={model}", f"data.train_file={path}", "rollout.max_new_tokens=8"]
+    common = [
+        "model=null",
+        f"train.model_path={model}",
+        f"data.train_file={path}",
+        "rollout.max_new_tokens=8",
+    ]
     assert load_task(load_config(None, common)).skipped_rows == 0
     with pytest.raises(ValueError, match=f"{path}: no usable rows \\(1 skipped\\)"):
         load_task(load_config(None, common + ["data.system_prompt='1'", "data.skip_bad_rows=true"]))
@@ -184,10 +254,16 @@ def test_a_synthetic_task_that_does_not_fit_the_model_is_a_config_error():
 @pytest.mark.parametrize("skip", [False, True])
 def test_a_line_that_is_not_utf8_is_a_bad_row(tmp_path, skip):
     path = tmp_path / "p.jsonl"
-    path.write_bytes(json.dumps(GOOD).encode() + b'\n{"prompt": "caf\xe9", "answer": "1"}\n'
-                     + json.dumps(ROWS[1]).encode() + b"\n")
+    path.write_bytes(
+        json.dumps(GOOD).encode()
+        + b'\n{"prompt": "caf\xe9", "answer": "1"}\n'
+        + json.dumps(ROWS[1]).encode()
+        + b"\n"
+    )
     if not skip:
-        with pytest.raises(ValueError, match=f"^{path}:2: not valid UTF-8 \\(byte 0xe9 at column 16\\)$"):
+        with pytest.raises(
+            ValueError, match=f"^{path}:2: not valid UTF-8 \\(byte 0xe9 at column 16\\)$"
+        ):
             load_prompts(path)
         return
     loaded = load_prompts(path, skip_bad_rows=True)
@@ -197,10 +273,14 @@ def test_a_line_that_is_not_utf8_is_a_bad_row(tmp_path, skip):
 
 @pytest.mark.parametrize("answer", [float("nan"), float("inf")])
 def test_a_missing_number_in_parquet_is_not_an_answer(tmp_path, answer):
-    path = write_parquet(tmp_path / "p.parquet", [{"prompt": "x", "answer": 5.0},
-                                                 {"prompt": "y", "answer": answer}])
-    with pytest.raises(ValueError, match=f"0-based row 1: field 'answer' must be a non-empty string "
-                                         f"or a finite number, got {answer}"):
+    path = write_parquet(
+        tmp_path / "p.parquet", [{"prompt": "x", "answer": 5.0}, {"prompt": "y", "answer": answer}]
+    )
+    with pytest.raises(
+        ValueError,
+        match=f"0-based row 1: field 'answer' must be a non-empty string "
+        f"or a finite number, got {answer}",
+    ):
         load_prompts(path)
     assert load_prompts(path, skip_bad_rows=True).skipped[0].startswith(f"{path} 0-based row 1: ")
 
@@ -212,8 +292,12 @@ def test_a_prompt_the_tokenizer_cannot_encode_is_a_bad_row(tmp_path, suffix):
     path = tmp_path / f"train{suffix}"
     (write_jsonl if suffix == ".jsonl" else write_parquet)(path, rows)
     model = _walk_model_folder(tmp_path / "model", max_position_embeddings=64)
-    common = ["model=null", f"train.model_path={model}", f"data.train_file={path}",
-              "rollout.max_new_tokens=8"]
+    common = [
+        "model=null",
+        f"train.model_path={model}",
+        f"data.train_file={path}",
+        "rollout.max_new_tokens=8",
+    ]
     where = f"{path}:2" if suffix == ".jsonl" else f"{path} 0-based row 1"
     with pytest.raises(ValueError, match=f"^{where}: the tokenizer cannot encode the prompt "):
         load_task(load_config(None, common))

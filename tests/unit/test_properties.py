@@ -37,7 +37,10 @@ def test_gradient_semantics_never_lowers_rho(seed, variant):
     preset, overrides = variant
     cfg = ClipSearchConfig.from_preset(preset, **{**overrides, "semantics": "gradient"})
     decision = _decide(random_batch(seed), SearchPlan.from_config(cfg))
-    before, after = decision.metrics["bapo/rho_before"].item(), decision.metrics["bapo/rho_after"].item()
+    before, after = (
+        decision.metrics["bapo/rho_before"].item(),
+        decision.metrics["bapo/rho_after"].item(),
+    )
     assert after >= before - 1e-12
 
 
@@ -65,8 +68,14 @@ def test_token_mean_is_independent_of_the_split(seed, variant, splits):
     plan = SearchPlan.from_config(ClipSearchConfig.from_preset(preset, **overrides))
     batch = random_batch(seed, batch=sum(splits) + 2)
     whole_norm = loss_normalizer(batch["mask"], "token-mean")
-    whole_loss, whole_metrics = bapo_loss(batch["logp_new"], batch["logp_old"], batch["advantages"],
-                                          batch["mask"], plan=plan, normalizer=whole_norm)
+    whole_loss, whole_metrics = bapo_loss(
+        batch["logp_new"],
+        batch["logp_old"],
+        batch["advantages"],
+        batch["mask"],
+        plan=plan,
+        normalizer=whole_norm,
+    )
     (whole_grad,) = torch.autograd.grad(whole_loss, batch["logp_new"])
 
     # Pieces: each "rank/micro-batch" holds a row slice (the last one holds the remainder).
@@ -78,14 +87,22 @@ def test_token_mean_is_independent_of_the_split(seed, variant, splits):
     leaf = batch["logp_new"].detach().requires_grad_(True)
     # Decide once over all pieces (stats summed = what one all-reduce gives), then sum the losses.
     total_stats = sum(
-        search_statistics(leaf[sl], batch["logp_old"][sl], batch["advantages"][sl],
-                          batch["mask"][sl], plan=plan)[0]
+        search_statistics(
+            leaf[sl], batch["logp_old"][sl], batch["advantages"][sl], batch["mask"][sl], plan=plan
+        )[0]
         for sl in pieces
     )
     decision = choose_bounds(total_stats, plan)
     total = sum(
-        bapo_loss(leaf[sl], batch["logp_old"][sl], batch["advantages"][sl], batch["mask"][sl],
-                  plan=plan, normalizer=whole_norm, decision=decision)[0]
+        bapo_loss(
+            leaf[sl],
+            batch["logp_old"][sl],
+            batch["advantages"][sl],
+            batch["mask"][sl],
+            plan=plan,
+            normalizer=whole_norm,
+            decision=decision,
+        )[0]
         for sl in pieces
     )
     (split_grad,) = torch.autograd.grad(total, leaf)

@@ -12,15 +12,18 @@ from bapo_megatron.rewards.pool import RewardPool
 from bapo_megatron.rewards.registry import get_reward, register_reward
 
 
-@pytest.mark.parametrize("response, truth, boxed, lenient", [
-    ("so the answer is \\boxed{0.5}", "1/2", 1.0, 1.0),
-    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0, 1.0),
-    ("first \\boxed{3}, no wait: \\boxed{2}", "2", 1.0, 1.0),
-    ("\\boxed{2}", "\\frac{1}{2}", 0.0, 0.0),
-    ("so 0.5", "1/2", 0.0, 1.0),              # no box: the default reward does not guess
-    ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0, 1.0),  # symbolic equivalence
-    ("import os; os.system('rm -rf /')", "1", 0.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "response, truth, boxed, lenient",
+    [
+        ("so the answer is \\boxed{0.5}", "1/2", 1.0, 1.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0, 1.0),
+        ("first \\boxed{3}, no wait: \\boxed{2}", "2", 1.0, 1.0),
+        ("\\boxed{2}", "\\frac{1}{2}", 0.0, 0.0),
+        ("so 0.5", "1/2", 0.0, 1.0),  # no box: the default reward does not guess
+        ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0, 1.0),  # symbolic equivalence
+        ("import os; os.system('rm -rf /')", "1", 0.0, 0.0),
+    ],
+)
 def test_math_rewards(response, truth, boxed, lenient):
     assert get_reward("math")(response, truth) == boxed
     assert get_reward("math_lenient")(response, truth) == lenient
@@ -59,8 +62,10 @@ def test_pool_bounds_each_check_and_counts_failures():
         batch = pool.score(["0", "30", "raise", "0"], ["", "", "", ""])
         assert batch.rewards == [1.0, 0.0, 0.0, 1.0]
         assert batch.timed_out == 1
-        assert batch.errors == ["2: reward 'tests.unit.test_rewards:slow_reward' on response 2 "
-                                "('raise'): RuntimeError: bad output"]
+        assert batch.errors == [
+            "2: reward 'tests.unit.test_rewards:slow_reward' on response 2 "
+            "('raise'): RuntimeError: bad output"
+        ]
         # The stuck worker was replaced: the pool still works.
         assert pool.score(["0"], [""]).rewards == [1.0]
 
@@ -69,7 +74,10 @@ def test_pool_scores_math_in_workers():
     with RewardPool("math", workers=1, timeout_s=30.0) as pool:
         batch = pool.score(["\\boxed{4}", "\\boxed{5}"], ["4", "4"])
     assert batch.rewards == [1.0, 0.0] and batch.timed_out == 0 and not batch.errors
-    with RewardPool("math", workers=1) as pool, pytest.raises(ValueError, match="2 responses but 1"):
+    with (
+        RewardPool("math", workers=1) as pool,
+        pytest.raises(ValueError, match="2 responses but 1"),
+    ):
         pool.score(["a", "b"], ["c"])
 
 
@@ -89,8 +97,9 @@ def test_a_worker_that_dies_is_replaced_and_its_check_counted():
 def test_the_whole_batch_is_bounded_in_time():
     # eight checks that would each run for an hour, under a per-check limit of an hour: the
     # batch limit ends them all, and the pool works again afterwards
-    with RewardPool("tests.unit.test_rewards:slow_reward", workers=2, timeout_s=3600.0,
-                    batch_timeout_s=1.0) as pool:
+    with RewardPool(
+        "tests.unit.test_rewards:slow_reward", workers=2, timeout_s=3600.0, batch_timeout_s=1.0
+    ) as pool:
         batch = pool.score(["3600"] * 8, [""] * 8)
         assert batch.timed_out == 8 and batch.rewards == [0.0] * 8 and not batch.errors
         assert pool.score(["0"], [""]).rewards == [1.0]
@@ -100,5 +109,7 @@ def test_a_reward_that_is_not_a_finite_number_is_an_error_naming_reward_and_resp
     with RewardPool("tests.unit.test_rewards:slow_reward", workers=1, timeout_s=60.0) as pool:
         batch = pool.score(["0", "nan"], ["", ""])
     assert batch.rewards == [1.0, 0.0]
-    assert batch.errors == ["1: reward 'tests.unit.test_rewards:slow_reward' on response 1 ('nan'): "
-                            "returned nan, not a finite number"]
+    assert batch.errors == [
+        "1: reward 'tests.unit.test_rewards:slow_reward' on response 1 ('nan'): "
+        "returned nan, not a finite number"
+    ]

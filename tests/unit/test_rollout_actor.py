@@ -23,31 +23,47 @@ from bapo_megatron.weights.sync import named_tensors_of  # noqa: E402
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU run")
 @pytest.mark.parametrize("tied", [True, False])
 def test_engine_logprobs_equal_actor_logprobs_after_export(tied):
-    model = ModelConfig(model_type="qwen2" if tied else "llama", num_layers=2, hidden_size=64,
-                        ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, vocab_size=128,
-                        max_position_embeddings=64, tie_word_embeddings=tied)
+    model = ModelConfig(
+        model_type="qwen2" if tied else "llama",
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
     temperature = 0.7
     context = ParallelContext.initialize(ParallelConfig())
     try:
-        actor = build_actor(model, ActorConfig(temperature=temperature, seed=9), OptimizerConfig(), context)
+        actor = build_actor(
+            model, ActorConfig(temperature=temperature, seed=9), OptimizerConfig(), context
+        )
         engine = EmbeddedEngine(model)
         buckets = export_weights(actor.chunks, model, context, version=3, bucket_bytes=64 * 1024)
         engine.update_weights(named_tensors_of(buckets), version=3)
         prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
-        samples = engine.generate(prompts, SamplingParams(n=2, temperature=temperature,
-                                                          max_new_tokens=8, seed=4))
+        samples = engine.generate(
+            prompts, SamplingParams(n=2, temperature=temperature, max_new_tokens=8, seed=4)
+        )
         length = max(len(s.prompt_token_ids) + len(s.token_ids) for s in samples)
         tokens = torch.zeros(len(samples), length, dtype=torch.long)
         mask = torch.zeros(len(samples), length, dtype=torch.bool)
         engine_logp = torch.zeros(len(samples), length)
         for row, s in enumerate(samples):
             ids = s.prompt_token_ids + s.token_ids
-            tokens[row, :len(ids)] = torch.tensor(ids)
-            mask[row, len(s.prompt_token_ids):len(ids)] = True
-            engine_logp[row, len(s.prompt_token_ids):len(ids)] = torch.tensor(s.logprobs)
+            tokens[row, : len(ids)] = torch.tensor(ids)
+            mask[row, len(s.prompt_token_ids) : len(ids)] = True
+            engine_logp[row, len(s.prompt_token_ids) : len(ids)] = torch.tensor(s.logprobs)
             assert s.versions == [3] * len(s.token_ids)
-        actor_logp, _ = compute_logprobs(actor.chunks, PolicyBatch(tokens=tokens, response_mask=mask),
-                                         context, micro_batch_size=2, temperature=temperature)
+        actor_logp, _ = compute_logprobs(
+            actor.chunks,
+            PolicyBatch(tokens=tokens, response_mask=mask),
+            context,
+            micro_batch_size=2,
+            temperature=temperature,
+        )
         torch.testing.assert_close(actor_logp[mask], engine_logp[mask], rtol=0, atol=2e-5)
     finally:
         context.teardown()

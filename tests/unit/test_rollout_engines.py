@@ -20,9 +20,18 @@ from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from bapo_megatron.rollout.embedded.sampling import next_tokens
 from bapo_megatron.rollout.protocol import SamplingParams
 
-MODEL = ModelConfig(model_type="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=128,
-                    num_attention_heads=4, num_query_groups=2, vocab_size=128,
-                    max_position_embeddings=128, tie_word_embeddings=True, rope_theta=1e6)
+MODEL = ModelConfig(
+    model_type="qwen2",
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=128,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+    rope_theta=1e6,
+)
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
 
 
@@ -54,7 +63,7 @@ def teacher_forced(weights: dict[str, torch.Tensor], sample, temperature: float)
     with torch.no_grad():
         logp = torch.log_softmax(reference.model(ids).logits[0] / temperature, dim=-1)
     start = len(sample.prompt_token_ids)
-    return logp[start - 1:-1].gather(-1, torch.tensor(sample.token_ids)[:, None]).squeeze(-1)
+    return logp[start - 1 : -1].gather(-1, torch.tensor(sample.token_ids)[:, None]).squeeze(-1)
 
 
 def test_logprobs_match_a_teacher_forced_recompute(make_engine):
@@ -62,18 +71,27 @@ def test_logprobs_match_a_teacher_forced_recompute(make_engine):
     engine = make_engine(weights)
     params = SamplingParams(n=2, temperature=0.7, top_k=40, top_p=0.9, max_new_tokens=10, seed=3)
     samples = engine.generate(PROMPTS, params)
-    assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, i) for p in range(3) for i in range(2)]
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [
+        (p, i) for p in range(3) for i in range(2)
+    ]
     for sample in samples:
         assert sample.finish_reason == "length" and len(sample.token_ids) == 10
-        assert sample.versions == [0] * 10 and sample.prompt_token_ids == PROMPTS[sample.prompt_index]
-        torch.testing.assert_close(torch.tensor(sample.logprobs, dtype=torch.float64),
-                                   teacher_forced(weights, sample, 0.7), rtol=0, atol=2e-5)
+        assert (
+            sample.versions == [0] * 10 and sample.prompt_token_ids == PROMPTS[sample.prompt_index]
+        )
+        torch.testing.assert_close(
+            torch.tensor(sample.logprobs, dtype=torch.float64),
+            teacher_forced(weights, sample, 0.7),
+            rtol=0,
+            atol=2e-5,
+        )
 
 
 def test_stop_tokens_seed_and_n(make_engine):
     engine = make_engine(random_weights(1))
-    params = SamplingParams(n=4, temperature=1.5, max_new_tokens=30, seed=11,
-                            stop_token_ids=tuple(range(0, 128, 3)))
+    params = SamplingParams(
+        n=4, temperature=1.5, max_new_tokens=30, seed=11, stop_token_ids=tuple(range(0, 128, 3))
+    )
     first = engine.generate(PROMPTS, params)
     again = engine.generate(PROMPTS, params)
     assert [s.token_ids for s in first] == [s.token_ids for s in again]  # same seed, same rollout
@@ -104,8 +122,12 @@ def test_partial_rollout_keeps_each_tokens_version_and_logprob(make_engine):
         assert sample.finish_reason == "length" and sample.versions == [0] * 4 + [1] * 5
         # Each token's log-prob is the one of the policy that sampled it.
         logp = torch.tensor(sample.logprobs, dtype=torch.float64)
-        torch.testing.assert_close(logp[:4], teacher_forced(old, sample, 1.0)[:4], rtol=0, atol=2e-5)
-        torch.testing.assert_close(logp[4:], teacher_forced(new, sample, 1.0)[4:], rtol=0, atol=2e-5)
+        torch.testing.assert_close(
+            logp[:4], teacher_forced(old, sample, 1.0)[:4], rtol=0, atol=2e-5
+        )
+        torch.testing.assert_close(
+            logp[4:], teacher_forced(new, sample, 1.0)[4:], rtol=0, atol=2e-5
+        )
 
 
 def after_first_tokens(engine, samples: int, action) -> None:
@@ -113,6 +135,7 @@ def after_first_tokens(engine, samples: int, action) -> None:
     call's ``samples`` samples holds a token (then the engine sees the action before it decodes
     again, whatever the machine's speed). For the embedded engine: a one-shot forward hook, as
     every decoding step of all its samples is one forward. (The vLLM tier swaps in its own.)"""
+
     def hook(module, args, output):
         handle.remove()
         caller = threading.Thread(target=action)
@@ -139,8 +162,9 @@ def test_abort_and_pause_from_another_thread(make_engine):
     engine.continue_generation(samples, params)  # still paused: nothing generated
     assert [len(s.token_ids) for s in samples] == paused_at
     engine.resume()
-    engine.continue_generation(samples, SamplingParams(n=2, max_new_tokens=max(paused_at) + 3,
-                                                       seed=1))
+    engine.continue_generation(
+        samples, SamplingParams(n=2, max_new_tokens=max(paused_at) + 3, seed=1)
+    )
     assert all(s.finish_reason == "length" for s in samples)
     assert all(len(s.token_ids) == max(paused_at) + 3 for s in samples)
 
@@ -181,11 +205,19 @@ def test_bad_requests_are_refused():
     with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 128\)"):
         engine.generate([[1, 500]], SamplingParams())
     context = MODEL.max_position_embeddings
-    with pytest.raises(ValueError, match=rf"prompts\[0\] has {context} tokens; the model's context "
-                                         rf"\(max_position_embeddings\) is {context}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"prompts\[0\] has {context} tokens; the model's context "
+        rf"\(max_position_embeddings\) is {context}",
+    ):
         engine.generate([[3] * context], SamplingParams())
-    for bad in ({"temperature": 0.0}, {"top_p": 0.0}, {"top_k": -1}, {"n": 0},
-                {"max_new_tokens": 0}):
+    for bad in (
+        {"temperature": 0.0},
+        {"top_p": 0.0},
+        {"top_k": -1},
+        {"n": 0},
+        {"max_new_tokens": 0},
+    ):
         with pytest.raises(ValueError, match="sampling."):
             SamplingParams(**bad)
 
@@ -193,7 +225,9 @@ def test_bad_requests_are_refused():
 def test_a_response_ends_with_length_where_the_context_ends():
     engine = embedded_engine(random_weights(6))
     context = MODEL.max_position_embeddings
-    samples = engine.generate([[3] * (context - 5), [4, 5]], SamplingParams(n=2, max_new_tokens=9, seed=3))
+    samples = engine.generate(
+        [[3] * (context - 5), [4, 5]], SamplingParams(n=2, max_new_tokens=9, seed=3)
+    )
     assert [len(s.token_ids) for s in samples] == [5, 5, 9, 9]
     assert {s.finish_reason for s in samples} == {"length"}
     assert all(len(s.logprobs) == len(s.versions) == len(s.token_ids) for s in samples)
@@ -211,8 +245,13 @@ def test_sampling_follows_the_truncated_distribution_and_reports_the_full_one():
     expected[:top_k][keep] = kept[keep] / kept[keep].sum()
     generator = torch.Generator().manual_seed(0)
     draws = 20_000
-    tokens, logprobs = next_tokens(logits.expand(draws, -1), temperature=temperature, top_k=top_k,
-                                   top_p=top_p, generator=generator)
+    tokens, logprobs = next_tokens(
+        logits.expand(draws, -1),
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=generator,
+    )
     freq = torch.bincount(tokens, minlength=6).double() / draws
     assert (freq[expected == 0] == 0).all()
     assert (freq - expected).abs().max() < 4 * math.sqrt(0.25 / draws)

@@ -21,22 +21,35 @@ from bapo_megatron.rollout.registry import build_engine, engine_kinds, register_
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 
 # A context long enough that nothing but the deadline ends the generation below.
-ENDLESS = ModelConfig(model_type="qwen2", num_layers=1, hidden_size=32, ffn_hidden_size=64,
-                      num_attention_heads=2, num_query_groups=1, vocab_size=64,
-                      max_position_embeddings=1_000_000, tie_word_embeddings=True)
+ENDLESS = ModelConfig(
+    model_type="qwen2",
+    num_layers=1,
+    hidden_size=32,
+    ffn_hidden_size=64,
+    num_attention_heads=2,
+    num_query_groups=1,
+    vocab_size=64,
+    max_position_embeddings=1_000_000,
+    tie_word_embeddings=True,
+)
 
 
 def endless_engine() -> EmbeddedEngine:
     engine = EmbeddedEngine(ENDLESS)
-    engine.update_weights([(n, p.detach().clone()) for n, p in engine.model.named_parameters()], version=0)
+    engine.update_weights(
+        [(n, p.detach().clone()) for n, p in engine.model.named_parameters()], version=0
+    )
     return engine
 
 
 def test_a_generation_past_its_deadline_is_aborted_and_named():
     guarded = GuardedEngine(endless_engine(), name="engine X", timeout_s=0.5)
     started = time.monotonic()
-    with pytest.raises(EngineFailure, match=r"^engine X: generate gave no result within 0.5 s "
-                                            r"\(rollout.timeout_s\); the engine was aborted$"):
+    with pytest.raises(
+        EngineFailure,
+        match=r"^engine X: generate gave no result within 0.5 s "
+        r"\(rollout.timeout_s\); the engine was aborted$",
+    ):
         guarded.generate([[1, 2]], SamplingParams(max_new_tokens=900_000, seed=0))
     assert time.monotonic() - started < 30  # the abort cut it; uncut it would run for hours
 
@@ -51,7 +64,9 @@ def test_a_generation_within_its_deadline_is_handed_on_and_the_watchdog_stands_d
     assert not [t for t in set(threading.enumerate()) - before if isinstance(t, threading.Timer)]
     second = guarded.continue_generation(first, params)
     assert [s.finish_reason for s in second] == ["length"] * 6
-    assert [s.token_ids for s in first] == [s.token_ids for s in engine.generate(suite.PROMPTS, params)]
+    assert [s.token_ids for s in first] == [
+        s.token_ids for s in engine.generate(suite.PROMPTS, params)
+    ]
     assert guarded.version == 0 and guarded.health()  # everything else is the engine's own
 
 
@@ -63,12 +78,17 @@ def test_engine_errors_name_the_engine():
     engine = Dying(suite.MODEL)
     for timeout in (None, 60.0):
         guarded = GuardedEngine(engine, name="engine Z", timeout_s=timeout)
-        with pytest.raises(EngineFailure, match="^engine Z: generate failed: RuntimeError: "
-                                                "EngineCore died unexpectedly$") as caught:
+        with pytest.raises(
+            EngineFailure,
+            match="^engine Z: generate failed: RuntimeError: EngineCore died unexpectedly$",
+        ) as caught:
             guarded.generate([[1]], SamplingParams())
         assert isinstance(caught.value.__cause__, RuntimeError)
-    with pytest.raises(EngineFailure, match="^engine Z: update_weights failed: ValueError: "
-                                            "update_weights: 'nope' is not a parameter"):
+    with pytest.raises(
+        EngineFailure,
+        match="^engine Z: update_weights failed: ValueError: "
+        "update_weights: 'nope' is not a parameter",
+    ):
         guarded.update_weights([("nope", torch.zeros(1))], version=1)
     with pytest.raises(ValueError, match="timeout_s must be positive"):
         GuardedEngine(engine, name="engine Z", timeout_s=0)
@@ -82,6 +102,7 @@ class Broken:
     def __getattr__(self, method):
         def fail(*args, **kwargs):
             raise OSError(f"{method} hit a dead socket")
+
         return fail
 
 
@@ -102,8 +123,11 @@ PROTOCOL_CALLS = {
 def test_every_protocol_method_names_the_engine(method):
     for timeout in (None, 60.0):
         guarded = GuardedEngine(Broken(), name="engine W at http://w:1", timeout_s=timeout)
-        with pytest.raises(EngineFailure, match=rf"^engine W at http://w:1: {method} failed: "
-                                                rf"OSError: {method} hit a dead socket$") as caught:
+        with pytest.raises(
+            EngineFailure,
+            match=rf"^engine W at http://w:1: {method} failed: "
+            rf"OSError: {method} hit a dead socket$",
+        ) as caught:
             PROTOCOL_CALLS[method](guarded)
         assert isinstance(caught.value.__cause__, OSError)
     assert guarded.version == 3
@@ -113,8 +137,9 @@ def test_every_protocol_method_reaches_the_engine():
     engine = suite.embedded_engine(suite.random_weights(2))
     guarded = GuardedEngine(engine, name="engine V")
     weights = suite.random_weights(3)
-    assert guarded.update_weights(weights.items(), version=4, checksum=True) == \
-        suite.checksum(weights.items())
+    assert guarded.update_weights(weights.items(), version=4, checksum=True) == suite.checksum(
+        weights.items()
+    )
     assert guarded.version == engine.version == 4 and guarded.health()
     guarded.pause()
     [sample] = guarded.generate([[1, 2]], SamplingParams(max_new_tokens=3, seed=0))
@@ -136,12 +161,16 @@ def test_a_deadline_whose_abort_fails_says_so():
             raise ConnectionRefusedError("abort: connection refused")
 
     engine = Unabortable(ENDLESS)
-    engine.update_weights([(n, p.detach().clone()) for n, p in engine.model.named_parameters()],
-                          version=0)
+    engine.update_weights(
+        [(n, p.detach().clone()) for n, p in engine.model.named_parameters()], version=0
+    )
     guarded = GuardedEngine(engine, name="engine U", timeout_s=0.5)
-    with pytest.raises(EngineFailure, match=r"^engine U: generate gave no result within 0.5 s "
-                                            r"\(rollout.timeout_s\); aborting the engine failed: "
-                                            r"ConnectionRefusedError: abort: connection refused$"):
+    with pytest.raises(
+        EngineFailure,
+        match=r"^engine U: generate gave no result within 0.5 s "
+        r"\(rollout.timeout_s\); aborting the engine failed: "
+        r"ConnectionRefusedError: abort: connection refused$",
+    ):
         guarded.generate([[1, 2]], SamplingParams(max_new_tokens=900_000, seed=0))
 
 
@@ -149,20 +178,33 @@ def test_the_registry_knows_every_configurable_kind_and_refuses_others(tmp_path)
     assert set(engine_kinds()) == set(ENGINE_KINDS)
     rollout = RolloutConfig()
     rollout.engine = "tpu-server"  # past the config's own check
-    with pytest.raises(ValueError, match=r"^rollout.engine is 'tpu-server'; the known engine kinds "
-                                         r"are \['embedded', 'vllm', 'vllm-server', 'sglang', "
-                                         r"'sglang-server'\]$"):
-        build_engine(rollout, suite.MODEL, model_path=None, dp_rank=0, work_dir=tmp_path,
-                     pad_token_id=0)
+    with pytest.raises(
+        ValueError,
+        match=r"^rollout.engine is 'tpu-server'; the known engine kinds "
+        r"are \['embedded', 'vllm', 'vllm-server', 'sglang', "
+        r"'sglang-server'\]$",
+    ):
+        build_engine(
+            rollout, suite.MODEL, model_path=None, dp_rank=0, work_dir=tmp_path, pad_token_id=0
+        )
     with pytest.raises(ValueError, match=r"kinds \['vllm', 'vllm-server'\] are already registered"):
         register_family("vllm", in_process=print, server_client=print)
     assert len(engine_kinds()) == len(ENGINE_KINDS)
     for kind in ("vllm", "sglang"):  # in-process engines start from the run's HF folder
-        with pytest.raises(EngineFailure, match=rf"^rollout engine '{kind}' of data-parallel "
-                                                rf"replica 0 could not start: ValueError: "
-                                                rf"rollout.engine='{kind}' starts from an HF folder"):
-            build_engine(RolloutConfig(engine=kind), suite.MODEL, model_path=None, dp_rank=0,
-                         work_dir=tmp_path, pad_token_id=0)
+        with pytest.raises(
+            EngineFailure,
+            match=rf"^rollout engine '{kind}' of data-parallel "
+            rf"replica 0 could not start: ValueError: "
+            rf"rollout.engine='{kind}' starts from an HF folder",
+        ):
+            build_engine(
+                RolloutConfig(engine=kind),
+                suite.MODEL,
+                model_path=None,
+                dp_rank=0,
+                work_dir=tmp_path,
+                pad_token_id=0,
+            )
 
 
 def closed_port() -> int:
@@ -174,8 +216,11 @@ def closed_port() -> int:
 def test_a_server_that_is_gone_is_named_and_reported_unhealthy():
     url = f"http://127.0.0.1:{closed_port()}"
     send = http_transport(url, timeout=5, server="vLLM server")
-    with pytest.raises(ServerUnreachable, match=rf"^vLLM server at {url}: POST /v1/completions failed "
-                                                r"\(.*refused.*\); is the server running\?$"):
+    with pytest.raises(
+        ServerUnreachable,
+        match=rf"^vLLM server at {url}: POST /v1/completions failed "
+        r"\(.*refused.*\); is the server running\?$",
+    ):
         send("POST", "/v1/completions", {"prompt": [1]})
     client = VLLMServerClient(url, suite.MODEL, served_model="m", version=0, timeout=5)
     assert not client.health()
@@ -190,8 +235,11 @@ def test_a_silent_server_times_out_naming_it():
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
         send = http_transport(url, timeout=0.5, server="SGLang server")
         started = time.monotonic()
-        with pytest.raises(ServerUnreachable, match=rf"^SGLang server at {url}: POST /generate got "
-                                                    r"no answer within 0.5 s$"):
+        with pytest.raises(
+            ServerUnreachable,
+            match=rf"^SGLang server at {url}: POST /generate got "
+            r"no answer within 0.5 s$",
+        ):
             send("POST", "/generate", {})
         assert time.monotonic() - started < 10
 
@@ -199,13 +247,27 @@ def test_a_silent_server_times_out_naming_it():
 def test_the_trainers_engine_is_guarded_and_names_its_replica(tmp_path):
     url = f"http://127.0.0.1:{closed_port()}"
     rollout = RolloutConfig(engine="vllm-server", server_urls=("http://a:1", url), timeout_s=5)
-    with pytest.raises(EngineFailure, match=rf"^rollout engine 'vllm-server' of data-parallel replica 1 "
-                                            rf"at {url} could not start: RuntimeError: .*does not answer"):
-        build_engine(rollout, suite.MODEL, model_path=None, dp_rank=1, work_dir=tmp_path, pad_token_id=0)
-    engine = build_engine(RolloutConfig(timeout_s=2.5), suite.MODEL, model_path=None, dp_rank=0,
-                          work_dir=tmp_path, pad_token_id=0)
+    with pytest.raises(
+        EngineFailure,
+        match=rf"^rollout engine 'vllm-server' of data-parallel replica 1 "
+        rf"at {url} could not start: RuntimeError: .*does not answer",
+    ):
+        build_engine(
+            rollout, suite.MODEL, model_path=None, dp_rank=1, work_dir=tmp_path, pad_token_id=0
+        )
+    engine = build_engine(
+        RolloutConfig(timeout_s=2.5),
+        suite.MODEL,
+        model_path=None,
+        dp_rank=0,
+        work_dir=tmp_path,
+        pad_token_id=0,
+    )
     assert isinstance(engine, GuardedEngine) and isinstance(engine.engine, EmbeddedEngine)
-    assert engine.timeout_s == 2.5 and engine.name == "rollout engine 'embedded' of data-parallel replica 0"
+    assert (
+        engine.timeout_s == 2.5
+        and engine.name == "rollout engine 'embedded' of data-parallel replica 0"
+    )
     for bad in (0, -1.0):  # ill-typed values are refused by the loader (tests/unit/test_config.py)
         with pytest.raises(ValueError, match="rollout.timeout_s must be a positive number"):
             RolloutConfig(timeout_s=bad)

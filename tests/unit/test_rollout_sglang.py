@@ -41,12 +41,14 @@ from bapo_megatron.rollout.sglang.server_client import SGLangServerClient, tenso
 
 
 def test_adapters_import_without_engine_packages():
-    code = ("import sys; sys.modules['vllm'] = None; sys.modules['sglang'] = None\n"
-            "import bapo_megatron.rollout.vllm.engine, bapo_megatron.rollout.vllm.server_client\n"
-            "import bapo_megatron.rollout.vllm.worker_extension\n"
-            "import bapo_megatron.rollout.sglang.engine, bapo_megatron.rollout.sglang.server_client\n"
-            "from bapo_megatron.rollout.registry import engine_kinds\n"
-            "assert len(engine_kinds()) == 5, engine_kinds()\n")
+    code = (
+        "import sys; sys.modules['vllm'] = None; sys.modules['sglang'] = None\n"
+        "import bapo_megatron.rollout.vllm.engine, bapo_megatron.rollout.vllm.server_client\n"
+        "import bapo_megatron.rollout.vllm.worker_extension\n"
+        "import bapo_megatron.rollout.sglang.engine, bapo_megatron.rollout.sglang.server_client\n"
+        "from bapo_megatron.rollout.registry import engine_kinds\n"
+        "assert len(engine_kinds()) == 5, engine_kinds()\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -77,25 +79,43 @@ def test_rounds_resubmit_prompt_plus_tokens_with_the_rest_of_the_budget():
 def test_outputs_append_with_the_current_version_and_map_finish_reasons():
     def run(finish, n_tokens, *, cap=3, final=False, pausing=False):
         s = sample(tokens=(5,))
-        request = RoundRequest(sample=s, context=[1, 2, 5], max_new_tokens=cap, final=final, seed=None)
-        apply_output(request, EngineOutput(token_ids=list(range(n_tokens)),
-                                           logprobs=[-0.5] * n_tokens, finish=finish),
-                     version=4, pausing=pausing, where="out")
+        request = RoundRequest(
+            sample=s, context=[1, 2, 5], max_new_tokens=cap, final=final, seed=None
+        )
+        apply_output(
+            request,
+            EngineOutput(
+                token_ids=list(range(n_tokens)), logprobs=[-0.5] * n_tokens, finish=finish
+            ),
+            version=4,
+            pausing=pausing,
+            where="out",
+        )
         return s
 
     s = run("length", 3)
-    assert s.finish_reason == "paused" and s.token_ids == [5, 0, 1, 2] and s.versions == [0, 4, 4, 4]
+    assert (
+        s.finish_reason == "paused" and s.token_ids == [5, 0, 1, 2] and s.versions == [0, 4, 4, 4]
+    )
     assert run("length", 3, final=True).finish_reason == "length"
     assert run("length", 2).finish_reason == "length"  # below the cap: the context window
     assert run("stop", 2).finish_reason == "stop"
     assert run("abort", 1).finish_reason == "abort"
     assert run("abort", 1, pausing=True).finish_reason == "paused"
     request = RoundRequest(sample=sample(), context=[1], max_new_tokens=2, final=True, seed=None)
-    bad = [(EngineOutput([1, 2], [-1.0], "length"), "'logprobs' has 1 entries for 2"),
-           (EngineOutput([1, 2, 3], [-1.0] * 3, "length"), "'token_ids' holds 3 tokens, the request allowed 2"),
-           (EngineOutput([1], [float("nan")], "stop"), r"'logprobs'\[0\] = nan is not a log-probability"),
-           (EngineOutput([1], [0.5], "stop"), r"'logprobs'\[0\] = 0.5"),
-           (EngineOutput([], [], "stop"), "'stop' with no generated token")]
+    bad = [
+        (EngineOutput([1, 2], [-1.0], "length"), "'logprobs' has 1 entries for 2"),
+        (
+            EngineOutput([1, 2, 3], [-1.0] * 3, "length"),
+            "'token_ids' holds 3 tokens, the request allowed 2",
+        ),
+        (
+            EngineOutput([1], [float("nan")], "stop"),
+            r"'logprobs'\[0\] = nan is not a log-probability",
+        ),
+        (EngineOutput([1], [0.5], "stop"), r"'logprobs'\[0\] = 0.5"),
+        (EngineOutput([], [], "stop"), "'stop' with no generated token"),
+    ]
     for output, message in bad:
         with pytest.raises(ValueError, match=message):
             apply_output(request, output, version=0, pausing=False, where="out")
@@ -113,10 +133,15 @@ def test_a_cut_round_keeps_aborting_until_every_request_is_back():
     with ThreadPoolExecutor(max_workers=2) as pool:
         quick = pool.submit(lambda: "quick")
         held = pool.submit(lambda: released.wait(10) and "held")
-        assert wait_cutting([quick, held], lambda: True, abort_all, interval=0.01) == ["quick", "held"]
+        assert wait_cutting([quick, held], lambda: True, abort_all, interval=0.01) == [
+            "quick",
+            "held",
+        ]
     assert len(aborts) == 2
     with ThreadPoolExecutor(max_workers=1) as pool:  # not cut: never aborts
-        assert wait_cutting([pool.submit(lambda: 1)], lambda: False, abort_all, interval=0.01) == [1]
+        assert wait_cutting([pool.submit(lambda: 1)], lambda: False, abort_all, interval=0.01) == [
+            1
+        ]
     assert len(aborts) == 2
 
 
@@ -127,9 +152,19 @@ def test_sampling_params_follow_sglangs_names():
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=9, seed=1)
     request = RoundRequest(sample=sample(), context=[1, 2], max_new_tokens=4, final=False, seed=77)
     body = sampling_params_of(request, params)
-    assert body == {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": -1,
-                    "min_p": 0.0, "n": 1, "stop_token_ids": [], "ignore_eos": True,
-                    "skip_special_tokens": False, "no_stop_trim": True, "sampling_seed": 77}
+    assert body == {
+        "max_new_tokens": 4,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "min_p": 0.0,
+        "n": 1,
+        "stop_token_ids": [],
+        "ignore_eos": True,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+        "sampling_seed": 77,
+    }
     # SGLang's ignore_eos also ignores stop_token_ids: with stop tokens it must stay off.
     stopping = sampling_params_of(request, SamplingParams(top_k=5, stop_token_ids=(2, 3)))
     assert stopping["ignore_eos"] is False and stopping["stop_token_ids"] == [2, 3]
@@ -143,18 +178,27 @@ def test_sampling_params_follow_sglangs_names():
 
 def sglang_output(tokens, logprobs, finish="length", *, ids=True, **finish_extra):
     """One ``/generate`` output as SGLang 0.5.x documents it (``skip_tokenizer_init``)."""
-    out = {"text": "", "meta_info": {
-        "id": "4f2c", "finish_reason": {"type": finish, **finish_extra},
-        "prompt_tokens": 3, "completion_tokens": len(tokens), "cached_tokens": 0,
-        "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens)]}}
+    out = {
+        "text": "",
+        "meta_info": {
+            "id": "4f2c",
+            "finish_reason": {"type": finish, **finish_extra},
+            "prompt_tokens": 3,
+            "completion_tokens": len(tokens),
+            "cached_tokens": 0,
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens)],
+        },
+    }
     if ids:
         out["output_ids"] = list(tokens)
     return out
 
 
 def test_generate_responses_are_parsed_and_checked():
-    recorded = [sglang_output([5, 9, 2], [-0.25, -1.5, -0.125], "stop", matched=2),
-                sglang_output([7], [-3.0], "abort", ids=False, message="Abort before prefill")]
+    recorded = [
+        sglang_output([5, 9, 2], [-0.25, -1.5, -0.125], "stop", matched=2),
+        sglang_output([7], [-3.0], "abort", ids=False, message="Abort before prefill"),
+    ]
     first, second = parse_generate_response(recorded, 2)
     assert first == EngineOutput(token_ids=[5, 9, 2], logprobs=[-0.25, -1.5, -0.125], finish="stop")
     assert second.finish == "abort" and second.token_ids == [7]
@@ -169,16 +213,30 @@ def test_generate_responses_are_parsed_and_checked():
 
     cases = [
         (broken(lambda o: o.pop("meta_info")), r"/generate\[0\]: missing 'meta_info'"),
-        (broken(lambda o: o["meta_info"].pop("output_token_logprobs")),
-         "missing 'meta_info.output_token_logprobs'"),
-        (broken(lambda o: o["meta_info"].update(finish_reason=None)), "'meta_info.finish_reason' is None"),
-        (broken(lambda o: o["meta_info"].update(finish_reason={"type": "eos"})), "'type' is 'stop'"),
+        (
+            broken(lambda o: o["meta_info"].pop("output_token_logprobs")),
+            "missing 'meta_info.output_token_logprobs'",
+        ),
+        (
+            broken(lambda o: o["meta_info"].update(finish_reason=None)),
+            "'meta_info.finish_reason' is None",
+        ),
+        (
+            broken(lambda o: o["meta_info"].update(finish_reason={"type": "eos"})),
+            "'type' is 'stop'",
+        ),
         (broken(lambda o: o.update(output_ids=[5])), "'output_ids' holds 1 tokens"),
         (broken(lambda o: o.update(output_ids=[5, 8])), r"'output_ids'\[1\] = 8 but"),
-        (broken(lambda o: o["meta_info"]["output_token_logprobs"].__setitem__(1, [None, 9, None])),
-         r"'meta_info.output_token_logprobs'\[1\]"),
-        (broken(lambda o: o["meta_info"]["output_token_logprobs"].__setitem__(0, 0.5)),
-         r"'meta_info.output_token_logprobs'\[0\] is 0.5"),
+        (
+            broken(
+                lambda o: o["meta_info"]["output_token_logprobs"].__setitem__(1, [None, 9, None])
+            ),
+            r"'meta_info.output_token_logprobs'\[1\]",
+        ),
+        (
+            broken(lambda o: o["meta_info"]["output_token_logprobs"].__setitem__(0, 0.5)),
+            r"'meta_info.output_token_logprobs'\[0\] is 0.5",
+        ),
     ]
     for response, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -190,18 +248,28 @@ def test_generate_responses_are_parsed_and_checked():
 def test_update_results_and_buckets():
     for ok in (None, (True, "ok"), {"success": True}, types.SimpleNamespace(success=True)):
         check_update_result(ok, "x")
-    for failed in ((False, "shape mismatch"), {"success": False, "message": "shape mismatch"},
-                   types.SimpleNamespace(success=False, message="shape mismatch")):
+    for failed in (
+        (False, "shape mismatch"),
+        {"success": False, "message": "shape mismatch"},
+        types.SimpleNamespace(success=False, message="shape mismatch"),
+    ):
         with pytest.raises(RuntimeError, match="SGLang x failed: shape mismatch"):
             check_update_result(failed, "x")
     tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([4, 4, 10, 1])]  # float32: 4 B each
-    assert [[n for n, _ in b] for b in weight_buckets(tensors, 32)] == [["t0", "t1"], ["t2"], ["t3"]]
+    assert [[n for n, _ in b] for b in weight_buckets(tensors, 32)] == [
+        ["t0", "t1"],
+        ["t2"],
+        ["t3"],
+    ]
 
 
 def test_weight_route_body():
     assert tensor_update_request("abc", tp_size=2, flush_cache=False, weight_version="3") == {
-        "serialized_named_tensors": ["abc", "abc"], "load_format": None, "flush_cache": False,
-        "weight_version": "3"}
+        "serialized_named_tensors": ["abc", "abc"],
+        "load_format": None,
+        "flush_cache": False,
+        "weight_version": "3",
+    }
 
 
 # ------------------------------------------------------------------ the server client on a fake server
@@ -226,18 +294,24 @@ class FakeServer:
         if path == "/generate":
             if self.on_generate:
                 self.on_generate()
-            return 200, [self._one(ids, sp) for ids, sp in zip(body["input_ids"], body["sampling_params"])]
+            return 200, [
+                self._one(ids, sp) for ids, sp in zip(body["input_ids"], body["sampling_params"])
+            ]
         if path == "/health":
             return 200, None
         return 200, {"success": True, "message": ""}
 
     def _one(self, ids, sp):
-        count = sp["max_new_tokens"] if self.cut_after is None else min(self.cut_after, sp["max_new_tokens"])
+        count = (
+            sp["max_new_tokens"]
+            if self.cut_after is None
+            else min(self.cut_after, sp["max_new_tokens"])
+        )
         tokens = [100 + len(ids) + k for k in range(count)]
         finish = "abort" if self.cut_after is not None else "length"
         for k, token in enumerate(tokens):
             if token in sp["stop_token_ids"]:
-                tokens, finish = tokens[:k + 1], "stop"
+                tokens, finish = tokens[: k + 1], "stop"
                 break
         return sglang_output(tokens, [-0.01 * t for t in tokens], finish)
 
@@ -252,9 +326,14 @@ def server():
 
 @pytest.fixture
 def engine(server):
-    return SGLangServerClient("http://fake:30000", suite.MODEL, version=0, transport=server,
-                              serialize=lambda named: ",".join(n for n, _ in named),
-                              bucket_bytes=64 * 1024)
+    return SGLangServerClient(
+        "http://fake:30000",
+        suite.MODEL,
+        version=0,
+        transport=server,
+        serialize=lambda named: ",".join(n for n, _ in named),
+        bucket_bytes=64 * 1024,
+    )
 
 
 def test_partial_rollout_over_http(server, engine):
@@ -318,8 +397,12 @@ def test_weight_updates_over_http(server, engine):
 
     engine.weight_update_session = True
     engine.update_weights(list(weights.items())[:1], version=3)
-    assert server.paths()[-4:] == ["/begin_weight_update", "/update_weights_from_tensor",
-                                   "/end_weight_update", "/flush_cache"]
+    assert server.paths()[-4:] == [
+        "/begin_weight_update",
+        "/update_weights_from_tensor",
+        "/end_weight_update",
+        "/flush_cache",
+    ]
     server.status["/update_weights_from_tensor"] = 400
     with pytest.raises(RuntimeError, match="update_weights_from_tensor answered 400"):
         engine.update_weights(weights.items(), version=4)
@@ -348,7 +431,9 @@ def test_a_server_client_starts_without_weights_and_names_its_server(server):
     client = SGLangServerClient("http://fake", suite.MODEL, transport=server)
     assert client.version == -1 and not client.health() and client.tp_size == 1
     server.status["/flush_cache"] = 400
-    with pytest.raises(RuntimeError, match=r"^SGLang at http://fake POST /flush_cache answered 400"):
+    with pytest.raises(
+        RuntimeError, match=r"^SGLang at http://fake POST /flush_cache answered 400"
+    ):
         client.update_weights([], version=0)
     assert client.version == -1
 
@@ -439,7 +524,9 @@ def test_in_process_engine_calls_the_documented_engine_api(fake_io_struct):
     [s] = engine.generate([[1, 2]], SamplingParams(max_new_tokens=1, seed=1))
     assert s.token_ids == [9] and s.finish_reason == "length"
     name, kwargs = fake.calls[0]
-    assert name == "generate" and kwargs["input_ids"] == [[1, 2]] and kwargs["return_logprob"] is True
+    assert (
+        name == "generate" and kwargs["input_ids"] == [[1, 2]] and kwargs["return_logprob"] is True
+    )
     assert kwargs["sampling_params"][0]["max_new_tokens"] == 1
     engine.update_weights(suite.random_weights(3).items(), version=1)
     updates = [kw for name, kw in fake.calls if name == "update_weights_from_tensor"]
@@ -449,21 +536,31 @@ def test_in_process_engine_calls_the_documented_engine_api(fake_io_struct):
     engine.pause()
     engine.resume()
     assert ("abort_request", {"abort_all": True}) in fake.calls
-    assert ("pause_generation", "abort") in fake.calls and ("continue_generation", None) in fake.calls
+    assert ("pause_generation", "abort") in fake.calls and (
+        "continue_generation",
+        None,
+    ) in fake.calls
     engine.release_memory()
     engine.resume_memory()
-    assert [name for name, _ in fake.calls[-2:]] == ["release_memory_occupation",
-                                                     "resume_memory_occupation"]
+    assert [name for name, _ in fake.calls[-2:]] == [
+        "release_memory_occupation",
+        "resume_memory_occupation",
+    ]
 
 
 def test_in_process_weight_sessions_and_health(fake_io_struct, caplog):
     fake = FakeEngine()
     engine = SGLangEngine(fake, suite.MODEL, version=0, weight_update_session=True)
     assert engine.health()
-    with pytest.raises(RuntimeError, match="SGLang end_weight_update failed: packed weights incomplete"):
+    with pytest.raises(
+        RuntimeError, match="SGLang end_weight_update failed: packed weights incomplete"
+    ):
         engine.update_weights(list(suite.random_weights(3).items())[:1], version=1)
-    assert [name for name, _ in fake.calls] == ["begin_weight_update", "update_weights_from_tensor",
-                                                "end_weight_update"]
+    assert [name for name, _ in fake.calls] == [
+        "begin_weight_update",
+        "update_weights_from_tensor",
+        "end_weight_update",
+    ]
     assert engine.version == 0  # nothing flushed, version kept
     fake.healthy = False
     assert not engine.health() and "SGLang engine health check failed" in caplog.text

@@ -53,32 +53,53 @@ from bapo_megatron.rollout.vllm.worker_extension import (
 )
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (optional tier: "
-                                "requirements-vllm.txt)")
+needs_vllm = pytest.mark.skipif(
+    not HAVE_VLLM, reason="vllm is not installed (optional tier: requirements-vllm.txt)"
+)
 
 # The suite's model with 2 heads of 32 instead of 4 of 16; a long context so that the suite's
 # 100k-token abort test is cut by the abort, not by vLLM's context limit.
-VLLM_MODEL = ModelConfig(model_type="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=128,
-                         num_attention_heads=2, num_query_groups=1, vocab_size=128,
-                         max_position_embeddings=131072, tie_word_embeddings=True, rope_theta=1e6)
+VLLM_MODEL = ModelConfig(
+    model_type="qwen2",
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_attention_heads=2,
+    num_query_groups=1,
+    vocab_size=128,
+    max_position_embeddings=131072,
+    tie_word_embeddings=True,
+    rope_theta=1e6,
+)
 
 
 def request(context=(1, 2), cap=4, final=True, seed=None) -> RoundRequest:
     sample = RolloutSample(prompt_index=0, sample_index=0, prompt_token_ids=list(context))
-    return RoundRequest(sample=sample, context=list(context), max_new_tokens=cap, final=final,
-                        seed=seed)
+    return RoundRequest(
+        sample=sample, context=list(context), max_new_tokens=cap, final=final, seed=seed
+    )
 
 
 # ------------------------------------------------------------------ pure pieces (no vLLM needed)
 
 
 def test_sampling_kwargs_keep_only_the_protocols_stop_tokens():
-    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=50,
-                            stop_token_ids=(2, 9), seed=1)
+    params = SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=50, stop_token_ids=(2, 9), seed=1
+    )
     kwargs = vllm_sampling_kwargs(request(cap=7, seed=123), params)
-    assert kwargs == {"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "max_tokens": 7,
-                      "seed": 123, "stop_token_ids": [2, 9], "ignore_eos": True, "logprobs": 0,
-                      "skip_special_tokens": False}
+    assert kwargs == {
+        "n": 1,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 5,
+        "max_tokens": 7,
+        "seed": 123,
+        "stop_token_ids": [2, 9],
+        "ignore_eos": True,
+        "logprobs": 0,
+        "skip_special_tokens": False,
+    }
 
 
 @dataclass
@@ -95,7 +116,9 @@ def test_sampled_logprobs_picks_the_sampled_tokens_entry():
         sampled_logprobs([7], None, "out")
     with pytest.raises(ValueError, match="out: 'logprobs' has 1 entries for 2 generated tokens"):
         sampled_logprobs([7, 9], entries[:1], "out")
-    with pytest.raises(ValueError, match=r"out: 'logprobs'\[1\] holds no entry for the sampled token 4"):
+    with pytest.raises(
+        ValueError, match=r"out: 'logprobs'\[1\] holds no entry for the sampled token 4"
+    ):
         sampled_logprobs([7, 4], entries, "out")
 
 
@@ -131,10 +154,19 @@ def test_hook_reports_full_vocabulary_logprobs_before_truncation():
 
 def test_partial_updates_must_hold_whole_fused_groups():
     layer = "model.layers.1."
-    check_fused_groups([layer + "self_attn.q_proj.weight", layer + "self_attn.k_proj.weight",
-                        layer + "self_attn.v_proj.weight", layer + "input_layernorm.weight"])
-    with pytest.raises(ValueError, match="'model.layers.1.mlp.up_proj.weight' without "
-                                         r"\['model.layers.1.mlp.gate_proj.weight'\]"):
+    check_fused_groups(
+        [
+            layer + "self_attn.q_proj.weight",
+            layer + "self_attn.k_proj.weight",
+            layer + "self_attn.v_proj.weight",
+            layer + "input_layernorm.weight",
+        ]
+    )
+    with pytest.raises(
+        ValueError,
+        match="'model.layers.1.mlp.up_proj.weight' without "
+        r"\['model.layers.1.mlp.gate_proj.weight'\]",
+    ):
         check_fused_groups([layer + "mlp.up_proj.weight"])
 
 
@@ -147,11 +179,15 @@ def test_the_worker_extension_path_names_the_class():
 def test_reload_reties_a_tied_output_layer():
     processed = []
     embedding = types.SimpleNamespace(weight=torch.nn.Parameter(torch.ones(2, 2)))
-    head = types.SimpleNamespace(weight=torch.nn.Parameter(torch.zeros(2, 2)),  # the stale tensor
-                                 quant_method=types.SimpleNamespace(
-                                     process_weights_after_loading=processed.append))
-    model = types.SimpleNamespace(config=types.SimpleNamespace(tie_word_embeddings=True),
-                                  lm_head=head, model=types.SimpleNamespace(embed_tokens=embedding))
+    head = types.SimpleNamespace(
+        weight=torch.nn.Parameter(torch.zeros(2, 2)),  # the stale tensor
+        quant_method=types.SimpleNamespace(process_weights_after_loading=processed.append),
+    )
+    model = types.SimpleNamespace(
+        config=types.SimpleNamespace(tie_word_embeddings=True),
+        lm_head=head,
+        model=types.SimpleNamespace(embed_tokens=embedding),
+    )
     assert retie_output_layer(model) is True
     assert head.weight is embedding.weight and processed == [head]
     model.config.tie_word_embeddings = False
@@ -206,12 +242,19 @@ class FakeLLMEngine:
             n = self.counts[rid]
             token = 10 + n
             self.counts[rid] = n + 1
-            finish = ("stop" if token in kwargs["stop_token_ids"]
-                      else "length" if n + 1 == kwargs["max_tokens"] else None)
+            finish = (
+                "stop"
+                if token in kwargs["stop_token_ids"]
+                else "length"
+                if n + 1 == kwargs["max_tokens"]
+                else None
+            )
             if finish:
                 self.finished.add(rid)
             entry = None if self.broken else [{token: Logprob(-0.1 * (n + 1))}]
-            outputs.append(FakeOutput(rid, [FakeCompletion([token], entry, finish)], finish is not None))
+            outputs.append(
+                FakeOutput(rid, [FakeCompletion([token], entry, finish)], finish is not None)
+            )
         self.steps += 1
         if self.on_step:
             self.on_step(self)
@@ -258,8 +301,12 @@ def test_step_loop_partial_rollout_and_versions(fake_vllm):
     samples = engine.generate([[1, 2], [3]], params, round_tokens=3)
     added = llm.llm_engine.added
     assert [prompt for _, prompt, _ in added] == [[1, 2], [1, 2], [3], [3]]
-    assert all(kwargs["max_tokens"] == 3 and kwargs["output_kind"] == "delta"
-               and kwargs["detokenize"] is False for *_, kwargs in added)
+    assert all(
+        kwargs["max_tokens"] == 3
+        and kwargs["output_kind"] == "delta"
+        and kwargs["detokenize"] is False
+        for *_, kwargs in added
+    )
     seeds = [kwargs["seed"] for *_, kwargs in added]
     assert len(set(seeds)) == 4  # one seed per sample
     assert all(s.finish_reason == "paused" and s.token_ids == [10, 11, 12] for s in samples)
@@ -269,7 +316,9 @@ def test_step_loop_partial_rollout_and_versions(fake_vllm):
     assert llm.prefix_resets == 1
     engine.continue_generation(samples, params)
     resubmitted = llm.llm_engine.added[4:]
-    assert [prompt for _, prompt, _ in resubmitted] == [[1, 2, 10, 11, 12]] * 2 + [[3, 10, 11, 12]] * 2
+    assert [prompt for _, prompt, _ in resubmitted] == [[1, 2, 10, 11, 12]] * 2 + [
+        [3, 10, 11, 12]
+    ] * 2
     assert all(kwargs["max_tokens"] == 2 for *_, kwargs in resubmitted)
     for sample in samples:
         assert sample.finish_reason == "length"
@@ -419,8 +468,12 @@ def test_vllm_logprobs_are_full_vocabulary_under_top_k(vllm_suite):
     engine = vllm_suite(weights)
     params = SamplingParams(n=4, top_k=3, max_new_tokens=6, seed=2)
     for sample in engine.generate(suite.PROMPTS, params):
-        torch.testing.assert_close(torch.tensor(sample.logprobs, dtype=torch.float64),
-                                   suite.teacher_forced(weights, sample, 1.0), rtol=0, atol=2e-5)
+        torch.testing.assert_close(
+            torch.tensor(sample.logprobs, dtype=torch.float64),
+            suite.teacher_forced(weights, sample, 1.0),
+            rtol=0,
+            atol=2e-5,
+        )
 
 
 # ------------------------------------------------------------------ the server client (no vLLM)
@@ -429,25 +482,56 @@ def test_vllm_logprobs_are_full_vocabulary_under_top_k(vllm_suite):
 def vllm_choice(tokens, logprobs, finish="length", *, ids=True):
     """One ``/v1/completions`` answer as vLLM 0.32 gives it (``return_token_ids``,
     ``return_tokens_as_token_ids``, ``logprobs=0``, ``--skip-tokenizer-init``)."""
-    choice = {"index": 0, "text": "", "finish_reason": finish, "stop_reason": None,
-              "logprobs": {"text_offset": [11 * i for i in range(len(tokens))],
-                           "token_logprobs": list(logprobs),
-                           "tokens": [f"token_id:{t}" for t in tokens],
-                           "top_logprobs": [{f"token_id:{t}": lp} for t, lp in zip(tokens, logprobs)]},
-              "prompt_token_ids": [1, 2, 3]}
+    choice = {
+        "index": 0,
+        "text": "",
+        "finish_reason": finish,
+        "stop_reason": None,
+        "logprobs": {
+            "text_offset": [11 * i for i in range(len(tokens))],
+            "token_logprobs": list(logprobs),
+            "tokens": [f"token_id:{t}" for t in tokens],
+            "top_logprobs": [{f"token_id:{t}": lp} for t, lp in zip(tokens, logprobs)],
+        },
+        "prompt_token_ids": [1, 2, 3],
+    }
     if ids:
         choice["token_ids"] = list(tokens)
-    return {"id": "cmpl-1", "object": "text_completion", "model": "m", "choices": [choice],
-            "usage": {"prompt_tokens": 3, "completion_tokens": len(tokens), "total_tokens": 3 + len(tokens)}}
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "model": "m",
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": len(tokens),
+            "total_tokens": 3 + len(tokens),
+        },
+    }
 
 
 def test_completion_requests_and_answers():
-    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=20, stop_token_ids=(2,))
+    params = SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=20, stop_token_ids=(2,)
+    )
     body = completion_request(request(context=(4, 5), cap=6, seed=11), params, "m")
-    assert body == {"model": "m", "prompt": [4, 5], "max_tokens": 6, "n": 1, "temperature": 0.7,
-                    "top_p": 0.9, "top_k": 5, "stop_token_ids": [2], "ignore_eos": True,
-                    "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
-                    "skip_special_tokens": False, "include_stop_str_in_output": True, "seed": 11}
+    assert body == {
+        "model": "m",
+        "prompt": [4, 5],
+        "max_tokens": 6,
+        "n": 1,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 5,
+        "stop_token_ids": [2],
+        "ignore_eos": True,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "skip_special_tokens": False,
+        "include_stop_str_in_output": True,
+        "seed": 11,
+    }
     assert "seed" not in completion_request(request(), SamplingParams(), "m")
     parsed = parse_completion_response(vllm_choice([30, 31], [-4.5, -4.75], "stop"), "out")
     assert parsed == EngineOutput(token_ids=[30, 31], logprobs=[-4.5, -4.75], finish="stop")
@@ -458,14 +542,23 @@ def test_completion_requests_and_answers():
         edit(answer["choices"][0])
         return answer
 
-    cases = [({"choices": []}, "expected one entry in 'choices'"),
-             (broken(lambda c: c.update(finish_reason=None)), "'choices\\[0\\].finish_reason' is None"),
-             (broken(lambda c: c.update(logprobs=None)), "missing 'choices\\[0\\].logprobs.token_logprobs'"),
-             (broken(lambda c: c.update(token_ids=[30])), "has 2 entries for 1 generated tokens"),
-             (broken(lambda c: c["logprobs"]["token_logprobs"].__setitem__(1, None)),
-              r"token_logprobs'\[1\] is None"),
-             (broken(lambda c: (c.pop("token_ids"), c["logprobs"]["tokens"].__setitem__(0, "hi"))),
-              r"'choices\[0\].logprobs.tokens'\[0\] is 'hi'")]
+    cases = [
+        ({"choices": []}, "expected one entry in 'choices'"),
+        (broken(lambda c: c.update(finish_reason=None)), "'choices\\[0\\].finish_reason' is None"),
+        (
+            broken(lambda c: c.update(logprobs=None)),
+            "missing 'choices\\[0\\].logprobs.token_logprobs'",
+        ),
+        (broken(lambda c: c.update(token_ids=[30])), "has 2 entries for 1 generated tokens"),
+        (
+            broken(lambda c: c["logprobs"]["token_logprobs"].__setitem__(1, None)),
+            r"token_logprobs'\[1\] is None",
+        ),
+        (
+            broken(lambda c: (c.pop("token_ids"), c["logprobs"]["tokens"].__setitem__(0, "hi"))),
+            r"'choices\[0\].logprobs.tokens'\[0\] is 'hi'",
+        ),
+    ]
     for answer, message in cases:
         with pytest.raises(ValueError, match=message):
             parse_completion_response(answer, "out")
@@ -492,7 +585,11 @@ class FakeVLLMServer:
                 return 200, vllm_choice([], [], "abort")
             if self.on_complete:
                 self.on_complete()
-            count = body["max_tokens"] if self.cut_after is None else min(self.cut_after, body["max_tokens"])
+            count = (
+                body["max_tokens"]
+                if self.cut_after is None
+                else min(self.cut_after, body["max_tokens"])
+            )
             tokens = [100 + k for k in range(count)]
             finish = "abort" if self.cut_after is not None else "length"
             return 200, vllm_choice(tokens, [-0.5] * count, finish)
@@ -511,8 +608,9 @@ class FakeVLLMServer:
 
 def test_server_client_rounds_control_and_weights(tmp_path, caplog):
     server = FakeVLLMServer()
-    client = VLLMServerClient.connect("http://fake", suite.MODEL, transport=server,
-                                      weights_dir=tmp_path)
+    client = VLLMServerClient.connect(
+        "http://fake", suite.MODEL, transport=server, weights_dir=tmp_path
+    )
     assert client.served_model == "served" and client.server_device == "cpu"
     assert server.paths() == ["/health", "/v1/models", "/collective_rpc", "/collective_rpc"]
     params = SamplingParams(n=3, max_new_tokens=5, seed=1)
@@ -525,7 +623,8 @@ def test_server_client_rounds_control_and_weights(tmp_path, caplog):
     digest = client.update_weights(weights.items(), version=1, checksum=True)
     assert digest == suite.checksum(weights.items())
     assert sorted(server.loaded) == sorted(weights) and torch.equal(
-        server.loaded["model.norm.weight"], weights["model.norm.weight"])
+        server.loaded["model.norm.weight"], weights["model.norm.weight"]
+    )
     first_folder = next(tmp_path.iterdir())
     assert server.paths()[-1] == "/reset_prefix_cache"
     client.update_weights(weights.items(), version=2)
@@ -537,7 +636,9 @@ def test_server_client_rounds_control_and_weights(tmp_path, caplog):
 
     server.cut_after, server.on_complete = 1, client.pause
     samples = client.generate([[1]], params)
-    assert samples[0].finish_reason == "paused" and ("POST", "/pause?mode=abort", None) in server.calls
+    assert (
+        samples[0].finish_reason == "paused" and ("POST", "/pause?mode=abort", None) in server.calls
+    )
     client.resume()
     # A request that reaches a paused server is held until an abort: the client keeps aborting.
     server.cut_after, server.on_complete = None, None
@@ -566,8 +667,9 @@ def test_server_client_rounds_control_and_weights(tmp_path, caplog):
 
 def test_server_client_refuses_what_it_cannot_do(tmp_path):
     server = FakeVLLMServer()
-    client = VLLMServerClient("http://fake", suite.MODEL, served_model="m", transport=server,
-                              full_vocab_logprobs=False)
+    client = VLLMServerClient(
+        "http://fake", suite.MODEL, served_model="m", transport=server, full_vocab_logprobs=False
+    )
     with pytest.raises(ValueError, match="sampling.top_k/top_p truncate"):
         client.generate([[1]], SamplingParams(top_k=3))
     with pytest.raises(ValueError, match="update_weights needs weights_dir"):
@@ -578,8 +680,12 @@ def test_server_client_refuses_what_it_cannot_do(tmp_path):
     assert not list(tmp_path.iterdir()) and client.version == 0
     server_error = lambda method, path, body: (400, {"error": "no such method"})
     with pytest.raises(RuntimeError, match="could not install the full-vocabulary log-prob hook"):
-        VLLMServerClient.connect("http://fake", suite.MODEL, served_model="m",
-                                 transport=lambda m, p, b: (200, None) if p == "/health" else server_error(m, p, b))
+        VLLMServerClient.connect(
+            "http://fake",
+            suite.MODEL,
+            served_model="m",
+            transport=lambda m, p, b: (200, None) if p == "/health" else server_error(m, p, b),
+        )
 
 
 # ------------------------------------------------------------------ a real vLLM server (optional tier)
@@ -597,11 +703,31 @@ def vllm_server(tmp_path_factory):
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     log_file = open(folder / "server.log", "w")  # noqa: SIM115 - closed below
     process = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-         "--worker-extension-cls", WORKER_EXTENSION, "--logprobs-mode", "processed_logprobs",
-         "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1",
-         "--port", str(port), "--max-model-len", "131072"],
-        env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(folder),
+            "--worker-extension-cls",
+            WORKER_EXTENSION,
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--skip-tokenizer-init",
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "131072",
+        ],
+        env=env,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -612,7 +738,9 @@ def vllm_server(tmp_path_factory):
             except OSError:
                 pass
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM server did not start: {(folder / 'server.log').read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"vLLM server did not start: {(folder / 'server.log').read_text()[-3000:]}"
+                )
             time.sleep(1)
         yield VLLMServerClient.connect(url, VLLM_MODEL, weights_dir=folder / "updates")
     finally:

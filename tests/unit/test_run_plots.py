@@ -55,9 +55,18 @@ def test_group_and_single_run_give_every_panel(tmp_path, capsys):
     _write_run(tmp_path / "bapo-s1", seed=1)
     _write_run(tmp_path / "grpo", seed=2, skip=("bapo/rho_before", "bapo/clip_frac_negative"))
     out = tmp_path / "plots"
-    written = _tool_main([f"bapo={tmp_path / 'bapo-s0'},{tmp_path / 'bapo-s1'}",
-                          str(tmp_path / "grpo" / "tensorboard"), "--out", str(out),
-                          "--rho0", "0.4", "--smooth", "0.5"])
+    written = _tool_main(
+        [
+            f"bapo={tmp_path / 'bapo-s0'},{tmp_path / 'bapo-s1'}",
+            str(tmp_path / "grpo" / "tensorboard"),
+            "--out",
+            str(out),
+            "--rho0",
+            "0.4",
+            "--smooth",
+            "0.5",
+        ]
+    )
     names = [Path(p).name for p in written]
     assert names == [f"{panel.name}.png" for panel in PANELS] + ["overview.png"]
     mode = new_file_mode()
@@ -68,8 +77,11 @@ def test_group_and_single_run_give_every_panel(tmp_path, capsys):
             image.verify()
         with Image.open(path) as image:
             rows = math.ceil(len(PANELS) / OVERVIEW_COLUMNS)
-            want = _expected_pixels(OVERVIEW_COLUMNS, rows) if path.name == "overview.png" \
+            want = (
+                _expected_pixels(OVERVIEW_COLUMNS, rows)
+                if path.name == "overview.png"
                 else _expected_pixels()
+            )
             assert image.format == "PNG" and image.size == want, path.name
     assert sorted(p.name for p in out.iterdir()) == sorted(names)  # nothing left aside
     printed = capsys.readouterr().out

@@ -48,8 +48,12 @@ def log_steps(log_dir, steps, rng, **kwargs) -> dict[int, dict[str, float]]:
 def test_scalars_and_jsonl_read_back_what_was_logged(tmp_path):
     rng = random.Random(0)
     logged = log_steps(tmp_path, range(6), rng)
-    logged[6] = {"bapo/rho_after": math.nan, "reward/mean": math.inf, "bapo/c_low": -math.inf,
-                 "time/rollout": 1e300}  # beyond float32: TensorBoard keeps inf
+    logged[6] = {
+        "bapo/rho_after": math.nan,
+        "reward/mean": math.inf,
+        "bapo/c_low": -math.inf,
+        "time/rollout": 1e300,
+    }  # beyond float32: TensorBoard keeps inf
     with MetricsLogger(tmp_path, console=False) as logger:  # a second session, appending
         logger.log(6, logged[6])
 
@@ -70,9 +74,16 @@ def test_scalars_and_jsonl_read_back_what_was_logged(tmp_path):
 
 def test_values_accepted_and_refused(tmp_path):
     with MetricsLogger(tmp_path, console=False) as logger:
-        logger.log(0, {"a/int": 3, "a/bool": True, "a/np": np.float32(0.5),
-                       "a/tensor": torch.tensor(0.25, dtype=torch.float64),
-                       "a/tensor1": torch.tensor([2.0])})
+        logger.log(
+            0,
+            {
+                "a/int": 3,
+                "a/bool": True,
+                "a/np": np.float32(0.5),
+                "a/tensor": torch.tensor(0.25, dtype=torch.float64),
+                "a/tensor1": torch.tensor([2.0]),
+            },
+        )
         for bad in ("0.5", None, [1.0], torch.ones(2), 1j):
             with pytest.raises(ValueError, match="a/bad"):
                 logger.log(1, {"a/ok": 1.0, "a/bad": bad})
@@ -80,7 +91,8 @@ def test_values_accepted_and_refused(tmp_path):
             logger.log(1, {"step": 1.0})
     # a refused call writes nothing, not even its valid values
     assert read_jsonl(tmp_path) == [
-        {"step": 0, "a/int": 3.0, "a/bool": 1.0, "a/np": 0.5, "a/tensor": 0.25, "a/tensor1": 2.0}]
+        {"step": 0, "a/int": 3.0, "a/bool": 1.0, "a/np": 0.5, "a/tensor": 0.25, "a/tensor1": 2.0}
+    ]
     assert "a/ok" not in read_scalars(tmp_path)
     with pytest.raises(RuntimeError, match="closed"):
         logger.log(2, {"a/int": 1.0})
@@ -103,8 +115,9 @@ def test_purge_step_drops_what_the_crashed_run_wrote_from_both_records(tmp_path)
 
     # The purge is a marker the reader honours, not an edit: the crashed run's event file still
     # holds its steps 5..9, and a raw event iterator sees them.
-    raw_steps = {event.step for event in EventFileLoader(str(old_events)).Load()
-                 if event.HasField("summary")}
+    raw_steps = {
+        event.step for event in EventFileLoader(str(old_events)).Load() if event.HasField("summary")
+    }
     assert raw_steps == set(range(10))
 
 
@@ -115,8 +128,12 @@ def test_resume_without_purge_keeps_the_last_value_written_per_step(tmp_path):
     # TensorBoard's reader returns both runs' step-2 points; read_scalars keeps the later one,
     # and steps the resumed run has not reached (3) stay from the crashed run
     points = read_scalars(tmp_path)["reward/mean"]
-    assert points == [(0, f32(crashed[0]["reward/mean"])), (1, f32(crashed[1]["reward/mean"])),
-                      (2, f32(resumed[2]["reward/mean"])), (3, f32(crashed[3]["reward/mean"]))]
+    assert points == [
+        (0, f32(crashed[0]["reward/mean"])),
+        (1, f32(crashed[1]["reward/mean"])),
+        (2, f32(resumed[2]["reward/mean"])),
+        (3, f32(crashed[3]["reward/mean"])),
+    ]
     assert [record["step"] for record in read_jsonl(tmp_path)] == [0, 1, 2, 3, 2]
 
 
@@ -140,15 +157,26 @@ def test_console_only_logger_prints_one_line_per_step(tmp_path, capsys, monkeypa
 
 def test_console_line_shows_the_values():
     logger = MetricsLogger(None, console=False)
-    metrics = {"reward/mean": 0.41, "bapo/rho_after": 0.38, "bapo/c_low": 0.62,
-               "bapo/c_high": 1.35, "entropy": 0.91, "grad_norm": 0.12,
-               "response_length/mean": 14.2, "bapo/clip_frac_positive": 0.5,
-               "time/rollout": 1.2, "time/train": 1.5, "time/step": 3.1}
+    metrics = {
+        "reward/mean": 0.41,
+        "bapo/rho_after": 0.38,
+        "bapo/c_low": 0.62,
+        "bapo/c_high": 1.35,
+        "entropy": 0.91,
+        "grad_norm": 0.12,
+        "response_length/mean": 14.2,
+        "bapo/clip_frac_positive": 0.5,
+        "time/rollout": 1.2,
+        "time/train": 1.5,
+        "time/step": 3.1,
+    }
     assert logger.console_line(12, metrics, total_steps=200) == (
         "step 12/200 | reward 0.41 | rho 0.38 | c 0.62/1.35 | entropy 0.91 | grad 0.12 | "
-        "len 14.2 | 3.1 s (rollout 1.2, train 1.5)")
+        "len 14.2 | 3.1 s (rollout 1.2, train 1.5)"
+    )
     assert logger.console_line(1, {"grad_norm": 3e-4, "bapo/c_high": 2.0}) == (
-        "step 1 | c 2.00 | grad 3.00e-04")
+        "step 1 | c 2.00 | grad 3.00e-04"
+    )
     custom = MetricsLogger(None, console=False, console_keys=["bapo/clip_frac_positive"])
     assert custom.console_line(0, metrics) == "step 0 | bapo/clip_frac_positive 0.50"
 
@@ -175,10 +203,13 @@ def test_phase_timer_sums_phases_with_a_fake_clock():
     with pytest.raises(RuntimeError), timer.phase("rollout"):  # a raising block still counts
         clock.now += 0.75
         raise RuntimeError
-    assert timer.metrics() == {"time/rollout": 2.0, "time/train": 2.5, "time/weight_sync": 0.5,
-                               "time/step": 4.5}
-    assert list(timer.metrics()) == ["time/rollout", "time/train", "time/weight_sync",
-                                     "time/step"]
+    assert timer.metrics() == {
+        "time/rollout": 2.0,
+        "time/train": 2.5,
+        "time/weight_sync": 0.5,
+        "time/step": 4.5,
+    }
+    assert list(timer.metrics()) == ["time/rollout", "time/train", "time/weight_sync", "time/step"]
     timer.reset()
     with timer.phase("train"):
         clock.now += 1.0

@@ -32,15 +32,28 @@ from bapo_megatron.config import (  # noqa: E402
 )
 from tests.helpers import bapo_reference  # noqa: E402
 
-MODEL = ModelConfig(model_type="llama", num_layers=2, hidden_size=64, ffn_hidden_size=128,
-                    num_attention_heads=4, num_query_groups=2, vocab_size=96,
-                    max_position_embeddings=64)
-needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches are for CPU-only runs")
+MODEL = ModelConfig(
+    model_type="llama",
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=96,
+    max_position_embeddings=64,
+)
+needs_cpu = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU patches are for CPU-only runs"
+)
 
 
 def make_actor(context, micro_batch_size=2, temperature=0.9, **optimizer):
-    actor = build_actor(MODEL, ActorConfig(micro_batch_size=micro_batch_size, temperature=temperature,
-                                           seed=5), OptimizerConfig(**{"lr": 1e-3, **optimizer}), context)
+    actor = build_actor(
+        MODEL,
+        ActorConfig(micro_batch_size=micro_batch_size, temperature=temperature, seed=5),
+        OptimizerConfig(**{"lr": 1e-3, **optimizer}),
+        context,
+    )
     return actor
 
 
@@ -53,9 +66,12 @@ def random_batch(seed: int, n: int = 5, length: int = 14, spread: float = 0.5) -
         end = int(torch.randint(start + 1, length + 1, (), generator=g))
         mask[i, start:end] = True
     # Old log-probs near a typical value for this vocabulary, so ratios spread around 1.
-    old = torch.where(mask, -math.log(MODEL.vocab_size) + spread * torch.randn(n, length, generator=g), 0.0)
-    return PolicyBatch(tokens=tokens, response_mask=mask, old_logprobs=old,
-                       advantages=torch.randn(n, generator=g))
+    old = torch.where(
+        mask, -math.log(MODEL.vocab_size) + spread * torch.randn(n, length, generator=g), 0.0
+    )
+    return PolicyBatch(
+        tokens=tokens, response_mask=mask, old_logprobs=old, advantages=torch.randn(n, generator=g)
+    )
 
 
 def reference_logits(actor, tokens):
@@ -77,9 +93,16 @@ def test_forward_only_logprobs_match_float64(context):
     actor = make_actor(context, micro_batch_size=2, temperature=0.7)
     batch = random_batch(1)
     with torch.no_grad():
-        want_logp, want_entropy = float64_logprobs(reference_logits(actor, batch.tokens), batch.tokens, 0.7)
-    logp, entropy = compute_logprobs(actor.chunks, PolicyBatch(tokens=batch.tokens, response_mask=batch.response_mask),
-                                     context, micro_batch_size=2, temperature=0.7)
+        want_logp, want_entropy = float64_logprobs(
+            reference_logits(actor, batch.tokens), batch.tokens, 0.7
+        )
+    logp, entropy = compute_logprobs(
+        actor.chunks,
+        PolicyBatch(tokens=batch.tokens, response_mask=batch.response_mask),
+        context,
+        micro_batch_size=2,
+        temperature=0.7,
+    )
     assert logp.shape == entropy.shape == batch.tokens.shape
     torch.testing.assert_close(logp.double(), want_logp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropy.double(), want_entropy, rtol=1e-5, atol=1e-5)
@@ -102,14 +125,26 @@ def test_step_granularity_matches_float64_reference(context, preset, aggregation
     chosen = bapo_reference.search(r, adv[:, None].expand_as(r), mask, clip)
     assert chosen.steps > 0  # the data makes the search move, or the check would be weak
     normalizer = mask.sum() if aggregation == "token-mean" else (mask.sum(-1) > 0).sum()
-    want_loss, d_logp = bapo_reference.loss_and_grad(logp64.detach(), old, adv, mask, chosen.c_low,
-                                                     chosen.c_high, clip.dual_clip, aggregation, normalizer)
+    want_loss, d_logp = bapo_reference.loss_and_grad(
+        logp64.detach(),
+        old,
+        adv,
+        mask,
+        chosen.c_low,
+        chosen.c_high,
+        clip.dual_clip,
+        aggregation,
+        normalizer,
+    )
     (logp64 * d_logp).sum().backward()
     # DDP accumulates into its fp32 buffer (main_grad); the train step zeroes it first.
-    want_grad_norm = math.sqrt(sum(float(p.main_grad.double().pow(2).sum())
-                                   for p in actor.chunks[0].module.parameters()))
+    want_grad_norm = math.sqrt(
+        sum(float(p.main_grad.double().pow(2).sum()) for p in actor.chunks[0].module.parameters())
+    )
 
-    metrics = train_step(actor, batch, LossConfig(aggregation=aggregation, clip=clip), SearchPlan.from_config(clip))
+    metrics = train_step(
+        actor, batch, LossConfig(aggregation=aggregation, clip=clip), SearchPlan.from_config(clip)
+    )
     assert metrics["bapo/c_low"] == pytest.approx(chosen.c_low, abs=1e-12)
     assert metrics["bapo/c_high"] == pytest.approx(chosen.c_high, abs=1e-12)
     assert metrics["bapo/search_steps"] == chosen.steps
@@ -135,8 +170,11 @@ def test_micro_batch_split_does_not_change_the_step(context):
     for micro_batch_size in (1, 2, 5):
         actor = make_actor(context, micro_batch_size=micro_batch_size)
         if weights is None:
-            weights = {global_parameter_name(c, n): p.detach().clone()
-                       for c in actor.chunks for n, p in c.module.named_parameters()}
+            weights = {
+                global_parameter_name(c, n): p.detach().clone()
+                for c in actor.chunks
+                for n, p in c.module.named_parameters()
+            }
         load_whole_model_weights(actor.chunks, weights, context)
         metrics = [train_step(actor, batch, LossConfig(clip=clip), plan) for _ in range(2)]
         params = torch.cat([p.detach().reshape(-1) for p in actor.chunks[0].module.parameters()])
@@ -175,8 +213,16 @@ def test_non_finite_gradient_skips_the_update_and_counts(context):
 
 @needs_cpu
 def test_gradient_clipping_and_learning_rate_schedule(context):
-    actor = make_actor(context, lr=1e-2, min_lr=1e-3, lr_warmup_steps=2, lr_decay_steps=6,
-                       lr_decay_style="linear", clip_grad=1e-3, weight_decay=0.0)
+    actor = make_actor(
+        context,
+        lr=1e-2,
+        min_lr=1e-3,
+        lr_warmup_steps=2,
+        lr_decay_steps=6,
+        lr_decay_style="linear",
+        clip_grad=1e-3,
+        weight_decay=0.0,
+    )
     batch = random_batch(5)
     clip = ClipSearchConfig.from_preset("grpo")
     plan = SearchPlan.from_config(clip)
@@ -188,9 +234,14 @@ def test_gradient_clipping_and_learning_rate_schedule(context):
             # Adam's first moment after one step is (1 - beta1) x the clipped gradient, whose
             # global norm is the clip value (the raw norm is far above it).
             assert metrics["grad_norm"] > 1.0
-            states = [state for inner in actor.optimizer.chained_optimizers
-                      for state in inner.optimizer.state.values()]
-            moment_norm = math.sqrt(sum(float(st["exp_avg"].double().pow(2).sum()) for st in states))
+            states = [
+                state
+                for inner in actor.optimizer.chained_optimizers
+                for state in inner.optimizer.state.values()
+            ]
+            moment_norm = math.sqrt(
+                sum(float(st["exp_avg"].double().pow(2).sum()) for st in states)
+            )
             assert moment_norm == pytest.approx((1 - 0.9) * 1e-3, rel=1e-4)
     # Megatron's convention: warmup from 0 over 2 steps, then linear decay to min_lr at step 6.
     want = [0.0, 5e-3, 1e-2, 1e-2 - 9e-3 / 4, 1e-2 - 2 * 9e-3 / 4, 1e-2 - 3 * 9e-3 / 4, 1e-3]
@@ -203,8 +254,14 @@ def test_bad_batches_are_refused_by_field(context):
     batch = random_batch(6)
     plan = SearchPlan.from_config(ClipSearchConfig.from_preset("paper"))
     with pytest.raises(ValueError, match="batch.old_logprobs is required"):
-        train_step(actor, PolicyBatch(tokens=batch.tokens, response_mask=batch.response_mask,
-                                      advantages=batch.advantages), LossConfig(), plan)
+        train_step(
+            actor,
+            PolicyBatch(
+                tokens=batch.tokens, response_mask=batch.response_mask, advantages=batch.advantages
+            ),
+            LossConfig(),
+            plan,
+        )
     with pytest.raises(ValueError, match="batch.response_mask: expected shape"):
         PolicyBatch(tokens=batch.tokens, response_mask=batch.response_mask[:, 1:])
     with pytest.raises(ValueError, match="batch.response_mask: expected a bool"):
@@ -244,24 +301,35 @@ def test_bf16_parameters_train_with_fp32_main_weights(context):
     clip = ClipSearchConfig.from_preset("paper")
     plan = SearchPlan.from_config(clip)
     fp32 = make_actor(context)
-    weights = {global_parameter_name(c, n): p.detach().clone()
-               for c in fp32.chunks for n, p in c.module.named_parameters()}
+    weights = {
+        global_parameter_name(c, n): p.detach().clone()
+        for c in fp32.chunks
+        for n, p in c.module.named_parameters()
+    }
     want = train_step(fp32, batch, LossConfig(clip=clip), plan)
-    bf16 = build_actor(dataclasses.replace(MODEL, params_dtype="bfloat16"),
-                       ActorConfig(micro_batch_size=2, temperature=0.9, seed=5), OptimizerConfig(lr=1e-3),
-                       context)
+    bf16 = build_actor(
+        dataclasses.replace(MODEL, params_dtype="bfloat16"),
+        ActorConfig(micro_batch_size=2, temperature=0.9, seed=5),
+        OptimizerConfig(lr=1e-3),
+        context,
+    )
     load_whole_model_weights(bf16.chunks, weights, context)
     named = dict(bf16.chunks[0].module.named_parameters())
     params = list(named.values())
     # Matrices are bf16; the local spec's RMSNorm weights stay fp32.
     assert {n for n, p in named.items() if p.dtype != torch.bfloat16} == {
-        n for n in named if n.endswith("layernorm.weight")}
+        n for n in named if n.endswith("layernorm.weight")
+    }
     before = [p.detach().clone() for p in params]
     got = train_step(bf16, batch, LossConfig(clip=clip), plan)
     assert got["skipped"] == 0.0
     for key in ("loss", "grad_norm", "entropy"):
         assert got[key] == pytest.approx(want[key], rel=0.05, abs=1e-3), key
-    main = [p for inner in bf16.optimizer.chained_optimizers for group in inner.optimizer.param_groups
-            for p in group["params"]]
+    main = [
+        p
+        for inner in bf16.optimizer.chained_optimizers
+        for group in inner.optimizer.param_groups
+        for p in group["params"]
+    ]
     assert main and all(p.dtype == torch.float32 for p in main)
     assert any(not torch.equal(p, b) for p, b in zip(params, before))

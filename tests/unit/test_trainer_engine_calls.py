@@ -34,25 +34,38 @@ class _Engine:
 
 
 def _run(engine, context, release: bool = True):
-    cfg = SimpleNamespace(rollout=SimpleNamespace(release_memory_during_training=release),
-                          algorithm=SimpleNamespace(epochs=1))
-    return SimpleNamespace(cfg=cfg, engine=engine, context=context, timer=PhaseTimer(),
-                           state=SimpleNamespace(version=0))
+    cfg = SimpleNamespace(
+        rollout=SimpleNamespace(release_memory_during_training=release),
+        algorithm=SimpleNamespace(epochs=1),
+    )
+    return SimpleNamespace(
+        cfg=cfg,
+        engine=engine,
+        context=context,
+        timer=PhaseTimer(),
+        state=SimpleNamespace(version=0),
+    )
 
 
 def test_failed_memory_release_stops_with_engine_failure(single_process):
     engine = _Engine("release_memory")
-    with pytest.raises(EngineFailure, match=r"engine\.release_memory\(\) before training at "
-                                            r"rollout step 3: rank 0: RuntimeError: "
-                                            r"release_memory ran out of device memory"):
+    with pytest.raises(
+        EngineFailure,
+        match=r"engine\.release_memory\(\) before training at "
+        r"rollout step 3: rank 0: RuntimeError: "
+        r"release_memory ran out of device memory",
+    ):
         train_minibatches(_run(engine, single_process), [], step=3)
     assert engine.calls == ["release_memory"]
 
 
 def test_failed_memory_resume_stops_with_engine_failure(single_process):
     engine = _Engine("resume_memory")
-    with pytest.raises(EngineFailure, match=r"engine\.resume_memory\(\) after training at "
-                                            r"rollout step 4: rank 0: RuntimeError"):
+    with pytest.raises(
+        EngineFailure,
+        match=r"engine\.resume_memory\(\) after training at "
+        r"rollout step 4: rank 0: RuntimeError",
+    ):
         sync_weights(_run(engine, single_process), start_version=0, step=4)
     assert engine.calls == ["resume_memory"]
 

@@ -20,23 +20,42 @@ from bapo_megatron.trainer.state import TrainerState
 
 
 def _sample(index: int, finish: str | None) -> RolloutSample:
-    return RolloutSample(prompt_index=index, sample_index=1, prompt_token_ids=[5, 6],
-                         token_ids=[7, 8, 9], logprobs=[-0.1, -2.5e-8, -1 / 3],
-                         versions=[3, 3, 4], finish_reason=finish)
+    return RolloutSample(
+        prompt_index=index,
+        sample_index=1,
+        prompt_token_ids=[5, 6],
+        token_ids=[7, 8, 9],
+        logprobs=[-0.1, -2.5e-8, -1 / 3],
+        versions=[3, 3, 4],
+        finish_reason=finish,
+    )
 
 
 def _group(name: str) -> Group:
-    return Group(prompt_id=name, samples=[_sample(0, "stop"), _sample(1, "length")],
-                 rewards=[1.0, 0.0], advantages=[0.7071067811865476, -0.7071067811865476])
+    return Group(
+        prompt_id=name,
+        samples=[_sample(0, "stop"), _sample(1, "length")],
+        rewards=[1.0, 0.0],
+        advantages=[0.7071067811865476, -0.7071067811865476],
+    )
 
 
 def _state() -> TrainerState:
     replay = ReplayBuffer(capacity=4, max_staleness=2)
     replay.add([_group("r1"), _group("r2")])
-    return TrainerState(replay=replay, step=7, version=13, position=56,
-                        carry=[(PromptRow(id="p3", prompt="1+1", answer="2"),
-                                [_sample(0, "paused"), _sample(1, "stop")])],
-                        lag_queue=[[_group("l1")], []])
+    return TrainerState(
+        replay=replay,
+        step=7,
+        version=13,
+        position=56,
+        carry=[
+            (
+                PromptRow(id="p3", prompt="1+1", answer="2"),
+                [_sample(0, "paused"), _sample(1, "stop")],
+            )
+        ],
+        lag_queue=[[_group("l1")], []],
+    )
 
 
 def _through_file(value, tmp_path):
@@ -49,6 +68,7 @@ def test_trainer_state_round_trips_through_a_weights_only_file(tmp_path):
     state = _state()
     loaded = TrainerState(replay=ReplayBuffer(capacity=4, max_staleness=2))
     loaded.load_checkpoint(_through_file(state.to_checkpoint(), tmp_path), "test file")
+
     def fields(s: TrainerState) -> tuple:
         return s.step, s.version, s.position, s.carry, s.lag_queue, s.replay.groups
 

@@ -42,8 +42,9 @@ from bapo_megatron.weights.name_maps import (  # noqa: E402
 )
 from tests.helpers import hf_models  # noqa: E402
 
-needs_cpu = pytest.mark.skipif(torch.cuda.is_available(),
-                               reason="CPU patches are for CPU-only runs")
+needs_cpu = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU patches are for CPU-only runs"
+)
 
 
 @pytest.fixture(scope="module")
@@ -95,16 +96,23 @@ def megatron_qkv_reference(q, k, v, groups: int) -> torch.Tensor:
     per_group = q.shape[0] // d // groups
     rows = []
     for g in range(groups):
-        rows += [q[(g * per_group + h) * d:(g * per_group + h + 1) * d] for h in range(per_group)]
-        rows += [k[g * d:(g + 1) * d], v[g * d:(g + 1) * d]]
+        rows += [q[(g * per_group + h) * d : (g * per_group + h + 1) * d] for h in range(per_group)]
+        rows += [k[g * d : (g + 1) * d], v[g * d : (g + 1) * d]]
     return torch.cat(rows)
 
 
 @pytest.mark.parametrize("heads,groups,tp", [(4, 2, 1), (4, 2, 2), (8, 2, 2), (4, 4, 4), (6, 1, 1)])
 def test_qkv_merge_split_and_tp_slices_follow_megatron_layout(heads, groups, tp):
     d, hidden = 4, heads * 4
-    model = ModelConfig(model_type="qwen2", num_layers=1, hidden_size=hidden, ffn_hidden_size=8,
-                        num_attention_heads=heads, num_query_groups=groups, vocab_size=8)
+    model = ModelConfig(
+        model_type="qwen2",
+        num_layers=1,
+        hidden_size=hidden,
+        ffn_hidden_size=8,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        vocab_size=8,
+    )
     rules = {r.megatron: r for r in name_map_for("qwen2").rules(model)}
     gen = torch.Generator().manual_seed(0)
     for name in ("weight", "bias"):
@@ -129,11 +137,20 @@ def test_qkv_merge_split_and_tp_slices_follow_megatron_layout(heads, groups, tp)
 
 
 def test_gate_up_and_row_parallel_slices():
-    model = ModelConfig(model_type="llama", num_layers=1, hidden_size=8, ffn_hidden_size=6,
-                        num_attention_heads=2, num_query_groups=2, vocab_size=8)
+    model = ModelConfig(
+        model_type="llama",
+        num_layers=1,
+        hidden_size=8,
+        ffn_hidden_size=6,
+        num_attention_heads=2,
+        num_query_groups=2,
+        vocab_size=8,
+    )
     rules = {r.megatron: r for r in name_map_for("llama").rules(model)}
-    fc1, fc2 = rules["decoder.layers.0.mlp.linear_fc1.weight"], \
-        rules["decoder.layers.0.mlp.linear_fc2.weight"]
+    fc1, fc2 = (
+        rules["decoder.layers.0.mlp.linear_fc1.weight"],
+        rules["decoder.layers.0.mlp.linear_fc2.weight"],
+    )
     gate, up, down = torch.randn(6, 8), torch.randn(6, 8), torch.randn(8, 6)
     assert torch.equal(merge(fc1, [gate, up], model), torch.cat([gate, up]))
     placed = [torch.zeros(6, 8), torch.zeros(6, 8), torch.zeros(8, 6)]
@@ -141,9 +158,9 @@ def test_gate_up_and_row_parallel_slices():
         shard = merge(fc1, [gate[tp_slice(fc1, 6, rank, 2)], up[tp_slice(fc1, 6, rank, 2)]], model)
         rows = slice(3 * rank, 3 * rank + 3)
         assert torch.equal(shard, torch.cat([gate[rows], up[rows]]))
-        assert torch.equal(down[:, tp_slice(fc2, 6, rank, 2)], down[:, 3 * rank:3 * rank + 3])
+        assert torch.equal(down[:, tp_slice(fc2, 6, rank, 2)], down[:, 3 * rank : 3 * rank + 3])
         place_shard(fc1, placed[:2], shard, rank, model)
-        place_shard(fc2, placed[2:], down[:, 3 * rank:3 * rank + 3], rank, model)
+        place_shard(fc2, placed[2:], down[:, 3 * rank : 3 * rank + 3], rank, model)
     assert all(torch.equal(a, b) for a, b in zip(placed, (gate, up, down)))
     with pytest.raises(ValueError, match="not divisible by the tensor-parallel size 4"):
         tp_slice(fc1, 6, 0, 4)
@@ -161,8 +178,9 @@ def test_bucket_plan_keeps_order_and_bound():
     assert all(size <= bound or len(bucket) == 1 for size, bucket in zip(sizes, buckets))
     assert any(size > bound for size in sizes)  # the 32 KB embedding + ... forces a lone bucket
     # greedy: the next bucket's first rule did not fit
-    assert all(sizes[i] + rule_nbytes(buckets[i + 1][0], model, 4) > bound
-               for i in range(len(buckets) - 1))
+    assert all(
+        sizes[i] + rule_nbytes(buckets[i + 1][0], model, 4) > bound for i in range(len(buckets) - 1)
+    )
     assert len(plan_buckets(rules, model, 1, 4)) == len(exported)
 
 
@@ -172,7 +190,8 @@ def test_bucket_plan_keeps_order_and_bound():
 @needs_cpu
 @pytest.mark.parametrize("variant", list(hf_models.VARIANTS))
 def test_hf_to_megatron_gives_transformers_logits_and_round_trips_bitwise(
-        variant, hf_folders, context, tmp_path):
+    variant, hf_folders, context, tmp_path
+):
     source, reference = hf_folders[variant]
     model, [chunk] = hf_to_megatron(source, tmp_path / "megatron", context)
     assert model.params_dtype == "float32" and model.rope_theta in (1e6, 5e5)
@@ -186,8 +205,12 @@ def test_hf_to_megatron_gives_transformers_logits_and_round_trips_bitwise(
     for name in original:
         assert back[name].dtype == original[name].dtype, name
         assert torch.equal(back[name].view(torch.uint8), original[name].view(torch.uint8)), name
-    for file in ("config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json"):
+    for file in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         assert (tmp_path / "back" / file).read_bytes() == (source / file).read_bytes(), file
     index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
     assert sorted(index["weight_map"]) == sorted(original)
@@ -213,35 +236,40 @@ def test_bfloat16_checkpoint_round_trips_bitwise_and_can_widen(tmp_path, context
     megatron_to_hf(tmp_path / "bf16", tmp_path / "back", context)
     original = hf_models.read_hf_tensors(source)
     back = hf_models.read_hf_tensors(tmp_path / "back")
-    assert all(torch.equal(back[k].view(torch.int16), original[k].view(torch.int16))
-               for k in original)
+    assert all(
+        torch.equal(back[k].view(torch.int16), original[k].view(torch.int16)) for k in original
+    )
     assert (tmp_path / "back" / "config.json").read_bytes() == (source / "config.json").read_bytes()
     # float32 Megatron weights from bf16 HF weights (exact), exported as float32: the config's
     # dtype follows the weights
     hf_to_megatron(source, tmp_path / "fp32", context, params_dtype="float32")
     megatron_to_hf(tmp_path / "fp32", tmp_path / "wide", context, dtype="float32")
     wide = hf_models.read_hf_tensors(tmp_path / "wide")
-    assert all(wide[k].dtype == torch.float32 and torch.equal(wide[k], original[k].float())
-               for k in original)
+    assert all(
+        wide[k].dtype == torch.float32 and torch.equal(wide[k], original[k].float())
+        for k in original
+    )
     assert json.loads((tmp_path / "wide" / "config.json").read_text())["dtype"] == "float32"
 
 
 @needs_cpu
-def test_live_export_at_tp1_is_bounded_versioned_and_converts_dtype(hf_folders, context,
-                                                                     tmp_path):
+def test_live_export_at_tp1_is_bounded_versioned_and_converts_dtype(hf_folders, context, tmp_path):
     source, _ = hf_folders["llama-untied"]
     model, chunks = hf_to_megatron(source, tmp_path / "megatron", context)
     original = hf_models.read_hf_tensors(source)
     bound = 50_000
-    buckets = list(export_weights(chunks, model, context, version=7, bucket_bytes=bound,
-                                  dtype=torch.bfloat16))
+    buckets = list(
+        export_weights(chunks, model, context, version=7, bucket_bytes=bound, dtype=torch.bfloat16)
+    )
     assert [b.index for b in buckets] == list(range(len(buckets))) and buckets[-1].last
     assert all(b.version == 7 and b.pipeline_rank == 0 for b in buckets)
     assert all(b.nbytes <= bound for b in buckets) and len(buckets) > 2
     exported = {name: t for b in buckets for name, t in b.tensors.items()}
     assert list(exported) == list(name_map_for("llama").hf_shapes(model))  # HF order
-    assert all(t.dtype == torch.bfloat16 and torch.equal(t, original[name].to(torch.bfloat16))
-               for name, t in exported.items())
+    assert all(
+        t.dtype == torch.bfloat16 and torch.equal(t, original[name].to(torch.bfloat16))
+        for name, t in exported.items()
+    )
     with pytest.raises(ValueError, match="transport must be 'auto', 'collective' or"):
         list(export_weights(chunks, model, context, version=7, transport="tcp"))
     # the yielded tensors are copies: training the actor does not change an exported bucket
@@ -257,27 +285,34 @@ def _with_transformer_engine_names(chunk: torch.nn.Module) -> None:
     ``linear_qkv`` / ``linear_fc1`` own a ``layer_norm_weight``; Megatron's ModelOpt hooks map
     the same pairs), as on a GPU run: TE itself is not installed here."""
     for layer in chunk.decoder.layers:
-        for norm, fused in ((layer.input_layernorm, layer.self_attention.linear_qkv),
-                            (layer.pre_mlp_layernorm, layer.mlp.linear_fc1)):
+        for norm, fused in (
+            (layer.input_layernorm, layer.self_attention.linear_qkv),
+            (layer.pre_mlp_layernorm, layer.mlp.linear_fc1),
+        ):
             fused.register_parameter("layer_norm_weight", norm._parameters.pop("weight"))
 
 
 @needs_cpu
 def test_transformer_engine_parameter_names_export_and_load_like_the_local_ones(
-        hf_folders, context, tmp_path):
+    hf_folders, context, tmp_path
+):
     source, _ = hf_folders["qwen2-tied"]
     model, [chunk] = hf_to_megatron(source, tmp_path / "megatron", context)
     local_names = [name for name, _ in chunk_parameters(chunk)]
     _with_transformer_engine_names(chunk)
     raw = [name for name, _ in chunk.named_parameters()]
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in raw
-    assert not any(name.endswith("layernorm.weight") for name in raw
-                   if name.startswith("decoder.layers."))
+    assert not any(
+        name.endswith("layernorm.weight") for name in raw if name.startswith("decoder.layers.")
+    )
     assert sorted(name for name, _ in chunk_parameters(chunk)) == sorted(local_names)
 
     original = hf_models.read_hf_tensors(source)
-    exported = {n: t for b in export_weights([chunk], model, context, version=1)
-                for n, t in b.tensors.items()}
+    exported = {
+        n: t
+        for b in export_weights([chunk], model, context, version=1)
+        for n, t in b.tensors.items()
+    }
     assert sorted(exported) == sorted(original)
     assert all(torch.equal(t, original[n]) for n, t in exported.items())
 
@@ -286,8 +321,11 @@ def test_transformer_engine_parameter_names_export_and_load_like_the_local_ones(
             p.zero_()
     with HFCheckpoint.open(source) as hf:
         load_hf_weights([chunk], hf, context)
-    reloaded = {n: t for b in export_weights([chunk], model, context, version=2)
-                for n, t in b.tensors.items()}
+    reloaded = {
+        n: t
+        for b in export_weights([chunk], model, context, version=2)
+        for n, t in b.tensors.items()
+    }
     assert all(torch.equal(t, original[n]) for n, t in reloaded.items())
 
 
@@ -317,12 +355,15 @@ def test_missing_and_truncated_shards_are_refused_by_file(hf_folders, tmp_path):
     folder = corrupt_copy(hf_folders["qwen2-tied"][0], tmp_path)
     shard = shard_of(folder, "model.layers.1.mlp.up_proj.weight")
     data = shard.read_bytes()
-    shard.write_bytes(data[:len(data) - 100])
+    shard.write_bytes(data[: len(data) - 100])
     with pytest.raises(ValueError, match=rf"weight file .*{shard.name} cannot be read.*truncated"):
         HFCheckpoint.open(folder)
     shard.unlink()
-    with pytest.raises(ValueError, match=rf"shard .*{shard.name} \(listed in "
-                                         r"model.safetensors.index.json for tensor "):
+    with pytest.raises(
+        ValueError,
+        match=rf"shard .*{shard.name} \(listed in "
+        r"model.safetensors.index.json for tensor ",
+    ):
         HFCheckpoint.open(folder)
 
 
@@ -332,11 +373,17 @@ def test_missing_unexpected_and_misshapen_tensors_are_refused_by_name(hf_folders
     shard = shard_of(folder, name)
     tensors = load_file(str(shard))
     save_file({**tensors, name: tensors[name][:16]}, str(shard), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=rf"tensor '{name}' has shape \(16, 64\), but "
-                                         r"config.json implies \(32, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"tensor '{name}' has shape \(16, 64\), but "
+        r"config.json implies \(32, 64\)",
+    ):
         HFCheckpoint.open(folder)
-    save_file({k: v for k, v in tensors.items() if k != name} | {"extra.weight": tensors[name]},
-              str(shard), metadata={"format": "pt"})
+    save_file(
+        {k: v for k, v in tensors.items() if k != name} | {"extra.weight": tensors[name]},
+        str(shard),
+        metadata={"format": "pt"},
+    )
     index_path = folder / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
     index["weight_map"]["extra.weight"] = index["weight_map"].pop(name)
@@ -345,11 +392,15 @@ def test_missing_unexpected_and_misshapen_tensors_are_refused_by_name(hf_folders
         HFCheckpoint.open(folder)
     index["weight_map"][name] = shard.name
     index_path.write_text(json.dumps(index))
-    with pytest.raises(ValueError, match=rf"puts tensor '{name}' in .*{shard.name}, which does "
-                                         "not contain it"):
+    with pytest.raises(
+        ValueError,
+        match=rf"puts tensor '{name}' in .*{shard.name}, which does "
+        "not contain it",
+    ):
         HFCheckpoint.open(folder)
-    save_file(tensors | {"extra.weight": tensors[name].clone()}, str(shard),
-              metadata={"format": "pt"})
+    save_file(
+        tensors | {"extra.weight": tensors[name].clone()}, str(shard), metadata={"format": "pt"}
+    )
     with pytest.raises(ValueError, match=r"unexpected tensor 'extra.weight'"):
         HFCheckpoint.open(folder)
 
@@ -359,8 +410,11 @@ def test_other_formats_and_scaled_rope_are_refused(hf_folders, tmp_path):
     for path in folder.glob("model*.safetensors*"):
         path.unlink()
     (folder / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(ValueError, match=r"only safetensors weights are supported, found "
-                                         r"\['pytorch_model.bin'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"only safetensors weights are supported, found "
+        r"\['pytorch_model.bin'\]",
+    ):
         HFCheckpoint.open(folder)
     config = json.loads((folder / "config.json").read_text())
     config["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
@@ -378,8 +432,11 @@ def test_tied_checkpoint_with_a_different_lm_head_is_refused(hf_folders, tmp_pat
     folder = corrupt_copy(hf_folders["qwen2-tied"][0], tmp_path)
     shard = shard_of(folder, "model.norm.weight")
     tensors = load_file(str(shard))
-    save_file(tensors | {"lm_head.weight": torch.zeros(hf_models.VOCAB, hf_models.HIDDEN)},
-              str(shard), metadata={"format": "pt"})
+    save_file(
+        tensors | {"lm_head.weight": torch.zeros(hf_models.VOCAB, hf_models.HIDDEN)},
+        str(shard),
+        metadata={"format": "pt"},
+    )
     index_path = folder / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
     index["weight_map"]["lm_head.weight"] = shard.name
@@ -393,8 +450,9 @@ def test_tied_checkpoint_with_a_different_lm_head_is_refused(hf_folders, tmp_pat
 
 
 @needs_cpu
-def test_interrupted_conversion_leaves_nothing_that_looks_complete(hf_folders, tmp_path,
-                                                                   context, monkeypatch):
+def test_interrupted_conversion_leaves_nothing_that_looks_complete(
+    hf_folders, tmp_path, context, monkeypatch
+):
     source, _ = hf_folders["llama-untied"]
     out = tmp_path / "megatron"
     staging_path(out).mkdir()  # left over by a killed run: cleared, never mistaken for output
@@ -432,17 +490,39 @@ def test_command_line_converts_both_ways_and_reports_bad_input(hf_folders, tmp_p
     root = Path(__file__).resolve().parents[2]
     source, _ = hf_folders["qwen2-untied"]
     # the tools/ wrapper as a script in its own process (the checkout importable, as installed)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root),
-                                                                     os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, str(root / "tools" / "convert_checkpoint.py"),
-                           "hf-to-megatron", str(source), str(tmp_path / "megatron"),
-                           "--params-dtype", "bfloat16", "--no-progress"],
-                          capture_output=True, text=True, timeout=300, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(root / "tools" / "convert_checkpoint.py"),
+            "hf-to-megatron",
+            str(source),
+            str(tmp_path / "megatron"),
+            "--params-dtype",
+            "bfloat16",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     assert "wrote Megatron checkpoint" in done.stdout and "bfloat16" in done.stdout
     # its main() in this process (a second interpreter start is slow on these machines)
-    args = ["megatron-to-hf", str(tmp_path / "megatron"), str(tmp_path / "back"), "--dtype",
-            "float32", "--max-shard-size", "40KB", "--no-progress"]
+    args = [
+        "megatron-to-hf",
+        str(tmp_path / "megatron"),
+        str(tmp_path / "back"),
+        "--dtype",
+        "float32",
+        "--max-shard-size",
+        "40KB",
+        "--no-progress",
+    ]
     cli.main(args)
     original, back = hf_models.read_hf_tensors(source), hf_models.read_hf_tensors(tmp_path / "back")
     assert sorted(back) == sorted(original)
@@ -459,8 +539,9 @@ def test_command_line_converts_both_ways_and_reports_bad_input(hf_folders, tmp_p
 
 
 @needs_cpu
-def test_command_line_creates_the_missing_parent_folders_of_its_output(hf_folders, tmp_path,
-                                                                        capsys):
+def test_command_line_creates_the_missing_parent_folders_of_its_output(
+    hf_folders, tmp_path, capsys
+):
     from bapo_megatron.weights import convert_cli
 
     source, _ = hf_folders["qwen2-untied"]

@@ -34,12 +34,15 @@ class EmbeddedEngine:
     :meth:`update_weights`), or from an HF folder with :meth:`from_pretrained`.
     """
 
-    def __init__(self, model: ModelConfig, *, dtype: torch.dtype | None = None,
-                 pad_token_id: int = 0) -> None:
+    def __init__(
+        self, model: ModelConfig, *, dtype: torch.dtype | None = None, pad_token_id: int = 0
+    ) -> None:
         hf_config = transformers.AutoConfig.for_model(**model.to_hf_config())
         self.model_config = model
         self.dtype = dtype or _DTYPES[model.params_dtype]
-        self.model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=self.dtype).eval()
+        self.model = transformers.AutoModelForCausalLM.from_config(
+            hf_config, dtype=self.dtype
+        ).eval()
         self.pad_token_id = pad_token_id
         self.version = -1
         self._abort = threading.Event()
@@ -57,17 +60,26 @@ class EmbeddedEngine:
 
     # -------------------------------------------------------------- generation
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, *,
-                 round_tokens: int | None = None) -> list[RolloutSample]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, round_tokens: int | None = None
+    ) -> list[RolloutSample]:
         """``params.n`` samples per prompt, prompt-major (see the protocol)."""
         check_prompts(prompts, self.model_config)
-        samples = [RolloutSample(prompt_index=p, sample_index=i, prompt_token_ids=list(prompt))
-                   for p, prompt in enumerate(prompts) for i in range(params.n)]
+        samples = [
+            RolloutSample(prompt_index=p, sample_index=i, prompt_token_ids=list(prompt))
+            for p, prompt in enumerate(prompts)
+            for i in range(params.n)
+        ]
         self._decode(samples, params, round_tokens)
         return samples
 
-    def continue_generation(self, samples: list[RolloutSample], params: SamplingParams, *,
-                            round_tokens: int | None = None) -> list[RolloutSample]:
+    def continue_generation(
+        self,
+        samples: list[RolloutSample],
+        params: SamplingParams,
+        *,
+        round_tokens: int | None = None,
+    ) -> list[RolloutSample]:
         """Continue the `paused` samples in place (see the protocol); returns ``samples``."""
         active = [s for s in samples if s.resumable]
         for sample in active:
@@ -76,12 +88,15 @@ class EmbeddedEngine:
         return samples
 
     @torch.no_grad()
-    def _decode(self, samples: list[RolloutSample], params: SamplingParams,
-                round_tokens: int | None) -> None:
+    def _decode(
+        self, samples: list[RolloutSample], params: SamplingParams, round_tokens: int | None
+    ) -> None:
         if not samples:
             return
         if round_tokens is not None and round_tokens < 1:
-            raise ValueError(f"round_tokens must be a positive integer or None, got {round_tokens!r}")
+            raise ValueError(
+                f"round_tokens must be a positive integer or None, got {round_tokens!r}"
+            )
         check_ready(self._released, self.version)
         self._abort.clear()
         generator = torch.Generator()
@@ -95,27 +110,45 @@ class EmbeddedEngine:
         input_ids = torch.full((len(samples), width), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros(len(samples), width, dtype=torch.long)
         for row, ids in enumerate(contexts):
-            input_ids[row, width - len(ids):] = torch.tensor(ids)
-            attention[row, width - len(ids):] = 1
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            attention[row, width - len(ids) :] = 1
         if any(len(s.token_ids) >= params.max_new_tokens for s in samples):
             raise ValueError("a sample to continue has already generated max_new_tokens tokens")
         # a response ends (`length`) at max_new_tokens or where the model's context ends
         context_end = self.model_config.max_position_embeddings
-        remaining = torch.tensor([min(params.max_new_tokens - len(s.token_ids), context_end - len(ids))
-                                  for s, ids in zip(samples, contexts)])
-        budget = int(remaining.max()) if round_tokens is None else min(round_tokens, int(remaining.max()))
+        remaining = torch.tensor(
+            [
+                min(params.max_new_tokens - len(s.token_ids), context_end - len(ids))
+                for s, ids in zip(samples, contexts)
+            ]
+        )
+        budget = (
+            int(remaining.max())
+            if round_tokens is None
+            else min(round_tokens, int(remaining.max()))
+        )
         alive = torch.ones(len(samples), dtype=torch.bool)
         cache = transformers.DynamicCache()
         step_ids = input_ids
         for step in range(budget):
             if self._abort.is_set() or self._pause.is_set():
                 break
-            positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
-            out = self.model(input_ids=step_ids, attention_mask=attention, position_ids=positions,
-                             past_key_values=cache, use_cache=True)
+            positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=attention,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            )
             cache = out.past_key_values
-            tokens, logprobs = next_tokens(out.logits[:, -1], temperature=params.temperature,
-                                           top_k=params.top_k, top_p=params.top_p, generator=generator)
+            tokens, logprobs = next_tokens(
+                out.logits[:, -1],
+                temperature=params.temperature,
+                top_k=params.top_k,
+                top_p=params.top_p,
+                generator=generator,
+            )
             for row in alive.nonzero().flatten().tolist():
                 sample = samples[row]
                 sample.token_ids.append(int(tokens[row]))
@@ -154,8 +187,13 @@ class EmbeddedEngine:
     # -------------------------------------------------------------- weights and memory
 
     @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
-                       checksum: bool = False) -> str | None:
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+        checksum: bool = False,
+    ) -> str | None:
         """Copy HF-named tensors into the model (converted to its dtype) and set the version.
         Raises ``ValueError`` naming an unknown tensor or a shape mismatch, before anything is
         copied: a refused update leaves weights and version as they were."""
@@ -170,11 +208,15 @@ class EmbeddedEngine:
             if name not in params:
                 if name == "lm_head.weight" and self.model_config.tie_word_embeddings:
                     continue  # tied: the embedding is the output layer
-                raise ValueError(f"update_weights: {name!r} is not a parameter of this "
-                                 f"{self.model_config.model_type} model")
+                raise ValueError(
+                    f"update_weights: {name!r} is not a parameter of this "
+                    f"{self.model_config.model_type} model"
+                )
             if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model "
-                                 f"expects {tuple(params[name].shape)}")
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model "
+                    f"expects {tuple(params[name].shape)}"
+                )
         for name, tensor in named_tensors:
             if name in params:
                 params[name].copy_(tensor.to(params[name].dtype))
@@ -208,4 +250,3 @@ class EmbeddedEngine:
 
     def health(self) -> bool:
         return not self._released and self.version >= 0
-

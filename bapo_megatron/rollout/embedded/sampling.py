@@ -5,8 +5,14 @@ from __future__ import annotations
 import torch
 
 
-def next_tokens(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def next_tokens(
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` [rows, vocab].
 
     Returns ``(tokens [rows] int64, logprobs [rows] float32)`` where the log-prob is that of the

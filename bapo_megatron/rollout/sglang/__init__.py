@@ -21,10 +21,13 @@ def start_in_process(setup: EngineSetup) -> RolloutEngine:
     from bapo_megatron.rollout.sglang.engine import SGLangEngine
 
     rollout = setup.rollout
-    return SGLangEngine.in_process(setup.hf_folder(), dtype=setup.engine_dtype,
-                                   tp_size=rollout.engine_tensor_parallel_size,
-                                   mem_fraction_static=rollout.gpu_memory_utilization,
-                                   bucket_bytes=rollout.weight_bucket_mib * 2**20)
+    return SGLangEngine.in_process(
+        setup.hf_folder(),
+        dtype=setup.engine_dtype,
+        tp_size=rollout.engine_tensor_parallel_size,
+        mem_fraction_static=rollout.gpu_memory_utilization,
+        bucket_bytes=rollout.weight_bucket_mib * 2**20,
+    )
 
 
 def connect_server(setup: EngineSetup) -> RolloutEngine:
@@ -32,6 +35,10 @@ def connect_server(setup: EngineSetup) -> RolloutEngine:
     from bapo_megatron.rollout.sglang.server_client import SGLangServerClient
 
     rollout = setup.rollout
-    return SGLangServerClient(setup.url, setup.model, tp_size=rollout.engine_tensor_parallel_size,
-                              timeout=setup.http_timeout,
-                              bucket_bytes=rollout.weight_bucket_mib * 2**20)
+    return SGLangServerClient(
+        setup.url,
+        setup.model,
+        tp_size=rollout.engine_tensor_parallel_size,
+        timeout=setup.http_timeout,
+        bucket_bytes=rollout.weight_bucket_mib * 2**20,
+    )

@@ -89,8 +89,9 @@ def generate_request(requests: list[RoundRequest], params: SamplingParams) -> di
     }
 
 
-def parse_generate_response(response: Any, count: int, *,
-                            where: str = "SGLang /generate") -> list[EngineOutput]:
+def parse_generate_response(
+    response: Any, count: int, *, where: str = "SGLang /generate"
+) -> list[EngineOutput]:
     """The :class:`EngineOutput` of each of ``count`` requests from a ``/generate`` answer
     (a list of ``{"output_ids", "meta_info": {"finish_reason", "output_token_logprobs"}}``; one
     dict for a single request). ``ValueError`` naming the field when anything is missing or
@@ -98,7 +99,9 @@ def parse_generate_response(response: Any, count: int, *,
     if isinstance(response, dict) and count == 1:
         response = [response]
     if not isinstance(response, list) or len(response) != count:
-        got = f"a list of {len(response)}" if isinstance(response, list) else type(response).__name__
+        got = (
+            f"a list of {len(response)}" if isinstance(response, list) else type(response).__name__
+        )
         raise ValueError(f"{where}: expected a list of {count} outputs, got {got}")
     return [_parse_one(item, f"{where}[{index}]") for index, item in enumerate(response)]
 
@@ -106,41 +109,58 @@ def parse_generate_response(response: Any, count: int, *,
 def _parse_one(item: Any, where: str) -> EngineOutput:
     if not isinstance(item, dict):
         raise ValueError(  # noqa: TRY004 - a malformed answer, reported like every other
-            f"{where}: expected an output dict, got {type(item).__name__}")
+            f"{where}: expected an output dict, got {type(item).__name__}"
+        )
     meta = item.get("meta_info")
     if not isinstance(meta, dict):
         raise ValueError(f"{where}: missing 'meta_info'")  # noqa: TRY004 - as above
     finish = meta.get("finish_reason")
     kind = finish.get("type") if isinstance(finish, dict) else finish
     if kind not in ("stop", "length", "abort"):
-        raise ValueError(f"{where}: 'meta_info.finish_reason' is {finish!r}, expected a dict "
-                         "whose 'type' is 'stop', 'length' or 'abort'")
+        raise ValueError(
+            f"{where}: 'meta_info.finish_reason' is {finish!r}, expected a dict "
+            "whose 'type' is 'stop', 'length' or 'abort'"
+        )
     entries = meta.get("output_token_logprobs")
     if entries is None:
-        raise ValueError(f"{where}: missing 'meta_info.output_token_logprobs' (was the request "
-                         "sent with return_logprob=True?)")
+        raise ValueError(
+            f"{where}: missing 'meta_info.output_token_logprobs' (was the request "
+            "sent with return_logprob=True?)"
+        )
     logprobs, token_ids = [], []
     for position, entry in enumerate(entries):
         if not isinstance(entry, (list, tuple)) or len(entry) < 2:
-            raise ValueError(f"{where}: 'meta_info.output_token_logprobs'[{position}] is {entry!r}, "
-                             "expected (logprob, token_id, text)")
+            raise ValueError(
+                f"{where}: 'meta_info.output_token_logprobs'[{position}] is {entry!r}, "
+                "expected (logprob, token_id, text)"
+            )
         logprob, token_id = entry[0], entry[1]
         if logprob is None or isinstance(token_id, bool) or not isinstance(token_id, int):
-            raise ValueError(f"{where}: 'meta_info.output_token_logprobs'[{position}] is {entry!r}, "
-                             "expected a float log-prob and an integer token id")
+            raise ValueError(
+                f"{where}: 'meta_info.output_token_logprobs'[{position}] is {entry!r}, "
+                "expected a float log-prob and an integer token id"
+            )
         logprobs.append(float(logprob))
         token_ids.append(token_id)
     output_ids = item.get("output_ids")
     if output_ids is not None:
         if len(output_ids) != len(token_ids):
-            raise ValueError(f"{where}: 'output_ids' holds {len(output_ids)} tokens, "
-                             f"'meta_info.output_token_logprobs' {len(token_ids)} entries")
+            raise ValueError(
+                f"{where}: 'output_ids' holds {len(output_ids)} tokens, "
+                f"'meta_info.output_token_logprobs' {len(token_ids)} entries"
+            )
         for position, (a, b) in enumerate(zip(output_ids, token_ids)):
             if a != b:
-                raise ValueError(f"{where}: 'output_ids'[{position}] = {a} but "
-                                 f"'meta_info.output_token_logprobs'[{position}] is for token {b}")
-    return EngineOutput(token_ids=token_ids, logprobs=logprobs, finish=kind,
-                        detail=str(finish.get("message", "")) if isinstance(finish, dict) else "")
+                raise ValueError(
+                    f"{where}: 'output_ids'[{position}] = {a} but "
+                    f"'meta_info.output_token_logprobs'[{position}] is for token {b}"
+                )
+    return EngineOutput(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish=kind,
+        detail=str(finish.get("message", "")) if isinstance(finish, dict) else "",
+    )
 
 
 def check_update_result(result: Any, what: str) -> None:
@@ -175,9 +195,13 @@ def weight_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_byt
         yield bucket
 
 
-def load_in_buckets(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                    send: Callable[[list[tuple[str, torch.Tensor]]], None], *,
-                    session: tuple[Callable[[], None], Callable[[], None]] | None) -> None:
+def load_in_buckets(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    send: Callable[[list[tuple[str, torch.Tensor]]], None],
+    *,
+    session: tuple[Callable[[], None], Callable[[], None]] | None,
+) -> None:
     """``send`` the tensors bucket by bucket (:func:`weight_buckets`), inside ``session``'s
     ``(begin, end)`` calls when given (end runs even when a bucket fails)."""
     if session is not None:
@@ -207,27 +231,47 @@ class SGLangEngine(ResubmittingEngine):
 
     engine_name = "SGLang"
 
-    def __init__(self, engine: Any, model: ModelConfig, *, version: int = -1,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 weight_update_session: bool = False) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        model: ModelConfig,
+        *,
+        version: int = -1,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        weight_update_session: bool = False,
+    ) -> None:
         super().__init__(model, version=version)
         self.engine = engine
         self.bucket_bytes = bucket_bytes
         self.weight_update_session = weight_update_session
 
     @classmethod
-    def in_process(cls, model_path: str | Path, *, version: int = 0,
-                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, **engine_kwargs: Any) -> SGLangEngine:
+    def in_process(
+        cls,
+        model_path: str | Path,
+        *,
+        version: int = 0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        **engine_kwargs: Any,
+    ) -> SGLangEngine:
         """Start ``sglang.Engine(model_path=..., skip_tokenizer_init=True, **engine_kwargs)``
         holding the HF folder's weights as policy ``version``."""
         try:
             import sglang
         except ImportError as error:
-            raise ImportError("SGLangEngine.in_process needs the optional package sglang "
-                              "(see docs/rollout-engines.md)") from error
-        engine = sglang.Engine(model_path=str(model_path), skip_tokenizer_init=True, **engine_kwargs)
-        return cls(engine, ModelConfig.from_hf_config(model_path), version=version,
-                   bucket_bytes=bucket_bytes)
+            raise ImportError(
+                "SGLangEngine.in_process needs the optional package sglang "
+                "(see docs/rollout-engines.md)"
+            ) from error
+        engine = sglang.Engine(
+            model_path=str(model_path), skip_tokenizer_init=True, **engine_kwargs
+        )
+        return cls(
+            engine,
+            ModelConfig.from_hf_config(model_path),
+            version=version,
+            bucket_bytes=bucket_bytes,
+        )
 
     # -------------------------------------------------------------- generation and control
 
@@ -235,9 +279,11 @@ class SGLangEngine(ResubmittingEngine):
         # On the caller's thread: Engine.generate drives the engine's event loop, which stays
         # there; abort and pause reach it through that loop, after the request was submitted.
         body = generate_request(requests, params)
-        response = self.engine.generate(input_ids=body["input_ids"],
-                                        sampling_params=body["sampling_params"],
-                                        return_logprob=body["return_logprob"])
+        response = self.engine.generate(
+            input_ids=body["input_ids"],
+            sampling_params=body["sampling_params"],
+            return_logprob=body["return_logprob"],
+        )
         return parse_generate_response(response, len(requests))
 
     def _on_loop(self, call: Callable[[], Any]) -> None:
@@ -273,16 +319,19 @@ class SGLangEngine(ResubmittingEngine):
         ``flush_cache``."""
         session = None
         if self.weight_update_session:
-            session = (lambda: check_update_result(self.engine.begin_weight_update(),
-                                                   "begin_weight_update"),
-                       lambda: check_update_result(self.engine.end_weight_update(),
-                                                   "end_weight_update"))
+            session = (
+                lambda: check_update_result(
+                    self.engine.begin_weight_update(), "begin_weight_update"
+                ),
+                lambda: check_update_result(self.engine.end_weight_update(), "end_weight_update"),
+            )
         load_in_buckets(tensors, self.bucket_bytes, self._send_bucket, session=session)
         check_update_result(self.engine.flush_cache(), "flush_cache")
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        result = self.engine.update_weights_from_tensor(named_tensors=bucket, load_format=None,
-                                                        flush_cache=False)
+        result = self.engine.update_weights_from_tensor(
+            named_tensors=bucket, load_format=None, flush_cache=False
+        )
         check_update_result(result, "update_weights_from_tensor")
 
     def _release(self) -> None:

@@ -61,16 +61,23 @@ def sglang_serializer(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
     try:
         from sglang.srt.utils import MultiprocessingSerializer
     except ImportError as error:
-        raise ImportError("update_weights_from_tensor over HTTP serializes with SGLang's own "
-                          "serializer: install sglang on the client too") from error
+        raise ImportError(
+            "update_weights_from_tensor over HTTP serializes with SGLang's own "
+            "serializer: install sglang on the client too"
+        ) from error
     return MultiprocessingSerializer.serialize(named_tensors, output_str=True)
 
 
-def tensor_update_request(payload: str, *, tp_size: int, flush_cache: bool,
-                          weight_version: str | None = None) -> dict[str, Any]:
+def tensor_update_request(
+    payload: str, *, tp_size: int, flush_cache: bool, weight_version: str | None = None
+) -> dict[str, Any]:
     """Body of ``/update_weights_from_tensor``: the serialized tensors once per TP rank."""
-    return {"serialized_named_tensors": [payload] * tp_size, "load_format": None,
-            "flush_cache": flush_cache, "weight_version": weight_version}
+    return {
+        "serialized_named_tensors": [payload] * tp_size,
+        "load_format": None,
+        "flush_cache": flush_cache,
+        "weight_version": weight_version,
+    }
 
 
 class SGLangServerClient(ResubmittingEngine):
@@ -85,22 +92,37 @@ class SGLangServerClient(ResubmittingEngine):
 
     engine_name = "SGLang"
 
-    def __init__(self, base_url: str, model: ModelConfig, *, version: int = -1,
-                 transport: Transport | None = None, tp_size: int = 1,
-                 serialize: Serializer | None = None, timeout: float = 3600.0,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 weight_update_session: bool = False) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: ModelConfig,
+        *,
+        version: int = -1,
+        transport: Transport | None = None,
+        tp_size: int = 1,
+        serialize: Serializer | None = None,
+        timeout: float = 3600.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        weight_update_session: bool = False,
+    ) -> None:
         super().__init__(model, version=version)
         self.base_url = base_url
-        self.transport = transport or http_transport(base_url, timeout=timeout, server="SGLang server")
+        self.transport = transport or http_transport(
+            base_url, timeout=timeout, server="SGLang server"
+        )
         self.tp_size = tp_size
         self.serialize = serialize or sglang_serializer
         self.bucket_bytes = bucket_bytes
         self.weight_update_session = weight_update_session
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
-        return call(self.transport, "POST", path, body if body is not None else {},
-                    server=f"SGLang at {self.base_url}")
+        return call(
+            self.transport,
+            "POST",
+            path,
+            body if body is not None else {},
+            server=f"SGLang at {self.base_url}",
+        )
 
     # -------------------------------------------------------------- generation and control
 
@@ -110,8 +132,9 @@ class SGLangServerClient(ResubmittingEngine):
         # otherwise wait for continue_generation.
         body = generate_request(requests, params)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-generate") as pool:
-            [response] = wait_cutting([pool.submit(self._post, "/generate", body)], self._cut,
-                                      self._on_abort)
+            [response] = wait_cutting(
+                [pool.submit(self._post, "/generate", body)], self._cut, self._on_abort
+            )
         return parse_generate_response(response, len(requests))
 
     def _on_abort(self) -> None:
@@ -130,19 +153,24 @@ class SGLangServerClient(ResubmittingEngine):
         ``/flush_cache`` (which SGLang refuses with 400 while requests run)."""
         session = None
         if self.weight_update_session:
-            session = (lambda: check_update_result(
-                           self._post("/begin_weight_update", {"selector": "all"}),
-                           "begin_weight_update"),
-                       lambda: check_update_result(self._post("/end_weight_update", {}),
-                                                   "end_weight_update"))
+            session = (
+                lambda: check_update_result(
+                    self._post("/begin_weight_update", {"selector": "all"}), "begin_weight_update"
+                ),
+                lambda: check_update_result(
+                    self._post("/end_weight_update", {}), "end_weight_update"
+                ),
+            )
         load_in_buckets(tensors, self.bucket_bytes, self._send_bucket, session=session)
         self._post("/flush_cache")
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        body = tensor_update_request(self.serialize(bucket), tp_size=self.tp_size,
-                                     flush_cache=False)
-        check_update_result(self._post("/update_weights_from_tensor", body),
-                            "update_weights_from_tensor")
+        body = tensor_update_request(
+            self.serialize(bucket), tp_size=self.tp_size, flush_cache=False
+        )
+        check_update_result(
+            self._post("/update_weights_from_tensor", body), "update_weights_from_tensor"
+        )
 
     def _release(self) -> None:
         """``/release_memory_occupation``: frees weights and KV cache."""

