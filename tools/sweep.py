@@ -1,4 +1,4 @@
-"""Run the staleness sweep of issue 8 on the CPU and write its markdown report.
+"""Run the staleness sweep on the CPU and write its markdown report.
 
 Same as the console script ``bapo-sweep``; the command line is
 :mod:`bapo_megatron.repro.sweep_cli`.

@@ -1,4 +1,4 @@
-"""The fixed path of bound pairs a clip-bound search can walk (spec section 4).
+"""The fixed path of bound pairs a clip-bound search can walk (docs/algorithm.md section 4).
 
 Both schedules walk a path that does not depend on the data: a list of (c_low index, c_high index)
 positions on two candidate grids. Position s is reached after s moves. The data only decides

@@ -14,7 +14,7 @@ Granularity = Literal["step", "microbatch"]
 
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
-# Preset values come from docs/bapo-spec.md: `paper` is Algorithm 1 of arXiv 2510.18927, `reference`
+# Preset values come from docs/algorithm.md: `paper` is Algorithm 1 of arXiv 2510.18927, `reference`
 # the authors' verl recipe (yaml + policy_loss.py), `grpo` and `clip-higher` the fixed-clip
 # baselines the paper compares with (a fixed clip is a search with empty ranges).
 CLIP_PRESETS: dict[str, dict[str, object]] = {
@@ -77,7 +77,7 @@ CLIP_PRESETS: dict[str, dict[str, object]] = {
 
 @dataclass(kw_only=True)
 class ClipSearchConfig:
-    """The clip bounds and the adaptive search that moves them (spec sections 2-4).
+    """The clip bounds and the adaptive search that moves them (docs/algorithm.md sections 2-4).
 
     Built from a preset with :meth:`from_preset`; a YAML section with ``preset: <name>`` starts
     from that preset and overrides the fields it names. Bounds are explicit ratio bounds
@@ -111,7 +111,7 @@ class ClipSearchConfig:
     dual_clip: float | None = None
     """Dual-clip constant C > 1 for negative advantages (loss capped at |A|*C); None disables."""
     granularity: Granularity = "step"
-    """Where the bounds are decided (spec section 5). `step`: once per optimizer step from all of
+    """Where the bounds are decided (docs/algorithm.md section 5). `step`: once per optimizer step from all of
     its micro-batches (the paper; costs one no-grad forward pass). `microbatch`: per micro-batch,
     on that micro-batch index over the data-parallel ranks (the authors' code). Fixed clips need
     no decision and behave the same either way."""

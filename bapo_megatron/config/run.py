@@ -77,7 +77,7 @@ OldLogprobs = Literal["engine", "recompute"]
 
 @dataclass(kw_only=True)
 class AlgorithmConfig:
-    """Advantages and the off-policy data schedule (spec section 6)."""
+    """Advantages and the off-policy data schedule (docs/algorithm.md section 6)."""
 
     normalize_std: bool = True
     """Divide group-centred rewards by the group's standard deviation (GRPO); false: Dr. GRPO."""

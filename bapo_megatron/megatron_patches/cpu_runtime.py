@@ -211,7 +211,7 @@ class _CudaSitesOnCpu(torch.overrides.TorchFunctionMode):
 
 def cuda_sites_on_cpu() -> contextlib.AbstractContextManager:
     """Context for Megatron optimizer calls: on a CPU-only run (patches applied) a mode that
-    answers their CUDA requests on the CPU (``docs/megatron-cpu.md`` items 8-10); with CUDA, or
+    answers their CUDA requests on the CPU (``docs/megatron-on-cpu.md``, the `cuda_sites_on_cpu` row); with CUDA, or
     before :func:`apply_cpu_patches`, a no-op context. Per thread, like every torch function
     mode."""
     if not _APPLIED:

@@ -3,7 +3,7 @@
 Megatron's optimizer checkpoints assume fused (Transformer Engine/Apex) Adams, which keep no
 per-parameter ``step``; the torch ``AdamW`` it falls back to without them (always on the CPU)
 does. :mod:`bapo_megatron.trainer.checkpoint` calls these around Megatron's save and load
-(docs/megatron-cpu.md lists the failures they answer):
+(docs/megatron-on-cpu.md lists the failures they answer):
 
 - a fresh optimizer has no state until its first step; Megatron's ``init_state_fn`` creates the
   moments but not ``step``, which the distributed optimizer's ``state_dict`` asserts on and torch's

@@ -1,4 +1,4 @@
-"""The staleness sweep of issue 8: clipping methods x staleness settings x seeds on a synthetic
+"""The staleness sweep: clipping methods x staleness settings x seeds on a synthetic
 task, on the CPU, all from one shared warm-up, then a markdown report (:mod:`bapo_megatron.repro.sweep_report`).
 
     python tools/sweep.py --out runs/sweep [--minimal] [--jobs 2]
@@ -39,7 +39,7 @@ METHODS: dict[str, tuple[str, ...]] = {
     "bapo-paper": ("loss.clip.preset=paper",),
     "bapo-reference": ("loss.clip.preset=reference",),
 }
-"""Clipping method -> its dotted overrides (spec section 7)."""
+"""Clipping method -> its dotted overrides (docs/algorithm.md section 7)."""
 
 REUSE = (1, 4, 8)
 LAGS = (8, 16)

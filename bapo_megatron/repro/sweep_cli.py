@@ -1,4 +1,4 @@
-"""Run the staleness sweep of issue 8 on the CPU and write its markdown report.
+"""Run the staleness sweep on the CPU and write its markdown report.
 
     # the full sweep: 5 methods x 6 staleness settings x 3 seeds, 2 runs at a time
     bapo-sweep --out runs/sweep

@@ -150,7 +150,7 @@ def test_gpu_recipe(name):
         # The in-process vLLM engine uses vLLM's single-process executor: one GPU.
         assert cfg.rollout.engine_tensor_parallel_size == 1
 
-    # The paper's settings (docs/bapo-spec.md section 10) and an off-policy schedule.
+    # The paper's settings (docs/algorithm.md section 10) and an off-policy schedule.
     assert cfg.optimizer.lr == 2e-6
     assert cfg.actor.temperature == 0.6
     assert cfg.loss.clip.preset == "paper"

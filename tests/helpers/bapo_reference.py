@@ -1,5 +1,5 @@
 """A plain, step-by-step implementation of the BAPO bound search and loss, written from
-docs/bapo-spec.md without the vectorised machinery: the reference the package is tested against.
+docs/algorithm.md without the vectorised machinery: the reference the package is tested against.
 
 Each search step recomputes P and N from the tokens and reduces them (as the authors' code does,
 one collective and one host sync per step). Works in the inputs' dtype; tests pass float64.
