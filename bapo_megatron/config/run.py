@@ -196,8 +196,13 @@ class CheckpointConfig:
     keep_last: int | None = 2
     """Complete checkpoints kept (older ones deleted); None keeps all."""
     resume: bool = True
-    """Continue from the newest complete checkpoint in ``<output_dir>/checkpoints`` if one
-    exists (a run killed at any point resumes from its last complete checkpoint)."""
+    """Continue from the newest complete checkpoint in ``<output_dir>/checkpoints`` that
+    verifies against its manifest (a run killed at any point resumes from its last complete
+    checkpoint; a damaged one is skipped, saying why). False: start afresh, moving an earlier
+    run's checkpoints aside to ``checkpoints.replaced-<time>``."""
+    verify_checksums: bool = True
+    """On resume, hash every file of the checkpoint against its manifest (split over the
+    ranks); False checks only that every file is there with its size."""
 
     def __post_init__(self) -> None:
         require_at_least(self.interval, 0, "checkpoint.interval")

@@ -88,9 +88,18 @@ class PhaseWatchdog:
         try:
             yield
         except Exception as error:
-            if self.world_size > 1:
-                error.add_note(f"where the ranks are: {self.report()}")
+            self.annotate(error)
             raise
+
+    def annotate(self, error: BaseException) -> None:
+        """Add the report of where every rank is to ``error`` (multi-rank runs; a store that no
+        longer answers leaves the error as it is)."""
+        if self.world_size == 1:
+            return
+        try:
+            error.add_note(f"where the ranks are: {self.report()}")
+        except Exception as err:  # noqa: BLE001 - the original error matters more
+            log.warning("phase watchdog: no report (%s)", err)
 
     def phases(self) -> dict[int, tuple[str, float] | None]:
         """Every rank's last phase, read from the store (this rank's from memory)."""

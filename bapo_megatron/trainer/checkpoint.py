@@ -70,6 +70,7 @@ from bapo_megatron.megatron_patches.optimizer_state import (
     torch_adams,
 )
 from bapo_megatron.trainer import rng_state
+from bapo_megatron.trainer.checkpoint_integrity import write_checkpoint_manifest
 from bapo_megatron.weights.megatron_checkpoint import (
     FORMAT_VERSION as WEIGHTS_FORMAT_VERSION,
 )
@@ -130,13 +131,22 @@ class TrainerInfo:
     """``Actor.skipped_steps`` at the save."""
     scheduler: dict[str, Any]
     """``OptimizerParamScheduler.state_dict()`` at the save."""
+    run: dict[str, Any] | None
+    """The settings that identify the run that saved it (seeds, initial weights, data:
+    :func:`bapo_megatron.trainer.state.run_identity`), or None if the saver gave none."""
 
 
 # ------------------------------------------------------------------------------------ save
 
 
 def save_checkpoint(
-    root: str | Path, step: int, actor: Actor, trainer_state: dict, *, keep_last: int | None
+    root: str | Path,
+    step: int,
+    actor: Actor,
+    trainer_state: dict,
+    *,
+    keep_last: int | None,
+    identity: dict[str, Any] | None = None,
 ) -> Path:
     """Save the run after ``step`` to ``root/step_<step:08d>/`` and return that folder.
 
@@ -145,7 +155,9 @@ def save_checkpoint(
     differ per rank). The folder appears only once complete; one left
     from an earlier run at the same step is replaced then. Afterwards, rank 0 deletes the oldest
     ``step_*`` folders below ``step`` so that ``keep_last`` remain, this one included (None keeps
-    all; folders of later steps, from another history, are left alone).
+    all; folders of later steps, from another history, are left alone). ``identity`` (the run's
+    identifying settings) is recorded so that a resume by another run is refused; the folder
+    gets a manifest of its files (:mod:`~bapo_megatron.trainer.checkpoint_integrity`).
     """
     _check_can_save(step, actor, trainer_state, keep_last)
     root = Path(root).absolute()
@@ -165,7 +177,9 @@ def save_checkpoint(
             describe=str,
         )
         if context.rank == 0:
-            (staging / INFO_FILE).write_text(json.dumps(_info_json(step, actor), indent=2) + "\n")
+            info = _info_json(step, actor, identity)
+            (staging / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        write_checkpoint_manifest(staging)
     if keep_last is not None and context.rank == 0:
         _delete_old_checkpoints(root, step, keep_last)
     barrier()  # on return, every rank sees the pruned root
@@ -257,7 +271,7 @@ def _sharded_state(actor: Actor, *, is_loading: bool) -> dict:
     return state
 
 
-def _info_json(step: int, actor: Actor) -> dict:
+def _info_json(step: int, actor: Actor, identity: dict[str, Any] | None) -> dict:
     """``bapo_checkpoint.json``: the weights checkpoint's fields, then the trainer's."""
     parallel = actor.context.config
     return {
@@ -272,6 +286,7 @@ def _info_json(step: int, actor: Actor) -> dict:
             "use_distributed_optimizer": actor.optimizer_config.use_distributed_optimizer,
             "skipped_steps": actor.skipped_steps,
             "scheduler": actor.scheduler.state_dict(),
+            "run": identity,
         },
     }
 
@@ -300,6 +315,11 @@ def _step_folders(root: Path) -> list[tuple[int, Path]]:
     return found
 
 
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Every complete checkpoint folder under ``root``, the newest (highest step) first."""
+    return [path for _, path in sorted(_step_folders(Path(root)), reverse=True)]
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The checkpoint folder of the highest step under ``root``, or None when there is none (or
     no ``root``). Only folders renamed into place count; ``.step_*.incomplete`` ones left by a
@@ -311,18 +331,23 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 # ------------------------------------------------------------------------------------ load
 
 
-def load_checkpoint(folder: str | Path, actor: Actor) -> tuple[int, dict]:
+def load_checkpoint(
+    folder: str | Path, actor: Actor, identity: dict[str, Any] | None = None
+) -> tuple[int, dict]:
     """Restore ``actor`` (weights, optimizer state, schedule, skipped steps) and this rank's RNG
     states from the checkpoint ``folder``; return ``(step, this rank's trainer_state)``.
 
     Collective over the world. Everything that can be checked is checked before anything is
     loaded, and every rank reaches the same verdict: ``ValueError`` naming the file or field
     when the folder is not a complete trainer checkpoint, belongs to another model, was saved by
-    another world size or layout, or with the other optimizer kind.
+    another world size or layout, or with the other optimizer kind, or (given ``identity``) by
+    a run with other identifying settings.
     """
     folder = Path(folder).absolute()
     info = read_trainer_info(folder)
     _check_matches_run(folder, info, actor)
+    if identity is not None:
+        _check_same_run(folder, info, identity)
     _check_files(folder, info.world_size)
     check_metadata(folder)
     rank_state = on_every_rank(
@@ -388,6 +413,7 @@ def read_trainer_info(folder: str | Path) -> TrainerInfo:
             use_distributed_optimizer=trainer["use_distributed_optimizer"],
             skipped_steps=trainer["skipped_steps"],
             scheduler=trainer["scheduler"],
+            run=trainer.get("run"),
         )
     except (KeyError, TypeError) as err:
         raise ValueError(f"{path} is malformed: trainer field {err} is missing or wrong") from None
@@ -439,6 +465,22 @@ def _check_matches_run(folder: Path, info: TrainerInfo, actor: Actor) -> None:
                 f"this run's is {current[field]!r} (from optimizer.{config_name}); resuming "
                 "would change the learning-rate/weight-decay schedule"
             )
+
+
+def _check_same_run(folder: Path, info: TrainerInfo, identity: dict[str, Any]) -> None:
+    """The run that saved ``folder`` must have had this run's identifying settings."""
+    saved = info.run or {}
+    differences = [
+        f"{key}={saved.get(key)!r} (this run: {value!r})"
+        for key, value in identity.items()
+        if saved.get(key) != value
+    ]
+    if differences:
+        raise ValueError(
+            f"checkpoint {folder} belongs to another run: it was saved with "
+            f"{', '.join(differences)}. Resume with those settings, or start afresh "
+            "(checkpoint.resume=false moves it aside) or in another train.output_dir"
+        )
 
 
 def _check_files(folder: Path, world_size: int) -> None:

@@ -33,14 +33,21 @@ from bapo_megatron.trainer.phases import (
     select_off_policy,
 )
 from bapo_megatron.trainer.replicas import call_engine, engine_failures_stop_every_rank
-from bapo_megatron.trainer.setup import Run, start_run
+from bapo_megatron.trainer.setup import Run, start_run, watched
+from bapo_megatron.trainer.state import run_identity
 from bapo_megatron.weights.sync import push_weights
 
 
 def train(cfg: Config, context: ParallelContext) -> None:
     """Run ``cfg`` on this rank (collective over the world); see the module docstring."""
     run = start_run(cfg, context)
-    rewards_seen = [rollout_step(run, step) for step in range(run.state.step, cfg.train.steps)]
+    try:
+        rewards_seen = [rollout_step(run, step) for step in range(run.state.step, cfg.train.steps)]
+    except Exception as error:
+        # a collective that timed out names only itself: add where every rank is
+        run.watchdog.annotate(error)
+        run.close()
+        raise
     if context.rank == 0 and rewards_seen:
         window = max(1, min(10, len(rewards_seen) // 2))
         first, last = rewards_seen[:window], rewards_seen[-window:]
@@ -70,6 +77,7 @@ def rollout_step(run: Run, step: int) -> float:
     return metrics["reward/mean"]
 
 
+@watched("5. train")
 def train_minibatches(
     run: Run, minibatches: list[Minibatch], step: int
 ) -> tuple[dict[str, float], float]:
@@ -98,6 +106,7 @@ def train_minibatches(
     return last_update, trained_tokens
 
 
+@watched("6. weight sync")
 def sync_weights(run: Run, start_version: int, step: int) -> None:
     """6. The new policy into the engines (and their memory back, if it was released)."""
     released = run.cfg.rollout.release_memory_during_training
@@ -115,6 +124,7 @@ def sync_weights(run: Run, start_version: int, step: int) -> None:
             )
 
 
+@watched("7. metrics, checkpoint")
 def record_step(
     run: Run,
     step: int,
@@ -148,4 +158,5 @@ def record_step(
             run.actor,
             state.to_checkpoint(),
             keep_last=cfg.checkpoint.keep_last,
+            identity=run_identity(cfg),
         )

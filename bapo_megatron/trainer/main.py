@@ -1,15 +1,39 @@
 """The trainer's command line: ``python -m bapo_megatron.train --config FILE.yaml
-[dotted.key=value ...]`` (also ``bapo-train``), the same under ``torchrun`` on one or many nodes."""
+[dotted.key=value ...]`` (also ``bapo-train``), the same under ``torchrun`` on one or many nodes.
+
+A user error (a bad setting, file or folder: ``ValueError``, named by what raised it) ends the
+run with one line, ``error: ...``, and exit code 1; ``--debug`` shows the traceback instead.
+What can be checked without building anything is checked first (:func:`preflight`), so a bad
+reward name or an unwritable output folder is not found only after the model is built.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 
+from bapo_megatron.config import Config
 from bapo_megatron.config.loading import load_config
 from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.rewards.registry import get_reward
 from bapo_megatron.trainer.loop import train
+
+
+def preflight(cfg: Config) -> None:
+    """The checks that need neither the process group nor the model: ``ValueError`` naming the
+    setting. (The layout against the world and the model is checked by
+    :meth:`ParallelContext.initialize` and the task's prompts against the model's context by
+    :func:`bapo_megatron.data.task.load_task`, both before the actor is built.)"""
+    cfg.check_training()
+    get_reward(cfg.reward.name)  # unknown names and imports that fail, named
+    output = Path(cfg.train.output_dir).absolute()
+    existing = next(p for p in (output, *output.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not a folder" if not existing.is_dir() else "cannot be written"
+        raise ValueError(f"train.output_dir {output}: {existing} {what}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -18,16 +42,29 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--config", required=True, help="YAML run configuration")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of a user error too"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)  # per-bucket parameter listings
     try:
         cfg = load_config(args.config, args.overrides)
-        cfg.check_training()
-    except ValueError as err:
-        sys.exit(f"config error: {err}")
-    context = ParallelContext.initialize(cfg.parallel)
-    try:
-        train(cfg, context)
-    finally:
-        context.teardown()
+        preflight(cfg)
+        context = ParallelContext.initialize(cfg.parallel)
+        try:
+            train(cfg, context)
+        finally:
+            context.teardown()
+    except ValueError as error:
+        if args.debug:
+            raise
+        sys.exit(_one_line(error))
+
+
+def _one_line(error: BaseException) -> str:
+    """``error: message`` with the error's notes (where the ranks were), for the console."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE", "1")
+    prefix = f"rank {rank}: " if rank is not None and world != "1" else ""
+    notes = "".join(f"\n  {note}" for note in getattr(error, "__notes__", ()))
+    return f"{prefix}error: {error}{notes}"

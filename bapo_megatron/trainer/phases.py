@@ -19,7 +19,7 @@ from bapo_megatron.data.task import encode_prompt
 from bapo_megatron.distributed.collectives import sum_over
 from bapo_megatron.trainer.metrics import LogprobGap, RolloutCounts, rollout_metrics
 from bapo_megatron.trainer.replicas import share_from_engine_rank
-from bapo_megatron.trainer.setup import Run
+from bapo_megatron.trainer.setup import Run, watched
 from bapo_megatron.trainer.state import PausedGroup
 
 Minibatch = tuple[PolicyBatch, torch.Tensor]
@@ -48,6 +48,7 @@ def seed(*parts: int) -> int:
     return random.Random("/".join(map(str, parts))).getrandbits(63)
 
 
+@watched("1. rollout")
 def generate(run: Run, step: int) -> Rollout | None:
     """1. Rollout: this replica's prompts of the step (with partial rollout, the groups paused
     last step first). Every rank advances the data position."""
@@ -99,6 +100,7 @@ def _generate(run: Run, rows, *, seed: int) -> tuple[list[PausedGroup], list[Pau
     return finished, paused, generated
 
 
+@watched("2. reward")
 def score(run: Run, rollout: Rollout | None) -> Experience | None:
     """2. Reward: rewards, GRPO advantages and rollout statistics of the finished groups
     (groups whose samples all scored the same are dropped under ``filter_equal_groups``)."""
@@ -152,6 +154,7 @@ def _score(run: Run, finished: list[PausedGroup]) -> Experience:
     return Experience(groups, counts)
 
 
+@watched("3. off-policy selection")
 def select_off_policy(run: Run, fresh: Experience | None, step: int) -> Experience | None:
     """3. Off-policy selection: with ``rollout_lag``, the groups scored that many steps ago
     train now; with ``replay_fraction``, groups drawn from the replay buffer join them (and the
@@ -172,6 +175,7 @@ def select_off_policy(run: Run, fresh: Experience | None, step: int) -> Experien
     return Experience(chosen, fresh.counts)
 
 
+@watched("4. old log-probs")
 def old_logprobs(
     run: Run, experience: Experience | None, step: int
 ) -> tuple[list[Minibatch], dict[str, float]]:

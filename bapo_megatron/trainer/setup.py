@@ -4,9 +4,13 @@ checkpoint), the metrics logger and the initial weights in the engines."""
 
 from __future__ import annotations
 
+import datetime
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -15,19 +19,24 @@ from bapo_megatron.algo.search_plan import SearchPlan
 from bapo_megatron.config import Config
 from bapo_megatron.data.experience import ReplayBuffer
 from bapo_megatron.data.task import Task, load_task
+from bapo_megatron.distributed.collectives import barrier, on_every_rank
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.distributed.layout import validate_layout
+from bapo_megatron.distributed.watchdog import PhaseWatchdog
+from bapo_megatron.files.lock import FolderLock, FolderLocked
 from bapo_megatron.rewards.pool import RewardPool
 from bapo_megatron.rollout.protocol import RolloutEngine, SamplingParams
 from bapo_megatron.rollout.registry import build_engine
-from bapo_megatron.trainer.checkpoint import latest_checkpoint, load_checkpoint
+from bapo_megatron.trainer.checkpoint import complete_checkpoints, load_checkpoint
+from bapo_megatron.trainer.checkpoint_integrity import newest_verified_checkpoint
 from bapo_megatron.trainer.replicas import holds_engine
-from bapo_megatron.trainer.state import TrainerState
+from bapo_megatron.trainer.state import TrainerState, run_identity
 from bapo_megatron.trainer.tracking import MetricsLogger, PhaseTimer
 from bapo_megatron.trainer.warmup import run_warmup
 from bapo_megatron.weights.sync import push_weights
 
 log = logging.getLogger("bapo_megatron.train")
+T = TypeVar("T")
 
 
 @dataclass
@@ -50,6 +59,10 @@ class Run:
     per_replica: int
     """Prompts each replica starts per rollout step."""
     output: Path
+    lock: FolderLock | None
+    """The output folder's lock, held by rank 0 for the whole run."""
+    watchdog: PhaseWatchdog
+    """Records this rank's phase; reports which rank is behind when a step stalls."""
 
     @property
     def checkpoints(self) -> Path:
@@ -60,17 +73,54 @@ class Run:
         return self.cfg.rollout.weight_bucket_mib * 2**20
 
     def close(self) -> None:
-        """Close the logger and the reward workers."""
+        """Close the logger, the reward workers, the watchdog and the output folder's lock."""
         self.logger.close()
         if self.rewards is not None:
             self.rewards.close()
+        self.watchdog.close()
+        if self.lock is not None:
+            self.lock.release()
+
+
+def watched(name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Decorate a phase function whose first argument is the :class:`Run`: entering it records
+    ``rollout step N: name`` as this rank's phase (:class:`PhaseWatchdog`)."""
+
+    def decorate(phase: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(phase)
+        def entered(run: Run, *args: Any, **kwargs: Any) -> T:
+            run.watchdog.enter(f"rollout step {run.state.step}: {name}")
+            return phase(run, *args, **kwargs)
+
+        return entered
+
+    return decorate
 
 
 def start_run(cfg: Config, context: ParallelContext) -> Run:
-    """Build the run on this rank (collective over the world), resumed from the latest
-    checkpoint under ``train.output_dir`` when there is one and ``checkpoint.resume``, and with
-    the policy's weights (version ``state.version``) loaded into the engines."""
+    """Build the run on this rank (collective over the world), resumed from the newest
+    checkpoint under ``train.output_dir`` that verifies, when there is one and
+    ``checkpoint.resume``, and with the policy's weights (version ``state.version``) loaded into
+    the engines. Rank 0 holds the output folder's lock until :meth:`Run.close`."""
     cfg.check_training()
+    output = Path(cfg.train.output_dir)
+    lock = _lock_output(output, context)
+    try:
+        return _build_run(cfg, context, output, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _build_run(cfg: Config, context: ParallelContext, output: Path, lock: FolderLock | None) -> Run:
+    watchdog = PhaseWatchdog(
+        _process_group_store(context),
+        context.rank,
+        context.world_size,
+        stall_s=cfg.parallel.stall_report_s,
+    ).start()
+    watchdog.enter("setup")
     task = load_task(cfg)
     validate_layout(task.model, cfg.parallel, context.world_size)
     rollout, algo = cfg.rollout, cfg.algorithm
@@ -79,11 +129,6 @@ def start_run(cfg: Config, context: ParallelContext) -> Run:
             f"rollout.prompts_per_step ({rollout.prompts_per_step}) must be a multiple of "
             f"the data-parallel size ({context.dp_size})"
         )
-    output = Path(cfg.train.output_dir)
-    if context.rank == 0:
-        output.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-
     # weights loaded from a folder or checkpoint replace every parameter: skip the random init
     loads_weights = cfg.train.model_path is not None or cfg.train.load_checkpoint is not None
     actor = build_actor(task.model, cfg.actor, cfg.optimizer, context, initialize=not loads_weights)
@@ -99,12 +144,22 @@ def start_run(cfg: Config, context: ParallelContext) -> Run:
             pad_token_id=task.pad_token_id,
         )
         rewards = RewardPool(
-            cfg.reward.name, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s
+            cfg.reward.name,
+            workers=cfg.reward.workers,
+            timeout_s=cfg.reward.timeout_s,
+            batch_timeout_s=cfg.reward.batch_timeout_s,
         )
     state = TrainerState(replay=ReplayBuffer(algo.replay_capacity, algo.replay_max_staleness))
-    resume_from = latest_checkpoint(output / "checkpoints") if cfg.checkpoint.resume else None
+    checkpoints = output / "checkpoints"
+    resume_from = None
+    if cfg.checkpoint.resume:
+        resume_from = newest_verified_checkpoint(
+            complete_checkpoints(checkpoints), checksums=cfg.checkpoint.verify_checksums
+        )
+    else:
+        _move_aside(checkpoints, context)
     if resume_from is not None:
-        _, saved = load_checkpoint(resume_from, actor)
+        _, saved = load_checkpoint(resume_from, actor, identity=run_identity(cfg))
         state.load_checkpoint(saved, f"checkpoint {resume_from} (rank {context.rank})")
         log.info(
             "resumed from %s (rollout step %d, policy version %d)",
@@ -151,6 +206,8 @@ def start_run(cfg: Config, context: ParallelContext) -> Run:
         sampling=sampling,
         per_replica=rollout.prompts_per_step // context.dp_size,
         output=output,
+        lock=lock,
+        watchdog=watchdog,
     )
     push_weights(actor, engine, version=state.version, bucket_bytes=run.bucket_bytes)
     return run
@@ -179,3 +236,42 @@ def _initial_weights(cfg: Config, task: Task, actor: Actor, logger: MetricsLogge
         run_warmup(
             cfg, task, actor, lambda step, m: logger.log(step - cfg.warmup.steps, m, console=False)
         )
+
+
+def _lock_output(output: Path, context: ParallelContext) -> FolderLock | None:
+    """Rank 0 creates ``output`` and takes its lock; every rank raises ``ValueError`` naming the
+    folder if that fails (another run holds it, or the folder cannot be written)."""
+    lock = FolderLock(output, "training run") if context.rank == 0 else None
+
+    def take() -> None:
+        if lock is not None:
+            lock.acquire()
+
+    on_every_rank(
+        take,
+        where=f"train.output_dir {output}",
+        catch=(FolderLocked, OSError),
+        error_type=ValueError,
+        describe=str,
+    )
+    return lock
+
+
+def _move_aside(checkpoints: Path, context: ParallelContext) -> None:
+    """A run that starts afresh moves the checkpoints an earlier run left in its folder to
+    ``checkpoints.replaced-<UTC time>``: a later resume must never pick up that run's history,
+    and nothing is deleted."""
+    if context.rank == 0 and checkpoints.is_dir() and any(checkpoints.iterdir()):
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S.%f")
+        aside = checkpoints.with_name(f"checkpoints.replaced-{stamp}")
+        checkpoints.rename(aside)
+        log.warning("checkpoint.resume=false: moved the earlier run's checkpoints to %s", aside)
+    barrier()
+
+
+def _process_group_store(context: ParallelContext) -> dist.Store | None:
+    """The key-value store the world's process group was set up with (torchrun's rendezvous
+    store), for the phase watchdog; None in a one-process run."""
+    if context.world_size == 1:
+        return None
+    return dist.distributed_c10d._get_default_store()

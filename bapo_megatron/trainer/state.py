@@ -92,3 +92,33 @@ class TrainerState:
             ) from None
         self.step, self.version, self.position = (saved[key] for key in _COUNTERS)
         self.carry, self.lag_queue = carry, lag_queue
+
+
+IDENTITY_FIELDS = (
+    "train.seed",
+    "actor.seed",
+    "train.model_path",
+    "train.load_checkpoint",
+    "data.train_file",
+    "data.synthetic_task",
+    "data.synthetic_size",
+    "data.shuffle",
+    "data.system_prompt",
+    "rollout.prompts_per_step",
+    "rollout.samples_per_prompt",
+)
+"""The settings that make a checkpoint this run's: its seeds, where its weights started and
+what it learns from. A resume with another value of any of them would continue another run's
+history (the model, layout and schedule are checked by the checkpoint itself)."""
+
+
+def run_identity(cfg: Any) -> dict[str, Any]:
+    """The values of :data:`IDENTITY_FIELDS` in ``cfg`` (a
+    :class:`~bapo_megatron.config.Config`)."""
+    identity = {}
+    for dotted in IDENTITY_FIELDS:
+        value = cfg
+        for name in dotted.split("."):
+            value = getattr(value, name)
+        identity[dotted] = value
+    return identity

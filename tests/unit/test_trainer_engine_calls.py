@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
+from bapo_megatron.distributed.watchdog import PhaseWatchdog
 from bapo_megatron.rollout.guard import EngineFailure
 from bapo_megatron.trainer.loop import sync_weights, train_minibatches
 from bapo_megatron.trainer.tracking import PhaseTimer
@@ -43,7 +44,8 @@ def _run(engine, context, release: bool = True):
         engine=engine,
         context=context,
         timer=PhaseTimer(),
-        state=SimpleNamespace(version=0),
+        state=SimpleNamespace(version=0, step=3),
+        watchdog=PhaseWatchdog(None, 0, 1, stall_s=60),
     )
 
 

@@ -1,0 +1,38 @@
+"""Rewards that misbehave on purpose, for the fault-injection tests (named as
+``tests.helpers.fault_rewards:<function>`` in ``reward.name``). Each is deterministic: whether it
+misbehaves depends only on the response text (CRC-32, the same in every process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import zlib
+
+from bapo_megatron.rewards.exact_match import exact_match_reward
+
+
+def _picked(response: str, one_in: int) -> bool:
+    return zlib.crc32(response.encode()) % one_in == 0
+
+
+def dies_sometimes(response: str, truth: str) -> float:
+    """Kills its own worker process (as an OOM kill or a segfault would) on one response in 4."""
+    if _picked(response, 4):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return exact_match_reward(response, truth)
+
+
+def hangs_sometimes(response: str, truth: str) -> float:
+    """Never finishes (for an hour) on one response in 4, like a pathological check."""
+    if _picked(response, 4):
+        time.sleep(3600)
+    return exact_match_reward(response, truth)
+
+
+def freezes_rank_1(response: str, truth: str) -> float:
+    """On data-parallel rank 1, stops the trainer process that started this worker (SIGSTOP,
+    as a frozen node would), at its first check."""
+    if os.environ.get("RANK") == "1":
+        os.kill(os.getppid(), signal.SIGSTOP)
+    return exact_match_reward(response, truth)
