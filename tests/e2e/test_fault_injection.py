@@ -168,7 +168,7 @@ def test_a_fresh_start_never_resumes_an_older_runs_checkpoint(tmp_path, warm_sta
     with pytest.raises(
         ValueError,
         match=r"belongs to another run: it was saved with "
-        r"actor.seed=7 \(this run: 0\)",
+        r"actor.seed=7 \(this run: 1\)",
     ):
         run_in_process(tmp_path, *common, "train.steps=4")
 
