@@ -9,7 +9,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 
@@ -22,6 +21,7 @@ from tests.helpers.gloo_launch import REPO_ROOT  # noqa: E402
 from tests.helpers.train_runs import (  # noqa: E402
     rollout_records,
     run_in_process,
+    start_ranks,
     subprocess_env,
     training_command,
 )
@@ -61,12 +61,6 @@ def test_the_reward_phase_is_bounded_per_batch(tmp_path, warm_start):
 # ------------------------------------------------------------------------- a frozen rank
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_a_frozen_rank_stops_the_run_naming_it(tmp_path, warm_start):
     """Data-parallel rank 1 freezes (SIGSTOP) in its reward phase; rank 0 waits in the next
     collective until parallel.collective_timeout_s and stops with an error saying which rank
@@ -80,27 +74,7 @@ def test_a_frozen_rank_stops_the_run_naming_it(tmp_path, warm_start):
         "parallel.stall_report_s=2",
         "rollout.prompts_per_step=4",
     )
-    port = str(_free_port())
-    ranks = []
-    for rank in range(2):
-        env = {
-            **subprocess_env(),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-        }
-        ranks.append(
-            subprocess.Popen(
-                command,
-                cwd=REPO_ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+    ranks = start_ranks(command, 2)
     try:
         output, _ = ranks[0].communicate(timeout=300)
     finally:

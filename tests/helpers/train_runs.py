@@ -1,10 +1,12 @@
 """Short training runs of the tiny CPU example for the loop tests: in this process, as a
-subprocess (``python -m bapo_megatron.train``, to be killed), or as a 2-process gloo launch."""
+subprocess (``python -m bapo_megatron.train``, to be killed), or as one subprocess per rank
+with the environment torchrun would give them (:func:`start_ranks`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +95,32 @@ def run_subprocess(
         text=True,
         timeout=timeout,
     )
+
+
+def start_ranks(command: list[str], world_size: int) -> list[subprocess.Popen]:
+    """``command`` once per rank, with the variables torchrun sets (a free local port for the
+    rendezvous), output merged into each process's stdout pipe. The caller ends them."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    ranks = []
+    for rank in range(world_size):
+        env = {
+            **subprocess_env(),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
+        ranks.append(
+            subprocess.Popen(
+                command,
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    return ranks
