@@ -1,12 +1,12 @@
 """Benchmark one actor train step (Megatron schedule + BAPO loss + optimizer) at several layouts.
 
 For each layout in ``--layouts`` (default tp1, tp2, pp2, tp2-pp2; data parallel 1), this script
-starts tp x pp gloo processes under torchrun (one thread each) that build the same small Qwen2-style model,
-train ``--warmup`` untimed steps and then ``--steps`` timed steps on random off-policy data
+starts tp x pp gloo processes under torchrun (one thread each) that build the same small Qwen2-style
+model, train ``--warmup`` untimed steps and then ``--steps`` timed steps on random off-policy data
 (``--sequences`` sequences of ``--length`` tokens, micro-batches of ``--micro-batch-size``), once
-with the `paper` preset at granularity `step` (search statistics from a no-grad forward pass,
-one reduce, then the bounds) and once with fixed `grpo` clips (no search, no extra pass), the
-two interleaved step by step so machine noise hits both.
+with the `paper` preset at granularity `step` (search statistics from a no-grad forward pass, one
+reduce, then the bounds) and once with fixed `grpo` clips (no search, no extra pass), the two
+interleaved step by step so machine noise hits both.
 
 Per layout it reports the median step time, tokens/s (all tokens of the step, prompt and
 response, over the median step), the share of the `paper` step spent in the BAPO search itself
@@ -218,8 +218,10 @@ def main(argv: list[str]) -> None:
             r = report[name]
             print(
                 f"{name:8s} {r['processes']} proc  step {r['step_ms']:9.2f} ms  "
-                f"fixed-clip step {r['fixed_clip_step_ms']:9.2f} ms  {r['tokens_per_s']:10.1f} tok/s  "
-                f"search {100 * r['search_share']:5.2f}% of step  paper/fixed {r['step_vs_fixed_clip']:.3f}",
+                f"fixed-clip step {r['fixed_clip_step_ms']:9.2f} ms  "
+                f"{r['tokens_per_s']:10.1f} tok/s  "
+                f"search {100 * r['search_share']:5.2f}% of step  "
+                f"paper/fixed {r['step_vs_fixed_clip']:.3f}",
                 flush=True,
             )
     config = {k: v for k, v in vars(args).items() if k != "worker_out"}

@@ -9,8 +9,8 @@ with padding):
     a'  bapo_loss with the `grpo` preset: empty search ranges, but the statistics are still built.
     b   bapo_loss with the vectorised search of ``--preset`` (one statistics pass, one reduce).
     b+  the same with check_inputs=True (validation on; every other variant has it off).
-    c   step-by-step search (tests/helpers/bapo_reference.py::search: one reduce and one host sync per
-        step, as the authors' code does), then the loss at the chosen bounds.
+    c   step-by-step search (tests/helpers/bapo_reference.py::search: one reduce and one host
+        sync per step, as the authors' code does), then the loss at the chosen bounds.
 
 Every variant runs ``--warmup`` untimed times (numba compiles or loads its cache on the first
 call), then ``--repeats`` timed times, the variants interleaved so machine noise hits all of

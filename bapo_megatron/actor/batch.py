@@ -100,7 +100,8 @@ class PolicyBatch:
 
 
 def microbatch_count(num_sequences: int, micro_batch_size: int) -> int:
-    """Micro-batches needed for ``num_sequences`` at ``micro_batch_size`` (the last may be short)."""
+    """Micro-batches needed for ``num_sequences`` at ``micro_batch_size`` (the last may be
+    short)."""
     return math.ceil(num_sequences / micro_batch_size)
 
 

@@ -82,7 +82,8 @@ def to_transformer_config(
                 "embedding_init_method": _leave_as_allocated,
             }
         ),
-        cuda_graph_scope=[],  # no CUDA graphs; the default "full" only triggers a deprecation warning
+        # No CUDA graphs; the default "full" only triggers a deprecation warning.
+        cuda_graph_scope=[],
         # Batched p2p posts a send to the next and one to the previous stage together; at PP2
         # both are the same peer, and gloo (CPU) matches same-tag messages in posting order, so
         # the interleaved schedule received gradients as activations. Unbatched p2p posts them

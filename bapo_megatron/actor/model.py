@@ -55,10 +55,11 @@ def build_model(
     """This rank's model chunks: one ``GPTModel``, or ``virtual_pipeline_model_parallel_size``
     of them (Megatron's interleaved schedule takes the list).
 
-    The layout is validated first (:func:`~bapo_megatron.distributed.layout.validate_layout`). Initial
-    weights are a function of ``seed`` and the layout: a rebuild with the same seed and layout
-    gives the same weights, but different layouts do not give the same full model (trained
-    weights are loaded afterwards). The seed sets Megatron's RNG tracker and the default
+    The layout is validated first
+    (:func:`~bapo_megatron.distributed.layout.validate_layout`). Initial weights are a function
+    of ``seed`` and the layout: a rebuild with the same seed and layout gives the same weights,
+    but different layouts do not give the same full model (trained weights are loaded
+    afterwards). The seed sets Megatron's RNG tracker and the default
     generator, offset per pipeline stage so that stages draw different layers; all
     tensor-parallel ranks of a stage share it, which ``use_cpu_initialization`` requires (each
     rank draws the full matrix and keeps its slice).

@@ -32,7 +32,8 @@ def run_schedule(
 ) -> list[dict[str, torch.Tensor]]:
     """Forward (and, unless ``forward_only``, backward) every micro-batch through the pipeline.
 
-    All micro-batches must share one shape (see :func:`~bapo_megatron.actor.batch.split_microbatches`).
+    All micro-batches must share one shape
+    (see :func:`~bapo_megatron.actor.batch.split_microbatches`).
     Gradients accumulate in the chunks' gradient buffers; reducing them over data-parallel
     ranks is the schedule's ``finalize_model_grads_func`` hook, run after the last backward.
     """

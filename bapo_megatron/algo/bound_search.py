@@ -1,4 +1,5 @@
-"""Walk the search path on reduced statistics and pick the clip bounds (docs/algorithm.md sections 3-4).
+"""Walk the search path on reduced statistics and pick the clip bounds (docs/algorithm.md
+sections 3-4).
 
 Given the statistics vector of :mod:`bapo_megatron.algo.contributions`, already summed over the
 data x context parallel group, P is known at every c_high candidate and N at every c_low
@@ -31,7 +32,8 @@ class BoundDecision:
     steps: torch.Tensor
     """Moves taken along the path (int64)."""
     metrics: dict[str, torch.Tensor]
-    """The quantities of docs/algorithm.md section 8 over the whole reduced batch, keyed `bapo/...`."""
+    """The quantities of docs/algorithm.md section 8 over the whole reduced batch, keyed
+    `bapo/...`."""
 
 
 def _suffix_sum(x: torch.Tensor) -> torch.Tensor:

@@ -225,7 +225,8 @@ def check_loss_inputs(
             )
     if advantages.shape not in (shape, shape[:1]):
         raise ValueError(
-            f"advantages: shape {tuple(advantages.shape)} must be {tuple(shape)} or {tuple(shape[:1])}"
+            f"advantages: shape {tuple(advantages.shape)} must be {tuple(shape)} "
+            f"or {tuple(shape[:1])}"
         )
     for name, tensor in (
         ("logp_new", logp_new),
@@ -254,7 +255,8 @@ def check_loss_inputs(
         if count:
             where = bad.nonzero()[0].tolist()
             raise ValueError(
-                f"{name}: {count} non-finite value(s) (nan/inf) at response tokens, first at {where}"
+                f"{name}: {count} non-finite value(s) (nan/inf) at response tokens, "
+                f"first at {where}"
             )
 
 

@@ -34,7 +34,8 @@ def clamped_steps(start: float, stop: float, step: float) -> int:
 
 
 def candidate_values(start: float, stop: float, step: float, clamp_last: bool) -> list[float]:
-    """The grid of one bound: whole steps only (`paper`) or with a clamped last step (`reference`)."""
+    """The grid of one bound: whole steps only (`paper`) or with a clamped last step
+    (`reference`)."""
     count = clamped_steps(start, stop, step) if clamp_last else whole_steps(start, stop, step)
     return [min(round(start + k * step, 12), stop) for k in range(count + 1)]
 

@@ -66,7 +66,8 @@ class OptimizerConfig:
             )
         if self.lr_decay_style not in ("constant", "linear", "cosine"):
             raise ValueError(
-                f"{prefix}.lr_decay_style must be 'constant', 'linear' or 'cosine', got {self.lr_decay_style!r}"
+                f"{prefix}.lr_decay_style must be 'constant', 'linear' or 'cosine', "
+                f"got {self.lr_decay_style!r}"
             )
 
 
@@ -86,7 +87,8 @@ class ActorConfig:
         prefix = "actor"
         if self.micro_batch_size < 1:
             raise ValueError(
-                f"{prefix}.micro_batch_size must be a positive integer, got {self.micro_batch_size!r}"
+                f"{prefix}.micro_batch_size must be a positive integer, "
+                f"got {self.micro_batch_size!r}"
             )
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(

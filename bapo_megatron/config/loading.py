@@ -96,7 +96,8 @@ def load_config(
         loaded = _parse_yaml(path.read_text(encoding="utf-8"), f"config file {path}")
         if loaded is not None and not isinstance(loaded, dict):
             raise ValueError(
-                f"config file {path}: expected a mapping at the top level, got {type(loaded).__name__}"
+                f"config file {path}: expected a mapping at the top level, "
+                f"got {type(loaded).__name__}"
             )
         tree = loaded or {}
     for item in overrides:

@@ -111,10 +111,10 @@ class ClipSearchConfig:
     dual_clip: float | None = None
     """Dual-clip constant C > 1 for negative advantages (loss capped at |A|*C); None disables."""
     granularity: Granularity = "step"
-    """Where the bounds are decided (docs/algorithm.md section 5). `step`: once per optimizer step from all of
-    its micro-batches (the paper; costs one no-grad forward pass). `microbatch`: per micro-batch,
-    on that micro-batch index over the data-parallel ranks (the authors' code). Fixed clips need
-    no decision and behave the same either way."""
+    """Where the bounds are decided (docs/algorithm.md section 5). `step`: once per optimizer
+    step from all of its micro-batches (the paper; costs one no-grad forward pass).
+    `microbatch`: per micro-batch, on that micro-batch index over the data-parallel ranks (the
+    authors' code). Fixed clips need no decision and behave the same either way."""
 
     def __post_init__(self) -> None:
         prefix = "loss.clip"
@@ -175,7 +175,8 @@ class ClipSearchConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides: object) -> ClipSearchConfig:
-        """The named preset (`paper`, `reference`, `grpo`, `clip-higher`) with ``overrides`` applied."""
+        """The named preset (`paper`, `reference`, `grpo`, `clip-higher`) with ``overrides``
+        applied."""
         if name not in CLIP_PRESETS:
             raise ValueError(
                 f"loss.clip.preset must be one of {sorted(CLIP_PRESETS)}, got {name!r}"

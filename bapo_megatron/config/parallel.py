@@ -68,13 +68,14 @@ class ParallelConfig:
         if vpp is not None:
             if vpp < 2:
                 raise ValueError(
-                    f"{prefix}.virtual_pipeline_model_parallel_size must be an integer >= 2 or null, "
-                    f"got {vpp!r}"
+                    f"{prefix}.virtual_pipeline_model_parallel_size must be an integer >= 2 "
+                    f"or null, got {vpp!r}"
                 )
             if self.pipeline_model_parallel_size < 2:
                 raise ValueError(
                     f"{prefix}.virtual_pipeline_model_parallel_size={vpp} needs "
-                    f"{prefix}.pipeline_model_parallel_size > 1, got {self.pipeline_model_parallel_size}"
+                    f"{prefix}.pipeline_model_parallel_size > 1, "
+                    f"got {self.pipeline_model_parallel_size}"
                 )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError(
@@ -85,7 +86,8 @@ class ParallelConfig:
             raise ValueError(f"{prefix}.fp8 must be 'e4m3', 'hybrid' or null, got {self.fp8!r}")
         if self.fp8_recipe not in ("delayed", "tensorwise", "mxfp8", "blockwise"):
             raise ValueError(
-                f"{prefix}.fp8_recipe must be one of ['delayed', 'tensorwise', 'mxfp8', 'blockwise'], "
+                f"{prefix}.fp8_recipe must be one of "
+                "['delayed', 'tensorwise', 'mxfp8', 'blockwise'], "
                 f"got {self.fp8_recipe!r}"
             )
         if self.fp8_amax_compute_algo not in ("most_recent", "max"):

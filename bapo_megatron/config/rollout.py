@@ -27,7 +27,8 @@ class RolloutConfig:
     max_new_tokens: int = 256
     """Response length cap; a response cut there ends with finish reason `length`."""
     top_p: float = 1.0
-    """Nucleus sampling threshold; 1 keeps the full distribution (the actor's ratio is then exact)."""
+    """Nucleus sampling threshold; 1 keeps the full distribution (the actor's ratio is then
+    exact)."""
     top_k: int = 0
     """Keep the k most likely tokens; 0 keeps all."""
     partial_tokens_per_round: int | None = None

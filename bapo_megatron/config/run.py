@@ -156,7 +156,8 @@ class TrainConfig:
     """HF folder (config.json, safetensors, tokenizer) the policy starts from; None: the
     ``model`` section's architecture with random weights (and ``warmup``)."""
     params_dtype: ParamsDtype | None = None
-    """Parameter dtype for a model read from ``model_path`` (`float32`, `bfloat16`); None: float32."""
+    """Parameter dtype for a model read from ``model_path`` (`float32`, `bfloat16`); None:
+    float32."""
     max_position_embeddings: int | None = None
     """Longest prompt + response the run uses, for a model read from ``model_path`` (caps the
     engines' context too); None: the checkpoint's ``max_position_embeddings``."""
@@ -182,7 +183,8 @@ class TrainConfig:
             )
         if self.params_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(
-                f"train.params_dtype must be 'float32', 'bfloat16' or null, got {self.params_dtype!r}"
+                f"train.params_dtype must be 'float32', 'bfloat16' or null, "
+                f"got {self.params_dtype!r}"
             )
 
 

@@ -82,7 +82,8 @@ def _records(path: Path) -> list[tuple[str, Any]]:
                         (
                             where,
                             ValueError(
-                                f"{where}: not valid UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1})"
+                                f"{where}: not valid UTF-8 "
+                                f"(byte {raw[err.start]:#04x} at column {err.start + 1})"
                             ),
                         )
                     )

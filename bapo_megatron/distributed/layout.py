@@ -50,7 +50,8 @@ def validate_layout(
         raise ValueError(
             f"world size {world_size} is not divisible by tensor x pipeline x context parallel = "
             f"{tp} x {pp} x {cp} = {parallel.model_parallel_size} "
-            "(parallel.tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size)"
+            "(parallel.tensor_model_parallel_size, pipeline_model_parallel_size, "
+            "context_parallel_size)"
         )
     tp_divided = (
         ("num_attention_heads", ""),
@@ -77,7 +78,8 @@ def validate_layout(
     if cp > 1 and not (accelerator.transformer_engine and accelerator.cuda):
         raise ValueError(
             f"parallel.context_parallel_size={cp} needs Transformer Engine on a CUDA GPU "
-            f"(found transformer_engine={accelerator.transformer_engine}, cuda={accelerator.cuda}); "
+            f"(found transformer_engine={accelerator.transformer_engine}, "
+            f"cuda={accelerator.cuda}); "
             "set it to 1"
         )
     if parallel.fp8 is not None:

@@ -211,9 +211,9 @@ class _CudaSitesOnCpu(torch.overrides.TorchFunctionMode):
 
 def cuda_sites_on_cpu() -> contextlib.AbstractContextManager:
     """Context for Megatron optimizer calls: on a CPU-only run (patches applied) a mode that
-    answers their CUDA requests on the CPU (``docs/megatron-on-cpu.md``, the `cuda_sites_on_cpu` row); with CUDA, or
-    before :func:`apply_cpu_patches`, a no-op context. Per thread, like every torch function
-    mode."""
+    answers their CUDA requests on the CPU (``docs/megatron-on-cpu.md``, the
+    `cuda_sites_on_cpu` row); with CUDA, or before :func:`apply_cpu_patches`, a no-op context.
+    Per thread, like every torch function mode."""
     if not _APPLIED:
         return contextlib.nullcontext()
     return _CudaSitesOnCpu()
@@ -249,7 +249,8 @@ def apply_cpu_patches() -> tuple[str, ...]:
     version = megatron.core.__version__
     if version != SUPPORTED_MEGATRON_CORE:
         raise RuntimeError(
-            f"bapo_megatron.megatron_patches.cpu_runtime targets megatron-core=={SUPPORTED_MEGATRON_CORE}, "
+            "bapo_megatron.megatron_patches.cpu_runtime targets "
+            f"megatron-core=={SUPPORTED_MEGATRON_CORE}, "
             f"but {version} is installed; install the pinned version (requirements.txt) or "
             "re-check every patched site against the new release"
         )

@@ -48,8 +48,8 @@ def off_policy_batch(
     lengths = (frac * max_tokens).long().clamp(min=1)
     mask = torch.arange(max_tokens)[None, :] < lengths[:, None]
 
-    logp_old = (
-        -(torch.empty(batch, max_tokens, dtype=torch.float64).exponential_(1.0, generator=g) ** 2)
+    logp_old = -(
+        torch.empty(batch, max_tokens, dtype=torch.float64).exponential_(1.0, generator=g) ** 2
     )
     prob_old = logp_old.exp()
     direction = torch.sign(advantages)[:, None]

@@ -1,15 +1,16 @@
 """The staleness sweep: clipping methods x staleness settings x seeds on a synthetic
-task, on the CPU, all from one shared warm-up, then a markdown report (:mod:`bapo_megatron.repro.sweep_report`).
+task, on the CPU, all from one shared warm-up, then a markdown report
+(:mod:`bapo_megatron.repro.sweep_report`).
 
     python tools/sweep.py --out runs/sweep [--minimal] [--jobs 2]
 
-1. The start, once: a model of the tiny example's architecture from random weights, trained with
-   the supervised warm-up (:mod:`bapo_megatron.trainer.warmup`) on the task's reference responses to a
+1. The start, once: a model of the tiny example's architecture from random weights, trained with the
+   supervised warm-up (:mod:`bapo_megatron.trainer.warmup`) on the task's reference responses to a
    success rate between 0 and 1, written as an HF folder (weights, ``config.json``, the task's
    tokenizer) next to the task's prompts as a JSONL file. Every run starts from that folder
-   (``train.model_path``) on that file (``data.train_file``), so runs differ only in their
-   method, staleness and seed. (The folder, not ``data.synthetic_task`` plus
-   ``train.load_checkpoint``, because the trainer's task loader only generates `walk` rows.)
+   (``train.model_path``) on that file (``data.train_file``), so runs differ only in their method,
+   staleness and seed. (The folder, not ``data.synthetic_task`` plus ``train.load_checkpoint``,
+   because the trainer's task loader only generates `walk` rows.)
 2. Each run is its own ``python -m bapo_megatron.train`` process (``OMP_NUM_THREADS=1``), up to
    ``--jobs`` at a time, in ``<out>/runs/<staleness>/<method>/seed<k>``. A finished run leaves
    ``run.json`` and is not run again, so an interrupted sweep continues where it stopped.
@@ -335,11 +336,9 @@ def run_sweep(settings: SweepSettings, out: str | Path, *, progress=print) -> Pa
     def one(run: RunSpec) -> dict:
         record = execute(config, run)
         records.append(record)
-        progress(
-            f"[{len(records)}/{len(runs)}] {run.name}: "
-            f"{'ok' if record['returncode'] == 0 else 'FAILED (' + str(record['returncode']) + ')'} "
-            f"in {record['wall_s']:.0f} s"
-        )
+        returncode = record["returncode"]
+        status = "ok" if returncode == 0 else "FAILED (" + str(returncode) + ")"
+        progress(f"[{len(records)}/{len(runs)}] {run.name}: {status} in {record['wall_s']:.0f} s")
         return record
 
     with ThreadPoolExecutor(max_workers=settings.jobs) as pool:

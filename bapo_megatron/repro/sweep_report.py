@@ -219,7 +219,8 @@ def claims(groups: dict[str, dict[str, list[dict[str, float]]]]) -> list[str]:
         + "; ".join(reward_lines)
         + ". Higher final reward: "
         + compare("final_reward", lambda a, b: a > b)
-        + " (ties do not count). A difference smaller than the seed spread is not evidence either way."
+        + " (ties do not count). A difference smaller than the seed spread is not evidence "
+        "either way."
     )
     return lines
 

@@ -23,7 +23,8 @@ else) and are read with ``torch.load(weights_only=True)``. Files of format versi
 pickled Python objects, are refused. Megatron's own files: ``common.pt`` is read by
 ``torch.load`` with torch's default ``weights_only=True`` (torch >= 2.6, with Megatron's
 allow-list of plain classes); ``.metadata``, which torch's ``FileSystemReader`` unpickles in
-full, is first checked by :func:`~bapo_megatron.megatron_patches.checkpoint_metadata.check_metadata`.
+full, is first checked by
+:func:`~bapo_megatron.megatron_patches.checkpoint_metadata.check_metadata`.
 
 The per-rank files tie a checkpoint to the world size and layout it was saved at: rank r's RNG
 and trainer state only mean something to the same rank r of the same layout, so

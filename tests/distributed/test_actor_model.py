@@ -252,7 +252,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(world_size: int, workdir: Path, reference: Path) -> list[dict]:
-    """Every rank's results of one launch of this file's workers (see tests/helpers/gloo_launch.py)."""
+    """Every rank's results of one launch of this file's workers (see
+    tests/helpers/gloo_launch.py)."""
     return gloo_launch.launch(
         __file__, world_size, workdir, ["--reference", reference], LAUNCH_TIMEOUT_S
     )

@@ -1,15 +1,15 @@
 """Trainer checkpoints resume a run exactly, and refuse what they cannot resume.
 
-The resume scenario (tests/distributed/checkpoint_worker.py): train 2 steps, save, train 2 more; a second
-actor built from another seed loads the checkpoint and trains the same 2 steps. On the CPU both
-continuations must agree bit for bit: every metric (loss, grad norm, lr of the warmup/cosine
+The resume scenario (tests/distributed/checkpoint_worker.py): train 2 steps, save, train 2 more; a
+second actor built from another seed loads the checkpoint and trains the same 2 steps. On the CPU
+both continuations must agree bit for bit: every metric (loss, grad norm, lr of the warmup/cosine
 schedule, bapo/*, skipped steps) and every parameter; the generators (torch, Python, NumPy,
-Megatron's tracker) draw the same numbers after the load as after the save; ``trainer_state``
-comes back as saved. In one process with the plain and the distributed optimizer (fp32, and bf16
-with the distributed one), and in 2 gloo workers at TP2, PP2 and DP2 with the distributed
-optimizer (ranks hold different trainer states). Also: a checkpoint of an untrained actor, the
-folder as a weights checkpoint, keep_last and latest_checkpoint (staging folders ignored), and
-clear ValueErrors for damaged, weights-only or foreign checkpoints and unsavable states.
+Megatron's tracker) draw the same numbers after the load as after the save; ``trainer_state`` comes
+back as saved. In one process with the plain and the distributed optimizer (fp32, and bf16 with the
+distributed one), and in 2 gloo workers at TP2, PP2 and DP2 with the distributed optimizer (ranks
+hold different trainer states). Also: a checkpoint of an untrained actor, the folder as a weights
+checkpoint, keep_last and latest_checkpoint (staging folders ignored), and clear ValueErrors for
+damaged, weights-only or foreign checkpoints and unsavable states.
 """
 
 from __future__ import annotations

@@ -358,7 +358,8 @@ def launch(
     fail_rank: int = -1,
     timeout: float = LAUNCH_TIMEOUT_S,
 ) -> list[dict]:
-    """Every rank's results of one launch of this file's workers (see tests/helpers/gloo_launch.py)."""
+    """Every rank's results of one launch of this file's workers (see
+    tests/helpers/gloo_launch.py)."""
     return gloo_launch.launch(
         __file__, world_size, workdir, ["--data", data_path, "--fail-rank", fail_rank], timeout
     )
@@ -500,7 +501,7 @@ def test_rank_losses_and_gradients_sum_to_single_process(runs, world_size, case)
             single["logp_grad"][lo:hi],
             rtol=1e-12,
             atol=0.0,
-            msg=lambda m: f"{where}, rank {rank}: per-token gradient of logp_new\n{m}",
+            msg=lambda m, rank=rank: f"{where}, rank {rank}: per-token gradient of logp_new\n{m}",
         )
     if case.layout != "even":
         empty = per_rank[SPECIAL_RANK]

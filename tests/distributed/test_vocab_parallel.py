@@ -139,7 +139,9 @@ def test_gradcheck():
     logits, targets, _, _ = random_inputs(3, (2, 3), 6, scale=1.0)
     for temperature in (1.0, 0.7):
         assert torch.autograd.gradcheck(
-            lambda x: token_logprobs_and_entropy(x, targets, temperature=temperature),
+            lambda x, temperature=temperature: token_logprobs_and_entropy(
+                x, targets, temperature=temperature
+            ),
             (logits.clone().requires_grad_(True),),
         )
 
@@ -399,7 +401,8 @@ def worker_main(argv: list[str]) -> None:
 
 
 def launch(world_size: int, workdir: Path, data_path: Path) -> list[dict]:
-    """Every rank's results of one launch of this file's workers (see tests/helpers/gloo_launch.py)."""
+    """Every rank's results of one launch of this file's workers (see
+    tests/helpers/gloo_launch.py)."""
     return gloo_launch.launch(
         __file__, world_size, workdir, ["--data", data_path, "--fail-rank", -1], LAUNCH_TIMEOUT_S
     )

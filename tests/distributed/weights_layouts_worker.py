@@ -1,4 +1,5 @@
-"""The worker of tests/distributed/test_weights_layouts.py, started by tests/helpers/gloo_launch.py in 4 processes.
+"""The worker of tests/distributed/test_weights_layouts.py, started by
+tests/helpers/gloo_launch.py in 4 processes.
 
 It is a separate module, light at import time (everything heavy is imported in :func:`main`),
 because ``dist_checkpointing.save`` starts a multiprocessing Manager with the ``spawn`` method,
@@ -179,14 +180,14 @@ def main(argv: list[str]) -> None:
                     )
                 if variant == VARIANTS[0]:  # /dev/shm full: auto falls back, shared_memory refuses
                     results["export-shm-full", variant] = with_full_shm(
-                        lambda: records(
+                        lambda chunks=chunks, model=model, ctx=ctx: records(
                             export_weights(
                                 chunks, model, ctx, version=VERSION, bucket_bytes=BUCKET_BYTES
                             )
                         )
                     )
                     results["refused-shm-full", variant] = with_full_shm(
-                        lambda: refusal(
+                        lambda chunks=chunks, model=model, ctx=ctx: refusal(
                             export_weights(
                                 chunks,
                                 model,

@@ -224,7 +224,8 @@ def test_an_engine_past_its_deadline_stops_the_run_naming_it(tmp_path):
 
 
 def _walk_model_folder(folder):
-    """A real HF folder: a tiny random Llama and the walk task's tokenizer, saved by transformers."""
+    """A real HF folder: a tiny random Llama and the walk task's tokenizer, saved by
+    transformers."""
     import transformers
 
     from bapo_megatron.data.synthetic_task import walk_tokenizer

@@ -34,7 +34,8 @@ def test_presets_match_the_spec():
 def test_yaml_with_preset_and_dotted_overrides(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(
-        "loss:\n  aggregation: seq-mean-token-mean\n  clip:\n    preset: reference\n    c_high_max: 2.5\n"
+        "loss:\n  aggregation: seq-mean-token-mean\n"
+        "  clip:\n    preset: reference\n    c_high_max: 2.5\n"
     )
     cfg = load_config(path, ["loss.clip.dual_clip=null", "loss.clip.target=1.5"])
     assert isinstance(cfg, Config)
@@ -76,7 +77,8 @@ def test_missing_file_is_named(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
-# Each ill-typed value, written once as YAML: (dotted key, YAML text of the value, expected in the message).
+# Each ill-typed value, written once as YAML: (dotted key, YAML text of the value, expected in
+# the message).
 ILL_TYPED = [
     (
         "optimizer.lr",

@@ -1,4 +1,5 @@
-"""Evaluation (bapo_megatron.repro.evaluate, tools/evaluate.py): the pass@k estimator and whole runs.
+"""Evaluation (bapo_megatron.repro.evaluate, tools/evaluate.py): the pass@k estimator and whole
+runs.
 
 The estimator is checked against a float64 enumeration of every k-subset of n samples. The whole
 run uses a tiny Llama whose answers are known exactly: its attention and MLP outputs are zero,

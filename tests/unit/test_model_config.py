@@ -288,13 +288,15 @@ def test_layout_returns_the_data_parallel_size():
             {"num_attention_heads": 2, "num_query_groups": 2, "hidden_size": 64},
             {"tensor_model_parallel_size": 4},
             4,
-            "model.num_attention_heads (2) is not divisible by parallel.tensor_model_parallel_size (4)",
+            "model.num_attention_heads (2) is not divisible by "
+            "parallel.tensor_model_parallel_size (4)",
         ),
         (
             {"num_query_groups": 1},
             {"tensor_model_parallel_size": 2},
             2,
-            "model.num_query_groups (1) is not divisible by parallel.tensor_model_parallel_size (2)",
+            "model.num_query_groups (1) is not divisible by "
+            "parallel.tensor_model_parallel_size (2)",
         ),
         (
             {"num_layers": 3},

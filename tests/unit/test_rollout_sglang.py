@@ -272,7 +272,7 @@ def test_weight_route_body():
     }
 
 
-# ------------------------------------------------------------------ the server client on a fake server
+# ------------------------------------------------------------ the server client on a fake server
 
 
 class FakeServer:

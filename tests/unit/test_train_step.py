@@ -2,9 +2,9 @@
 
 The reference takes the model's logits for the whole batch in one plain forward, computes
 log-probs and entropy in float64, picks the bounds with the step-by-step search of
-tests/helpers/bapo_reference.py, and gets the loss and its gradient w.r.t. the log-probs by hand; the
-parameter gradient is that pushed back through the model with autograd. The train step runs
-through Megatron's schedule, DDP buffers and optimizer on split micro-batches.
+tests/helpers/bapo_reference.py, and gets the loss and its gradient w.r.t. the log-probs by
+hand; the parameter gradient is that pushed back through the model with autograd. The train
+step runs through Megatron's schedule, DDP buffers and optimizer on split micro-batches.
 """
 
 from __future__ import annotations

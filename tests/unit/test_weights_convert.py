@@ -1,12 +1,12 @@
 """HF <-> Megatron conversion in one process (TP1/PP1), against transformers itself.
 
 Tiny random Llama and Qwen2 models (tied and untied) are built and saved with transformers
-(tests/helpers/hf_models.py). Converted to Megatron they must give transformers' logits; converted back
-they must be bitwise the saved tensors, with config and tokenizer files byte for byte, and load
-in transformers. The name map's merge/split and tensor-parallel slicing are checked against a
-plain per-head construction of Megatron's layouts. Bad input must be refused with a message
-naming the file or tensor, and an interrupted conversion must leave nothing that looks complete.
-The layouts TP2/PP1, TP1/PP2, TP2/PP2, resharding and the live export at TP2/PP2 are in
+(tests/helpers/hf_models.py). Converted to Megatron they must give transformers' logits; converted
+back they must be bitwise the saved tensors, with config and tokenizer files byte for byte, and load
+in transformers. The name map's merge/split and tensor-parallel slicing are checked against a plain
+per-head construction of Megatron's layouts. Bad input must be refused with a message naming the
+file or tensor, and an interrupted conversion must leave nothing that looks complete. The layouts
+TP2/PP1, TP1/PP2, TP2/PP2, resharding and the live export at TP2/PP2 are in
 tests/distributed/test_weights_layouts.py.
 """
 

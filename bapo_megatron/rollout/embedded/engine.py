@@ -130,7 +130,7 @@ class EmbeddedEngine:
         alive = torch.ones(len(samples), dtype=torch.bool)
         cache = transformers.DynamicCache()
         step_ids = input_ids
-        for step in range(budget):
+        for _ in range(budget):
             if self._abort.is_set() or self._pause.is_set():
                 break
             positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]

@@ -1,7 +1,8 @@
 """A client of SGLang's HTTP server (``python -m sglang.launch_server``) as a rollout engine, for
-disaggregated runs. Built like the in-process :class:`~bapo_megatron.rollout.sglang.engine.SGLangEngine`
-(a :class:`~bapo_megatron.rollout.resubmission.ResubmittingEngine` with the same request bodies,
-answer parsing and weight buckets), over HTTP instead of ``sglang.Engine``'s methods.
+disaggregated runs. Built like the in-process
+:class:`~bapo_megatron.rollout.sglang.engine.SGLangEngine`
+(a :class:`~bapo_megatron.rollout.resubmission.ResubmittingEngine` with the same request
+bodies, answer parsing and weight buckets), over HTTP instead of ``sglang.Engine``'s methods.
 
 NOT RUN HERE (SGLang cannot run on these CPU machines): written against SGLang 0.5.x's HTTP
 routes and tested with a fake transport only. It needs no SGLang package on the client side,
