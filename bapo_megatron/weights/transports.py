@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.distributed.collectives import on_every_rank
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.weights.name_maps import ParamRule, hf_tensor_shapes, place_shard
 
@@ -54,6 +55,10 @@ class ShardTransport(Protocol):
     ) -> dict[str, torch.Tensor] | None:
         """``{HF name: whole tensor in dtype}`` of ``rules`` on receiving ranks, None elsewhere
         (collective over the TP group)."""
+
+
+class _NoSharedMemory(RuntimeError):
+    """A bucket's shared-memory file could not be created or its pages reserved."""
 
 
 def _is_split(rule: ParamRule, context: ParallelContext) -> bool:
@@ -172,40 +177,42 @@ class SharedMemoryTransport:
 
     def _allocate(self, path: Path, nbytes: int) -> str | None:
         """Create the bucket's file (the first rank) and reserve its pages, each rank an equal
-        part, in parallel; the first error, or None (collective over the TP group)."""
-        ctx, group = self.context, self.context.tp_group
-        failed = torch.zeros(1, dtype=torch.int32)
-        error = None
-        if ctx.tp_rank == 0:
-            try:
+        part, in parallel; the error (naming each rank that failed), or None (collective over
+        the TP group: every rank gets the same answer)."""
+        ctx = self.context
+
+        def create() -> None:
+            if ctx.tp_rank == 0:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
                     os.ftruncate(fd, nbytes)
                 finally:
                     os.close(fd)
-            except OSError as err:
-                error, failed[0] = f"{path}: {err}", 1
-        dist.broadcast(failed, src=self.first, group=group)
-        if not failed:
+
+        def reserve() -> None:
             part = -(-nbytes // (ctx.tp_size * _PAGE)) * _PAGE
             start = ctx.tp_rank * part
-            try:
-                if start < nbytes:
-                    fd = os.open(path, os.O_RDWR)
-                    try:
-                        os.posix_fallocate(fd, start, min(part, nbytes - start))
-                    finally:
-                        os.close(fd)
-            except OSError as err:
-                error, failed[0] = f"{path}: {err}", 1
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-        if not failed:
-            return None
-        errors: list = [None] * ctx.tp_size
-        dist.all_gather_object(errors, error, group=group)
-        if ctx.tp_rank == 0:
-            path.unlink(missing_ok=True)
-        return next(e for e in errors if e is not None)
+            if start < nbytes:
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    os.posix_fallocate(fd, start, min(part, nbytes - start))
+                finally:
+                    os.close(fd)
+
+        try:
+            for step in (create, reserve):
+                on_every_rank(
+                    step,
+                    where=str(path),
+                    catch=OSError,
+                    error_type=_NoSharedMemory,
+                    group=ctx.tp_group,
+                )
+        except _NoSharedMemory as error:
+            if ctx.tp_rank == 0:
+                path.unlink(missing_ok=True)
+            return str(error)
+        return None
 
     def _mapping(self, nbytes: int) -> tuple[torch.Tensor | None, Path | None, str | None]:
         """(uint8 mapping of at least ``nbytes``, its file if new, error) (collective)."""
