@@ -177,9 +177,13 @@ def save_checkpoint(
             error_type=ValueError,
             describe=str,
         )
-        if context.rank == 0:
-            info = _info_json(step, actor, identity)
-            (staging / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+
+        def write_info() -> None:
+            if context.rank == 0:
+                info = _info_json(step, actor, identity)
+                (staging / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+
+        on_every_rank(write_info, where=f"checkpoint {folder}", catch=OSError, error_type=OSError)
         write_checkpoint_manifest(staging)
     if keep_last is not None and context.rank == 0:
         _delete_old_checkpoints(root, step, keep_last)

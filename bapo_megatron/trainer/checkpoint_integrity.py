@@ -49,9 +49,16 @@ def write_checkpoint_manifest(staging: Path) -> None:
     if world > 1:
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
-    if rank == 0:
-        write_manifest(staging, {name: entry for part in everyone for name, entry in part.items()})
-    barrier()
+    entries = {name: entry for part in everyone for name, entry in part.items()}
+
+    def write() -> None:
+        if rank == 0:
+            write_manifest(staging, entries)
+
+    # a full disk on rank 0 must stop every rank, not leave the others in the next collective
+    on_every_rank(
+        write, where=f"checkpoint manifest in {staging}", catch=OSError, error_type=OSError
+    )
 
 
 def verify_checkpoint(folder: Path, *, checksums: bool) -> None:
