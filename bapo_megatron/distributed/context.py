@@ -60,11 +60,16 @@ class ParallelContext:
     vpp_size: int | None
     """Model chunks per pipeline stage (interleaved schedule), or None."""
     owns_process_group: bool
-    """Whether :meth:`initialize` created the torch.distributed world (then teardown destroys it)."""
+    """Whether :meth:`initialize` created the torch.distributed world (then teardown destroys
+    it)."""
 
     @classmethod
     def initialize(
-        cls, config: ParallelConfig, *, timeout: datetime.timedelta | None = None
+        cls,
+        config: ParallelConfig,
+        *,
+        timeout: datetime.timedelta | None = None,
+        gloo_groups: bool = True,
     ) -> ParallelContext:
         """Build the process groups of ``config`` on the current torch.distributed world.
 
@@ -72,8 +77,10 @@ class ParallelContext:
         ``torchrun`` environment (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``...) when present,
         otherwise as a world of one process. The backend is NCCL when CUDA is available, else
         gloo; on the CPU, the Megatron-Core CPU patches are applied first. Sizes that do not fit
-        the world raise ``ValueError`` (see :func:`bapo_megatron.distributed.layout.validate_layout` for
-        the checks that also need the model).
+        the world raise ``ValueError`` (see
+        :func:`bapo_megatron.distributed.layout.validate_layout` for the checks that also need
+        the model). ``gloo_groups=False`` skips Megatron's extra gloo
+        groups, for a world whose backend cannot make them (the layout planner's fake world).
         """
         if parallel_state.model_parallel_is_initialized():
             raise RuntimeError(
@@ -110,6 +117,7 @@ class ParallelContext:
             virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
             context_parallel_size=config.context_parallel_size,
             distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60)),
+            create_gloo_process_groups=gloo_groups,
         )
         ps = parallel_state
         return cls(
@@ -148,7 +156,8 @@ class ParallelContext:
         return self.pp_rank == 0 and (vp_stage is None or vp_stage == 0)
 
     def is_last_stage(self, vp_stage: int | None = None) -> bool:
-        """Whether this rank (and chunk ``vp_stage``) holds the output layer and computes the loss."""
+        """Whether this rank (and chunk ``vp_stage``) holds the output layer and computes the
+        loss."""
         last_chunk = vp_stage is None or vp_stage == (self.vpp_size or 1) - 1
         return self.pp_rank == self.pp_size - 1 and last_chunk
 
