@@ -2,7 +2,7 @@
 pass of one micro-batch, times the micro-batches a pipeline stage holds at once.
 
 The formula counts, per decoder layer and per token of the micro-batch, the tensors the layer
-saves (e = bytes of the activation dtype, h hidden, f FFN width, d head size, a / g query / key-value
+saves (e = bytes of the activation dtype, h hidden, f FFN width, d head size, a / g query / KV
 heads, t tensor-parallel size; "norm side" tensors are divided by t only under sequence
 parallelism, the others always, since heads and FFN columns are split):
 

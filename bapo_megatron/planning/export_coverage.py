@@ -88,5 +88,7 @@ def check_export(
                         coverage.wrong_shape.append(f"{name}: {shape} != {expected[name]}")
     coverage.missing = sorted(set(expected) - set(seen))
     coverage.duplicated = sorted(name for name, count in seen.items() if count > 1)
-    coverage.wrong_shape += sorted(f"{name}: not an HF tensor" for name in set(seen) - set(expected))
+    coverage.wrong_shape += sorted(
+        f"{name}: not an HF tensor" for name in set(seen) - set(expected)
+    )
     return coverage

@@ -129,10 +129,12 @@ def plan_layout(
         )
         return plan
     shards: dict[int, dict[int, list]] = {}
-    for rank in range(world_size):
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    replica = sorted(
+        megatron_rank(parallel, world_size, t, 0, p) for t in range(tp) for p in range(pp)
+    )
+    for rank in range(world_size) if all_ranks else replica:
         with simulated_rank(parallel, world_size, rank) as context:
-            if context.cp_rank or (context.dp_rank and not all_ranks):
-                continue
             expected = megatron_rank(
                 parallel, world_size, context.tp_rank, context.dp_rank, context.pp_rank
             )
@@ -187,15 +189,25 @@ def _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention) -> N
         )
         activations = stage_bytes(model, parallel, shape, pp_rank, layers)
         memory = RankMemory(
-            rank=rank, pp_rank=pp_rank, tp_rank=tp_rank, dp_rank=dp_rank,
-            weights=state.weights, gradients=state.gradients, optimizer=state.optimizer,
+            rank=rank,
+            pp_rank=pp_rank,
+            tp_rank=tp_rank,
+            dp_rank=dp_rank,
+            weights=state.weights,
+            gradients=state.gradients,
+            optimizer=state.optimizer,
             optimizer_replicated=state.optimizer_replicated,
-            optimizer_distributed=state.optimizer_distributed, activations=activations,
+            optimizer_distributed=state.optimizer_distributed,
+            activations=activations,
         )
         total = state.total + activations
         if rank in hosts:
             engine = engine_memory(
-                model, rollout, plan.model_parameters, plan.gpu_bytes, state.total,
+                model,
+                rollout,
+                plan.model_parameters,
+                plan.gpu_bytes,
+                state.total,
                 model.max_position_embeddings,
             )
             if rollout.engine == "vllm":
@@ -207,16 +219,22 @@ def _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention) -> N
             else:
                 total += engine_part
             memory = dataclasses.replace(
-                memory, engine_weights=engine.weights, engine_kv_cache=engine.kv_cache,
-                engine_budget=engine.budget, engine_kv_tokens=engine.kv_tokens,
+                memory,
+                engine_weights=engine.weights,
+                engine_kv_cache=engine.kv_cache,
+                engine_budget=engine.budget,
+                engine_kv_tokens=engine.kv_tokens,
             )
             if engine.kv_tokens < engine.context_tokens:
                 plan.problems.append(
                     f"rank {rank}: the {rollout.engine} engine's KV cache holds "
                     f"{engine.kv_tokens} tokens ({engine.kv_cache / GB:.2f} GB = budget "
                     f"{engine.budget / GB:.2f} GB - weights {engine.weights / GB:.2f} GB"
-                    + (f" - actor state {state.total / GB:.2f} GB" if rollout.engine == "sglang"
-                       else "")
+                    + (
+                        f" - actor state {state.total / GB:.2f} GB"
+                        if rollout.engine == "sglang"
+                        else ""
+                    )
                     + f"), fewer than one {engine.context_tokens}-token sequence "
                     "(rollout.gpu_memory_utilization)"
                 )
@@ -229,7 +247,10 @@ def _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention) -> N
             f"{worst.tp_rank}) needs {worst.total / GB:.2f} GB > {plan.gpu_bytes / GB:.2f} GB "
             f"per GPU: weights {worst.weights / GB:.2f} + gradients {worst.gradients / GB:.2f} + "
             f"optimizer {worst.optimizer / GB:.2f} + activations {worst.activations / GB:.2f}"
-            + (f" + engine {(worst.total - worst.weights - worst.gradients - worst.optimizer - worst.activations) / GB:.2f}"  # noqa: E501
-               if worst.engine_budget else "")
+            + (
+                f" + engine {(worst.total - worst.weights - worst.gradients - worst.optimizer - worst.activations) / GB:.2f}"  # noqa: E501
+                if worst.engine_budget
+                else ""
+            )
             + " GB"
         )

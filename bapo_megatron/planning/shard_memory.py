@@ -9,8 +9,8 @@ from the rank's (meta) model chunks with the rules Megatron-Core 0.16 allocates 
   parameter's start to 64 elements and every bucket's end to lcm(data-parallel size, 128), and
   puts the tied embedding in a bucket of its own (``_ParamAndGradBuffer``); without it there is
   no padding. :func:`grad_buffer_layout` repeats that layout.
-- Optimizer: Adam's two fp32 moments per optimized element; in bf16 mode also an fp32 main copy
-  of each (Megatron's mixed precision). The distributed optimizer optimizes only the elements of
+- Optimizer: Adam's two fp32 moments per optimized element, and an fp32 main copy of each
+  element of a parameter stored in lower precision (Megatron's mixed precision). The distributed optimizer optimizes only the elements of
   the rank's 1/dp shard of each bucket (padding excluded). Adam's per-tensor step counters (a
   scalar each) are not counted.
 """
@@ -116,8 +116,7 @@ def actor_state_bytes(
     or DDP-wrapped) at data-parallel rank ``dp_rank`` of ``dp_size``."""
     weights = parameters = 0
     grads = {True: 0, False: 0}
-    optimized = {True: 0, False: 0}
-    per_element = ADAM_MOMENT_BYTES
+    optimizer = {True: 0, False: 0}
     for chunk in chunks:
         module = getattr(chunk, "module", chunk)
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
@@ -126,22 +125,24 @@ def actor_state_bytes(
             parameters += param.numel()
             if param.requires_grad:
                 by_dtype.setdefault(param.dtype, []).append(param)
-            if param.dtype != torch.float32:
-                per_element = ADAM_MOMENT_BYTES + MAIN_PARAM_BYTES
-        for params in by_dtype.values():
+        for dtype, params in by_dtype.items():
+            # fp32 parameters (the local spec's norm weights, or a float32 model) are their own
+            # main copy; lower-precision ones get an fp32 one.
+            per_element = ADAM_MOMENT_BYTES + (MAIN_PARAM_BYTES if dtype != torch.float32 else 0)
             for distributed in (True, False):
                 buffer = grad_buffer_layout(params, dp_size, distributed)
                 grads[distributed] += buffer.numel * GRAD_BYTES
-                optimized[distributed] += (
+                elements = (
                     shard_elements(buffer, dp_size, dp_rank)
                     if distributed
                     else sum(p.numel() for p in params)
                 )
+                optimizer[distributed] += elements * per_element
     return ActorStateBytes(
         parameters=parameters,
         weights=weights,
         gradients=grads[distributed_optimizer],
-        optimizer=optimized[distributed_optimizer] * per_element,
-        optimizer_replicated=optimized[False] * per_element,
-        optimizer_distributed=optimized[True] * per_element,
+        optimizer=optimizer[distributed_optimizer],
+        optimizer_replicated=optimizer[False],
+        optimizer_distributed=optimizer[True],
     )

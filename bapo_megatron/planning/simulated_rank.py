@@ -24,7 +24,9 @@ META = torch.device("meta")
 
 
 @contextmanager
-def simulated_rank(parallel: ParallelConfig, world_size: int, rank: int) -> Iterator[ParallelContext]:
+def simulated_rank(
+    parallel: ParallelConfig, world_size: int, rank: int
+) -> Iterator[ParallelContext]:
     """The :class:`ParallelContext` of ``rank`` in a fake world of ``world_size`` ranks laid out
     as ``parallel``, with the meta device as its device; torn down on exit. Megatron's extra gloo
     groups are not made (the fake backend cannot make gloo groups; the planner needs none)."""
