@@ -58,7 +58,7 @@ def _model(config, hf_config: str | None) -> ModelConfig:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the planner; the exit code says whether the recipe passes."""
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     try:
         config = load_config(args.recipe, args.overrides)
         config.check_training()

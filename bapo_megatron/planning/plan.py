@@ -180,6 +180,7 @@ def _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention) -> N
     colocated = rollout.engine in COLOCATED
     firsts = [megatron_rank(parallel, world, 0, d, 0) for d in range(dp)]
     hosts = engine_ranks(firsts, rollout.engine_tensor_parallel_size) if colocated else set()
+    short: dict[str, list[int]] = {}  # engine problem -> the ranks that have it
     for rank in range(world):
         tp_rank = rank % parallel.tensor_model_parallel_size
         rest = rank // (parallel.tensor_model_parallel_size * parallel.context_parallel_size)
@@ -212,8 +213,8 @@ def _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention) -> N
             )
             if rollout.engine == "vllm":
                 engine_part = engine.budget
-            else:  # SGLang's fraction already holds the actor's state
-                engine_part = engine.budget - state.total
+            else:  # SGLang's fraction holds the actor's state too; the engine's weights at least
+                engine_part = max(engine.budget - state.total, engine.weights)
             if rollout.release_memory_during_training:
                 total = state.total + max(activations, engine_part)
             else:
@@ -226,8 +227,8 @@ def _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention) -> N
                 engine_kv_tokens=engine.kv_tokens,
             )
             if engine.kv_tokens < engine.context_tokens:
-                plan.problems.append(
-                    f"rank {rank}: the {rollout.engine} engine's KV cache holds "
+                short.setdefault(
+                    f"the {rollout.engine} engine's KV cache holds "
                     f"{engine.kv_tokens} tokens ({engine.kv_cache / GB:.2f} GB = budget "
                     f"{engine.budget / GB:.2f} GB - weights {engine.weights / GB:.2f} GB"
                     + (
@@ -236,10 +237,12 @@ def _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention) -> N
                         else ""
                     )
                     + f"), fewer than one {engine.context_tokens}-token sequence "
-                    "(rollout.gpu_memory_utilization)"
-                )
+                    "(rollout.gpu_memory_utilization)",
+                    [],
+                ).append(rank)
         memory = dataclasses.replace(memory, total=total)
         plan.memory.append(memory)
+    plan.problems += [f"ranks {ranks}: {problem}" for problem, ranks in short.items()]
     worst = plan.worst
     if worst is not None and worst.total > plan.gpu_bytes:
         plan.problems.append(

@@ -10,9 +10,9 @@ from the rank's (meta) model chunks with the rules Megatron-Core 0.16 allocates 
   puts the tied embedding in a bucket of its own (``_ParamAndGradBuffer``); without it there is
   no padding. :func:`grad_buffer_layout` repeats that layout.
 - Optimizer: Adam's two fp32 moments per optimized element, and an fp32 main copy of each
-  element of a parameter stored in lower precision (Megatron's mixed precision). The distributed optimizer optimizes only the elements of
-  the rank's 1/dp shard of each bucket (padding excluded). Adam's per-tensor step counters (a
-  scalar each) are not counted.
+  element of a parameter stored in lower precision (Megatron's mixed precision). The distributed
+  optimizer optimizes only the elements of the rank's 1/dp shard of each bucket (padding
+  excluded). Adam's per-tensor step counters (a scalar each) are not counted.
 """
 
 from __future__ import annotations
