@@ -65,7 +65,11 @@ class ParallelContext:
 
     @classmethod
     def initialize(
-        cls, config: ParallelConfig, *, timeout: datetime.timedelta | None = None
+        cls,
+        config: ParallelConfig,
+        *,
+        timeout: datetime.timedelta | None = None,
+        gloo_groups: bool = True,
     ) -> ParallelContext:
         """Build the process groups of ``config`` on the current torch.distributed world.
 
@@ -75,7 +79,8 @@ class ParallelContext:
         gloo; on the CPU, the Megatron-Core CPU patches are applied first. Sizes that do not fit
         the world raise ``ValueError`` (see
         :func:`bapo_megatron.distributed.layout.validate_layout` for the checks that also need
-        the model).
+        the model). ``gloo_groups=False`` skips Megatron's extra gloo
+        groups, for a world whose backend cannot make them (the layout planner's fake world).
         """
         if parallel_state.model_parallel_is_initialized():
             raise RuntimeError(
@@ -112,6 +117,7 @@ class ParallelContext:
             virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
             context_parallel_size=config.context_parallel_size,
             distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60)),
+            create_gloo_process_groups=gloo_groups,
         )
         ps = parallel_state
         return cls(

@@ -1,9 +1,10 @@
 """The example recipes and launch scripts, checked without running them.
 
-The GPU recipes (examples/qwen2.5-7b, examples/qwen2.5-32b) cannot run here: these tests are
-all the validation they get. Each is loaded with ``load_config`` (unknown keys fail), passes
-``check_training``, and its parallel layout is checked against the published shapes of the
-architecture it names at the world size its launch comment gives, as if on an FP8-capable GPU
+The GPU recipes (examples/qwen2.5-*, qwen3-*, deepseek-r1-distill-qwen-7b, llama3.2-3b) cannot
+run here: these tests and the layout planner's (tests/unit/test_layout_planner.py) are all the
+validation they get. Each is loaded with ``load_config`` (unknown keys fail), passes
+``check_training``, and its parallel layout is checked against the architecture it names (its
+published config.json) at the world size its launch comment gives, as if on an FP8-capable GPU
 with Transformer Engine. The launch scripts are syntax-checked and dry-run. No model is built.
 """
 
@@ -22,47 +23,61 @@ import pytest
 from bapo_megatron.config import Config, ModelConfig
 from bapo_megatron.config.loading import load_config
 from bapo_megatron.distributed.layout import Accelerator, validate_layout
+from tests.helpers.published_configs import config_path, skip_unless_supported
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO_ROOT / "examples"
 LAUNCH = EXAMPLES / "launch"
 SCRIPTS = (LAUNCH / "torchrun_multinode.sh", LAUNCH / "slurm.sbatch")
 
-# Published shapes (the models' HF config.json). The R1 distills keep their base model's shapes.
-ARCHITECTURES = {
-    "qwen2.5-7b": ModelConfig(
-        model_type="qwen2",
-        num_layers=28,
-        hidden_size=3584,
-        ffn_hidden_size=18944,
-        num_attention_heads=28,
-        num_query_groups=4,
-        vocab_size=152064,
-        rope_theta=1e6,
-        tie_word_embeddings=False,
-        max_position_embeddings=131072,
-        params_dtype="bfloat16",
-    ),
-    "qwen2.5-32b": ModelConfig(
-        model_type="qwen2",
-        num_layers=64,
-        hidden_size=5120,
-        ffn_hidden_size=27648,
-        num_attention_heads=40,
-        num_query_groups=8,
-        vocab_size=152064,
-        rope_theta=1e6,
-        tie_word_embeddings=False,
-        max_position_embeddings=131072,
-        params_dtype="bfloat16",
-    ),
-}
-
-# What each GPU recipe promises: its architecture, its engine, its model folder's size tag.
+# What each GPU recipe promises: the published config.json of the model it names
+# (tests/data/published_configs), its engine, its model folder's size tag.
 GPU_RECIPES = {
-    "qwen2.5-7b/train.yaml": {"architecture": "qwen2.5-7b", "engine": "vllm", "size": "7B"},
-    "qwen2.5-32b/train.yaml": {"architecture": "qwen2.5-32b", "engine": "sglang", "size": "32B"},
+    "qwen2.5-7b/train.yaml": {
+        "hf_config": "DeepSeek-R1-Distill-Qwen-7B",
+        "engine": "vllm",
+        "size": "7B",
+        "world": 16,
+    },
+    "qwen2.5-32b/train.yaml": {
+        "hf_config": "DeepSeek-R1-Distill-Qwen-32B",
+        "engine": "sglang",
+        "size": "32B",
+        "world": 32,
+    },
+    "deepseek-r1-distill-qwen-7b/train.yaml": {
+        "hf_config": "DeepSeek-R1-Distill-Qwen-7B",
+        "engine": "vllm",
+        "size": "7B",
+        "world": 16,
+    },
+    "qwen3-8b/train.yaml": {"hf_config": "Qwen3-8B", "engine": "vllm", "size": "8B", "world": 16},
+    "qwen3-32b/train.yaml": {
+        "hf_config": "Qwen3-32B",
+        "engine": "sglang",
+        "size": "32B",
+        "world": 32,
+    },
+    "llama3.2-3b/train.yaml": {
+        "hf_config": "Llama-3.2-3B",
+        "engine": "vllm",
+        "size": "3B",
+        "world": 16,
+    },
 }
+# Qwen3 and Llama 3.2 run once this checkout reads their families (skipped on that refusal only).
+GPU_RECIPE_PARAMS = [
+    pytest.param(name, marks=skip_unless_supported(promise["hf_config"]), id=name)
+    for name, promise in sorted(GPU_RECIPES.items())
+]
+
+
+def architecture(name: str) -> ModelConfig:
+    """The published architecture the recipe ``name`` trains, in bf16."""
+    path = config_path(GPU_RECIPES[name]["hf_config"])
+    return ModelConfig.from_hf_config(path, params_dtype="bfloat16")
+
+
 CPU_RECIPES = ("tiny_cpu/train.yaml",)
 NOT_TRAINING = ("loss.yaml",)  # the loss demo's config: a loss section only
 
@@ -105,7 +120,7 @@ def test_tiny_cpu_example_trains_on_the_cpu():
     assert validate_layout(cfg.model, cfg.parallel, 1, cpu) == 1
 
 
-@pytest.mark.parametrize("name", sorted(GPU_RECIPES))
+@pytest.mark.parametrize("name", GPU_RECIPE_PARAMS)
 def test_gpu_recipe(name):
     promise = GPU_RECIPES[name]
     path = EXAMPLES / name
@@ -113,7 +128,7 @@ def test_gpu_recipe(name):
     assert "NOT RUN" in text, "a recipe that was never run must say so"
     cfg = load_config(path)
     cfg.check_training()
-    model = ARCHITECTURES[promise["architecture"]]
+    model = architecture(name)
 
     # Weights from an HF folder in bf16, prompts from a file, math reward.
     assert cfg.model is None and cfg.train.model_path.startswith("/")
@@ -128,6 +143,7 @@ def test_gpu_recipe(name):
     nodes, gpus_per_node = _launch_world(text)
     world = nodes * gpus_per_node
     assert nodes > 1, "a multi-node recipe"
+    assert world == promise["world"]
     dp = validate_layout(model, cfg.parallel, world, H100_WITH_TE)
     assert dp >= 1
     assert gpus_per_node % cfg.parallel.tensor_model_parallel_size == 0, (
@@ -158,12 +174,12 @@ def test_gpu_recipe(name):
     assert cfg.checkpoint.interval > 0
 
 
-@pytest.mark.parametrize("name", sorted(GPU_RECIPES))
+@pytest.mark.parametrize("name", GPU_RECIPE_PARAMS)
 def test_commented_fp8_line_validates_where_fp8_runs(name):
     path = EXAMPLES / name
     assert re.search(r"^\s*#\s*fp8: hybrid\s*$", path.read_text(), re.MULTILINE)
     cfg = load_config(path, ["parallel.fp8=hybrid"])
-    model = ARCHITECTURES[GPU_RECIPES[name]["architecture"]]
+    model = architecture(name)
     nodes, gpus_per_node = _launch_world(path.read_text())
     assert validate_layout(model, cfg.parallel, nodes * gpus_per_node, H100_WITH_TE) >= 1
     a100 = dataclasses.replace(H100_WITH_TE, fp8_gpu=False)

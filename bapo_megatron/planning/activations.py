@@ -1,0 +1,105 @@
+"""Activation memory of the actor's training pass: the tensors autograd saves for the backward
+pass of one micro-batch, times the micro-batches a pipeline stage holds at once.
+
+The formula counts, per decoder layer and per token of the micro-batch, the tensors the layer
+saves (e = bytes of the activation dtype, h hidden, f FFN width, d head size, a / g query / KV
+heads, t tensor-parallel size; "norm side" tensors are divided by t only under sequence
+parallelism, the others always, since heads and FFN columns are split):
+
+- ``unfused`` attention (Megatron's local layer spec, what runs on the CPU): 4 norm-side h-wide
+  tensors (layer input, normed input, residual, normed residual), 6 head-side (a/t)·d-wide ones
+  (rotated q, k and v expanded to the query heads, their copies for the batched products, the
+  attention output), 5 (f/t)-wide MLP tensors (the gate/up product, the SwiGLU pieces, the down
+  projection's input), the (a/t)·s attention probabilities per token (s = sequence length) and
+  two fp32 RMSNorm statistics. Counted from the saved tensors of a CPU forward pass
+  (tests/unit/test_layout_planner_measured.py measures it).
+- ``flash`` attention (Transformer Engine's fused attention on a GPU): the same norm-side
+  tensors, rotated q and the attention output ((a/t)·d each), k and v unexpanded ((g/t)·d each),
+  3 (f/t)-wide MLP tensors and one fp32 softmax statistic per head; no s-long term. This is a
+  model of what Transformer Engine keeps (as in Korthikanti et al., "Reducing Activation
+  Recomputation in Large Transformer Models", and Megatron-LM's ``theoretical_memory_usage``),
+  not a measurement: there is no GPU here.
+
+Outside the layers: the first stage's embedding output, the last stage's final norm input and
+output (norm side), its vocabulary-parallel logits (V/t per token, kept by the log-prob function)
+and, for logits narrower than fp32, the fp32 copy the log-prob function makes while it runs.
+
+Pipelining: with the 1F1B schedule stage p holds min(pp - p, micro-batches) micro-batches at
+once; the interleaved schedule holds more, by the factor 1 + (pp - 1) / (pp · vpp) that
+Megatron-LM's estimate uses. The trainer has no activation recomputation (every layer keeps its
+tensors), so none is modelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from bapo_megatron.config import ModelConfig, ParallelConfig
+
+Attention = Literal["unfused", "flash"]
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+_FP32 = 4
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What one micro-batch of the training pass looks like."""
+
+    micro_batch_size: int
+    """Sequences per micro-batch."""
+    sequence_length: int
+    """Tokens per sequence (a micro-batch is padded to its longest)."""
+    micro_batches: int
+    """Micro-batches per optimizer step on one data-parallel rank (caps the pipeline's in-flight
+    count)."""
+    attention: Attention = "flash"
+
+
+def layer_bytes(model: ModelConfig, parallel: ParallelConfig, shape: ActivationShape) -> int:
+    """Bytes one decoder layer saves for one micro-batch on one tensor-parallel rank."""
+    t = parallel.tensor_model_parallel_size
+    e = _DTYPE_BYTES[model.params_dtype]
+    tokens = shape.micro_batch_size * shape.sequence_length
+    h, d, f = model.hidden_size, model.head_dim, model.ffn_hidden_size
+    heads, groups = model.num_attention_heads // t, model.num_query_groups // t
+    norm_tokens = tokens // t if parallel.sequence_parallel else tokens
+    norm_side = 4 * norm_tokens * h * e + 2 * norm_tokens * _FP32
+    if shape.attention == "unfused":
+        attention = 6 * tokens * heads * d * e + tokens * heads * shape.sequence_length * e
+        mlp = 5 * tokens * (f // t) * e
+    elif shape.attention == "flash":
+        attention = tokens * (2 * heads + 2 * groups) * d * e + tokens * heads * _FP32
+        mlp = 3 * tokens * (f // t) * e
+    else:
+        raise ValueError(f"attention must be 'unfused' or 'flash', got {shape.attention!r}")
+    return norm_side + attention + mlp
+
+
+def stage_bytes(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    shape: ActivationShape,
+    pp_rank: int,
+    layers: int,
+) -> int:
+    """Peak activation bytes of pipeline stage ``pp_rank`` holding ``layers`` decoder layers."""
+    t = parallel.tensor_model_parallel_size
+    pp = parallel.pipeline_model_parallel_size
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    e = _DTYPE_BYTES[model.params_dtype]
+    tokens = shape.micro_batch_size * shape.sequence_length
+    norm_tokens = tokens // t if parallel.sequence_parallel else tokens
+    per_micro_batch = layers * layer_bytes(model, parallel, shape)
+    if pp_rank == 0:
+        per_micro_batch += norm_tokens * model.hidden_size * e
+    last = pp_rank == pp - 1
+    if last:
+        per_micro_batch += 2 * norm_tokens * model.hidden_size * e
+    in_flight = min(pp - pp_rank, max(1, shape.micro_batches))
+    factor = 1 + (pp - 1) / (pp * vpp) if vpp else 1
+    total = int(per_micro_batch * in_flight * factor)
+    if last:  # one micro-batch's logits at a time: the loss runs right after its forward
+        vocab = model.vocab_size // t
+        total += tokens * vocab * e + (tokens * vocab * _FP32 if e < _FP32 else 0)
+    return total

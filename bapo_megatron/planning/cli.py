@@ -1,0 +1,105 @@
+"""``bapo-plan-layout RECIPE.yaml --world-size N [dotted.key=value ...]``: check a recipe's layout
+rank by rank without a GPU (:func:`bapo_megatron.planning.plan.plan_layout`).
+
+Prints the layout, the parameters of each simulated rank, the export check and the memory of the
+fullest GPU; the last line is one JSON object with all of it. Exits 1 when the recipe does not
+pass (the reasons, with the numbers, are printed and in the JSON's ``problems``), 2 on bad
+input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from bapo_megatron.config import ModelConfig
+from bapo_megatron.config.loading import load_config
+from bapo_megatron.planning.plan import GB, plan_layout
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bapo-plan-layout", description=__doc__.split("\n")[0])
+    parser.add_argument("recipe", help="run configuration YAML")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    parser.add_argument("--world-size", type=int, required=True, help="GPUs of the job")
+    parser.add_argument(
+        "--hf-config",
+        help="the model's config.json (default: train.model_path's, or the model section)",
+    )
+    parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="per GPU (H100: 80)")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=1024, help="prompt tokens before max_new_tokens"
+    )
+    parser.add_argument(
+        "--attention",
+        choices=("flash", "unfused"),
+        default="flash",
+        help="activation model: Transformer Engine's fused attention (GPU) or the local spec's",
+    )
+    parser.add_argument(
+        "--all-ranks", action="store_true", help="simulate every rank, not one replica"
+    )
+    return parser
+
+
+def _model(config, hf_config: str | None) -> ModelConfig:
+    train = config.train
+    source = hf_config or train.model_path
+    if source is None:
+        if config.model is None:
+            raise ValueError("the recipe has neither train.model_path nor a model section")
+        return config.model
+    overrides = {"params_dtype": train.params_dtype or "float32"}
+    if train.max_position_embeddings is not None:
+        overrides["max_position_embeddings"] = train.max_position_embeddings
+    return ModelConfig.from_hf_config(source, **overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the planner; the exit code says whether the recipe passes."""
+    args = _parser().parse_intermixed_args(argv)
+    try:
+        config = load_config(args.recipe, args.overrides)
+        config.check_training()
+        model = _model(config, args.hf_config)
+        if args.world_size < 1 or args.gpu_memory_gb <= 0 or args.prompt_tokens < 1:
+            raise ValueError("--world-size, --gpu-memory-gb and --prompt-tokens must be positive")
+    except ValueError as err:
+        print(f"bapo-plan-layout: {err}", file=sys.stderr)
+        print(json.dumps({"ok": False, "problems": [str(err)]}))
+        return 2
+    plan = plan_layout(
+        config,
+        model,
+        args.world_size,
+        gpu_bytes=int(args.gpu_memory_gb * GB),
+        prompt_tokens=args.prompt_tokens,
+        attention=args.attention,
+        all_ranks=args.all_ranks,
+    )
+    summary = plan.summary()
+    p = config.parallel
+    print(
+        f"layout: world {args.world_size} = TP {p.tensor_model_parallel_size} x PP "
+        f"{p.pipeline_model_parallel_size} x DP {plan.data_parallel_size}; model "
+        f"{plan.model_parameters} parameters ({model.model_type}, {model.params_dtype})"
+    )
+    for rank, count in plan.parameters_per_rank.items():
+        print(f"rank {rank}: {count} parameters")
+    if plan.export is not None:
+        print(
+            f"export: {plan.export.tensors} HF tensors in {plan.export.buckets} buckets, "
+            f"{'each exactly once with its full shape' if plan.export.complete else 'INCOMPLETE'}"
+        )
+    worst = summary["worst_rank_memory_gb"]
+    if worst is not None:
+        print("fullest GPU (GB): " + ", ".join(f"{k} {v}" for k, v in worst.items()))
+    for problem in plan.problems:
+        print(f"REFUSED: {problem}", file=sys.stderr)
+    print(json.dumps(summary))
+    return 0 if not plan.problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

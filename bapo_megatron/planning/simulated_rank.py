@@ -1,0 +1,64 @@
+"""One process plays one rank of a large layout: a fake ``torch.distributed`` world of the
+layout's size (torch's ``fake`` backend: collectives return at once, no other process exists),
+Megatron's parallel state for that rank, and the rank's model shard built on the meta device
+(shapes and attributes only, no memory). As torchtitan's memory estimation does, a whole world is
+checked by playing its ranks in turn."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+# Importing the module registers the "fake" backend with torch.distributed.
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from bapo_megatron.actor.model import build_model
+from bapo_megatron.config import ModelConfig, ParallelConfig
+from bapo_megatron.distributed.context import ParallelContext
+
+META = torch.device("meta")
+
+
+@contextmanager
+def simulated_rank(
+    parallel: ParallelConfig, world_size: int, rank: int
+) -> Iterator[ParallelContext]:
+    """The :class:`ParallelContext` of ``rank`` in a fake world of ``world_size`` ranks laid out
+    as ``parallel``, with the meta device as its device; torn down on exit. Megatron's extra gloo
+    groups are not made (the fake backend cannot make gloo groups; the planner needs none)."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "simulated_rank: torch.distributed is already initialized in this process; the "
+            "planner needs a process of its own"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        context = ParallelContext.initialize(parallel, gloo_groups=False)
+        try:
+            yield dataclasses.replace(context, device=META)
+        finally:
+            context.teardown()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def build_meta_shard(
+    model: ModelConfig, parallel: ParallelConfig, context: ParallelContext
+) -> list[torch.nn.Module]:
+    """The rank's model chunks exactly as the trainer builds them
+    (:func:`~bapo_megatron.actor.model.build_model`), with every tensor on the meta device."""
+    with torch.device(META):
+        return build_model(model, parallel, context, initialize=False)
+
+
+def megatron_rank(parallel: ParallelConfig, world_size: int, tp: int, dp: int, pp: int) -> int:
+    """Global rank of the given tensor, data and pipeline coordinates (context-parallel rank 0)
+    in Megatron's default order ``tp-cp-ep-dp-pp`` (tensor-parallel ranks adjacent)."""
+    tp_size, cp_size = parallel.tensor_model_parallel_size, parallel.context_parallel_size
+    dp_size = world_size // parallel.model_parallel_size
+    return tp + tp_size * cp_size * (dp + dp_size * pp)

@@ -1,0 +1,130 @@
+"""The layout planner (``bapo-plan-layout``) on the GPU recipes at their real size: one replica's
+ranks (every pipeline stage x tensor-parallel rank; the other data-parallel replicas hold the same
+shards) built on the meta device under a fake process group, the export plan over all stages, and
+the memory of every GPU of the world against 80 GB. An oversized layout and a layout that does
+not divide are refused with the numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bapo_megatron.planning.cli import main
+from tests.e2e.test_examples import GPU_RECIPE_PARAMS, GPU_RECIPES
+from tests.helpers.published_configs import PUBLISHED_PARAMETERS, config_path
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def run_planner(capsys, recipe: str, world: int, hf_config: str, *extra: str):
+    code = main(
+        [
+            str(EXAMPLES / recipe),
+            "--world-size",
+            str(world),
+            "--hf-config",
+            str(config_path(hf_config)),
+            *extra,
+        ]
+    )
+    out = capsys.readouterr()
+    return code, json.loads(out.out.strip().splitlines()[-1]), out.err
+
+
+@pytest.mark.parametrize("name", GPU_RECIPE_PARAMS)
+def test_recipe_passes_the_planner(capsys, name):
+    promise = GPU_RECIPES[name]
+    code, summary, err = run_planner(capsys, name, promise["world"], promise["hf_config"])
+    assert code == 0 and summary["ok"], err
+    assert summary["model_parameters"] == PUBLISHED_PARAMETERS[promise["hf_config"]]
+    export = summary["export"]
+    assert export["complete"] and not export["missing"] and not export["duplicated"]
+    worst = summary["worst_rank_memory_gb"]
+    assert 0 < worst["total"] <= 80
+    parts = ("weights", "gradients", "optimizer", "activations")
+    assert all(worst[k] > 0 for k in parts)
+    assert worst["optimizer_distributed"] < worst["optimizer_replicated"]
+
+
+def test_7b_recipe_ranks_hold_a_quarter_each(capsys):
+    code, summary, _ = run_planner(
+        capsys, "qwen2.5-7b/train.yaml", 16, "DeepSeek-R1-Distill-Qwen-7B"
+    )
+    assert code == 0
+    # TP4 x DP4: one replica = ranks 0-3; each holds 1/4 of every split tensor and all norms.
+    assert summary["simulated_ranks"] == [0, 1, 2, 3]
+    counts = set(summary["parameters_per_rank"].values())
+    assert len(counts) == 1
+    (per_rank,) = counts
+    norms = (2 * 28 + 1) * 3584
+    assert per_rank == (7_615_616_512 - norms) // 4 + norms
+
+
+def test_32b_recipe_simulates_every_stage_and_tensor_rank(capsys):
+    code, summary, _ = run_planner(
+        capsys, "qwen2.5-32b/train.yaml", 32, "DeepSeek-R1-Distill-Qwen-32B"
+    )
+    assert code == 0
+    # TP8 x PP2 x DP2 in Megatron's order tp-cp-ep-dp-pp: replica 0 = ranks 0-7 and 16-23.
+    assert summary["simulated_ranks"] == [*range(8), *range(16, 24)]
+    total = sum(summary["parameters_per_rank"].values())
+    norms = (2 * 64 + 1) * 5120
+    assert total == 32_763_876_352 + 7 * norms  # norms are replicated over the 8 TP ranks
+
+
+def test_oversized_recipe_is_refused_with_the_numbers(capsys):
+    # The 32B recipe squeezed onto one node: TP8 alone, no distributed optimizer.
+    code, summary, err = run_planner(
+        capsys,
+        "qwen2.5-32b/train.yaml",
+        8,
+        "DeepSeek-R1-Distill-Qwen-32B",
+        "parallel.pipeline_model_parallel_size=1",
+        "optimizer.use_distributed_optimizer=false",
+        "rollout.prompts_per_step=32",
+    )
+    assert code == 1 and not summary["ok"]
+    [problem] = [p for p in summary["problems"] if p.startswith("memory:")]
+    assert (
+        "GB > 80.00 GB per GPU" in problem and "optimizer" in problem and "activations" in problem
+    )
+    assert "REFUSED: memory:" in err
+    assert summary["worst_rank_memory_gb"]["total"] > 80
+
+
+def test_smaller_gpu_refuses_what_an_h100_fits(capsys):
+    code, summary, _ = run_planner(
+        capsys, "qwen2.5-7b/train.yaml", 16, "DeepSeek-R1-Distill-Qwen-7B", "--gpu-memory-gb", "40"
+    )
+    assert code == 1 and any("40.00 GB per GPU" in p for p in summary["problems"])
+
+
+def test_layout_that_does_not_divide_is_refused(capsys):
+    code, summary, _ = run_planner(
+        capsys,
+        "qwen2.5-7b/train.yaml",
+        12,
+        "DeepSeek-R1-Distill-Qwen-7B",
+        "parallel.tensor_model_parallel_size=3",
+        "parallel.sequence_parallel=true",
+    )
+    assert code == 1
+    assert summary["problems"][0].startswith("layout: ")
+    assert "tensor_model_parallel_size (3)" in summary["problems"][0]
+
+
+def test_bad_input_exits_2(capsys):
+    code = main(
+        [
+            str(EXAMPLES / "qwen2.5-7b/train.yaml"),
+            "--world-size",
+            "16",
+            "--hf-config",
+            "/nonexistent/config.json",
+        ]
+    )
+    out = capsys.readouterr()
+    assert code == 2 and "does not exist" in out.err
+    assert json.loads(out.out.strip().splitlines()[-1])["ok"] is False

@@ -1,0 +1,143 @@
+"""The layout planner's numbers against a tiny actor built and run on this machine's CPU.
+
+- Actor state: the planner's weight, gradient and optimizer bytes
+  (:func:`~bapo_megatron.planning.shard_memory.actor_state_bytes`) equal, byte for byte, those of
+  an actor built by ``build_actor`` after one optimizer step: parameter tensors, the DDP
+  gradient buffers, and the optimizer's fp32 main parameters plus Adam's ``exp_avg`` and
+  ``exp_avg_sq`` (per-tensor step counters excluded, as the planner documents).
+- Activations: measured deterministically (not RSS) as the bytes of the distinct storages autograd
+  saves for backward (``torch.autograd.graph.saved_tensors_hooks``; parameters excluded) during
+  one micro-batch's forward pass and log-probs, which is what the train step holds at its peak
+  without pipelining (each micro-batch runs forward then backward). The planner's ``unfused``
+  estimate (the local layer spec the CPU runs) must be within 25% of it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bapo_megatron.actor.actor import build_actor
+from bapo_megatron.actor.logprobs import token_logprobs
+from bapo_megatron.actor.optimizer import optimizer_step
+from bapo_megatron.config import ActorConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from bapo_megatron.planning.activations import ActivationShape, stage_bytes
+from bapo_megatron.planning.shard_memory import actor_state_bytes
+
+
+def tiny(params_dtype: str, tied: bool = True) -> ModelConfig:
+    return ModelConfig(
+        model_type="qwen2",
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=96,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=100,
+        max_position_embeddings=128,
+        params_dtype=params_dtype,
+        tie_word_embeddings=tied,
+    )
+
+
+def measured_state_bytes(actor) -> tuple[int, int, int]:
+    model_storages = {
+        p.untyped_storage().data_ptr() for c in actor.chunks for p in c.module.parameters()
+    }
+    weights = sum(p.numel() * p.element_size() for c in actor.chunks for p in c.module.parameters())
+    grads = sum(
+        b.grad_data.numel() * b.grad_data.element_size() for c in actor.chunks for b in c.buffers
+    )
+    optimizer = 0
+    for inner in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        for group in inner.optimizer.param_groups:
+            for p in group["params"]:
+                if p.untyped_storage().data_ptr() not in model_storages:  # an fp32 main copy
+                    optimizer += p.numel() * p.element_size()
+                state = inner.optimizer.state[p]
+                optimizer += sum(
+                    state[k].numel() * state[k].element_size() for k in ("exp_avg", "exp_avg_sq")
+                )
+    return weights, grads, optimizer
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["adam", "distributed-adam"])
+@pytest.mark.parametrize(
+    "params_dtype,tied", [("float32", True), ("bfloat16", True), ("bfloat16", False)]
+)
+def test_state_bytes_equal_a_built_actor(context, params_dtype, tied, distributed):
+    actor = build_actor(
+        tiny(params_dtype, tied),
+        ActorConfig(),
+        OptimizerConfig(use_distributed_optimizer=distributed),
+        context,
+    )
+    for chunk in actor.chunks:
+        for p in chunk.module.parameters():
+            p.main_grad.fill_(1e-3)
+    assert not optimizer_step(actor.optimizer, actor.scheduler, 1.0).skipped  # Adam state exists
+    planned = actor_state_bytes(actor.chunks, 1, 0, distributed)
+    assert (planned.weights, planned.gradients, planned.optimizer) == measured_state_bytes(actor)
+    assert planned.optimizer > planned.weights > 0
+
+
+def saved_activation_bytes(chunk, tokens: torch.Tensor, context) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves in one forward + log-probs."""
+    params = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen.setdefault(storage.data_ptr(), storage.nbytes())
+        return t
+
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = chunk(tokens, positions, None)
+        logprobs, _ = token_logprobs(logits, tokens, context, temperature=1.0, with_entropy=False)
+    logprobs.sum().backward()  # the saved tensors were real: backward runs through them
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("micro_batch_size,length", [(2, 96), (1, 128), (4, 32)])
+def test_activation_estimate_within_25_percent_of_the_measured_saved_tensors(
+    context, micro_batch_size, length
+):
+    model = ModelConfig(
+        model_type="qwen2",
+        num_layers=3,
+        hidden_size=96,
+        ffn_hidden_size=200,
+        num_attention_heads=6,
+        num_query_groups=2,
+        vocab_size=300,
+        max_position_embeddings=256,
+    )
+    actor = build_actor(model, ActorConfig(), OptimizerConfig(), context)
+    tokens = torch.randint(
+        0, model.vocab_size, (micro_batch_size, length), generator=torch.Generator().manual_seed(0)
+    )
+    measured = saved_activation_bytes(actor.chunks[0].module, tokens, context)
+    shape = ActivationShape(
+        micro_batch_size=micro_batch_size,
+        sequence_length=length,
+        micro_batches=1,
+        attention="unfused",
+    )
+    estimate = stage_bytes(model, ParallelConfig(), shape, 0, model.num_layers)
+    assert abs(estimate - measured) <= 0.25 * measured, (estimate, measured)
+
+
+def test_flash_estimate_drops_the_quadratic_term():
+    model = tiny("bfloat16")
+    shapes = [
+        ActivationShape(micro_batch_size=1, sequence_length=s, micro_batches=1, attention=a)
+        for s in (64, 128)
+        for a in ("unfused", "flash")
+    ]
+    unfused64, flash64, unfused128, flash128 = (
+        stage_bytes(model, ParallelConfig(), shape, 0, 2) for shape in shapes
+    )
+    assert flash128 == 2 * flash64  # linear in the sequence length
+    assert unfused128 > 2 * unfused64  # the s x s attention probabilities
