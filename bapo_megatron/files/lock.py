@@ -5,10 +5,16 @@ Two trainers started in the same ``train.output_dir`` mix their records and chec
 shards. The lock is ``flock`` on a file in the folder, which the kernel releases when its
 holder ends, however it ends (SIGKILL included): a crashed run never leaves a stale lock. The
 file names the holder (PID and host) so that the refusal can say who it is.
+
+An output that is written aside and renamed into place (a conversion's,
+:func:`~bapo_megatron.files.atomic.staged_folder`) cannot hold its own lock file: the folder is
+replaced. :meth:`FolderLock.beside` locks a hidden file next to it instead, which its holder
+removes on release, so that nothing is left beside the output.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -28,27 +34,42 @@ class FolderLock:
 
     def __init__(self, folder: str | Path, purpose: str) -> None:
         self.folder, self.purpose = Path(folder), purpose
+        self.path = self.folder / LOCK_FILE
+        """The lock file."""
+        self._remove_on_release = False
         self._fd: int | None = None
 
-    @property
-    def path(self) -> Path:
-        return self.folder / LOCK_FILE
+    @classmethod
+    def beside(cls, folder: str | Path, purpose: str) -> FolderLock:
+        """The lock of ``folder`` held on ``.<name>.lock`` in its parent (symlinks resolved), for
+        a folder that is replaced as a whole; the folder need not exist, the parent is created.
+        The file is removed on release."""
+        lock = cls(folder, purpose)
+        parent = lock.folder.absolute().parent.resolve()
+        lock.path, lock._remove_on_release = parent / f".{lock.folder.name}.lock", True
+        return lock
 
     def acquire(self) -> FolderLock:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise FolderLocked(
+                    f"{self.folder} is in use by another process ({holder}); give this "
+                    f"{self.purpose} another folder, or wait for that one to end"
+                ) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            if _is_file_at(fd, self.path):
+                break
+            # A holder removed the file (on release) between our open and our flock: the lock
+            # we got is on a file no one else will open. Take the one now at the path.
             os.close(fd)
-            raise FolderLocked(
-                f"{self.folder} is in use by another process ({holder}); give this "
-                f"{self.purpose} another folder, or wait for that one to end"
-            ) from None
-        except BaseException:
-            os.close(fd)
-            raise
         os.ftruncate(fd, 0)
         os.pwrite(
             fd,
@@ -62,6 +83,9 @@ class FolderLock:
 
     def release(self) -> None:
         if self._fd is not None:
+            if self._remove_on_release:  # while still held: see acquire
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
             os.close(self._fd)  # closing the descriptor releases the flock
             self._fd = None
 
@@ -70,6 +94,16 @@ class FolderLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _is_file_at(fd: int, path: Path) -> bool:
+    """Whether the open file ``fd`` is the one ``path`` names now."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (found.st_dev, found.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def _read_holder(fd: int) -> str:

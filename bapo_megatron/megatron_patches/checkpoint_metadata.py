@@ -49,26 +49,30 @@ _ALLOWED |= {
 }
 
 
+class _RefusedType(pickle.UnpicklingError):
+    """The file names a class the metadata never holds (a damaged file fails otherwise)."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not a checkpoint metadata type")
+        raise _RefusedType(f"{module}.{name} is not a checkpoint metadata type")
 
 
-def check_metadata(folder: str | Path) -> None:
-    """``ValueError`` naming ``folder``'s ``.metadata`` file if unpickling it would construct
-    anything but torch.distributed.checkpoint metadata (a folder without one is left to
-    Megatron's own checks)."""
+def check_metadata(folder: str | Path) -> Any:
+    """``folder``'s ``.metadata`` (torch.distributed.checkpoint's ``Metadata``), read safely, or
+    None if there is none (left to Megatron's own checks); ``ValueError`` naming the file if
+    unpickling it would construct anything but checkpoint metadata, or if it cannot be read."""
     path = Path(folder) / METADATA_FILE
     if not path.is_file():
-        return
+        return None
     try:
         with path.open("rb") as file:
-            _MetadataUnpickler(file).load()
-    except pickle.UnpicklingError as err:
+            return _MetadataUnpickler(file).load()
+    except _RefusedType as err:
         raise ValueError(
             f"{path} is refused: torch's checkpoint reader would unpickle it in "
             f"full, and it names something other than checkpoint metadata ({err}), "

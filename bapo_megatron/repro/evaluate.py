@@ -17,7 +17,8 @@ or, for vLLM/SGLang, which load from disk, converted to an HF folder in a tempor
 
 Nothing about a single row or answer is fatal: malformed benchmark rows and prompts too long for
 the model are counted as bad rows, a reward that raises or overruns its time counts as an error
-or a timeout (and the response as incorrect). The report is one JSON object
+or a timeout (and the response as incorrect); only a benchmark that leaves no problem at all is
+refused. The report is one JSON object
 (:func:`write_report`, written aside and renamed into place).
 """
 
@@ -27,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -515,6 +517,11 @@ def run_evaluation(
     encoded = encode_rows(
         tok, prompts.rows, settings, max_positions=model.max_position_embeddings, counts=counts
     )
+    if not encoded:  # a report of 0 problems would look like a result
+        raise ValueError(
+            f"benchmark {benchmark}: no problem left to evaluate: all "
+            f"{len(counts.bad_rows)} row(s) were skipped; the first: {counts.bad_rows[0]}"
+        )
     longest = max((len(ids) for _, ids in encoded), default=0) + settings.max_new_tokens
     with tempfile.TemporaryDirectory(prefix="bapo-eval-") as work_dir:
         policy = open_engine(
@@ -556,6 +563,35 @@ def run_evaluation(
         "per_problem": per_problem,
         "wall_time_s": time.monotonic() - started,
     }
+
+
+def check_report_path(path: str | Path) -> None:
+    """``ValueError`` naming ``path`` unless a report can be written there: its folder exists or
+    can be created, and a file can be created in it. Called before the evaluation, so that a bad
+    ``--out`` does not cost the whole run's results. Folders created for the check are removed
+    again (:func:`write_report` creates them)."""
+    path = Path(path).absolute()
+    if path.is_dir():
+        raise ValueError(f"report path {path} is a folder; give a file name")
+    folders = [path.parent, *path.parent.parents]
+    created = [folder for folder in folders if not folder.exists()]
+    existing = next(folder for folder in folders if folder.exists())
+    if not existing.is_dir():
+        raise ValueError(f"report path {path}: {existing} is not a folder; give another --out")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".check")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ValueError(
+            f"report path {path} is not writable: cannot create a file in {path.parent} "
+            f"({err.strerror or err}); give another --out"
+        ) from None
+    finally:
+        for folder in created:  # innermost first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def write_report(report: dict[str, Any], path: str | Path) -> None:

@@ -10,9 +10,10 @@
 
 Prompts go through the tokenizer's chat template (``--system`` adds a system turn); answers are
 scored by a reward (``--reward``, default ``math``: math-verify on the last ``\\boxed{}``).
-Malformed rows and answers the reward cannot score are counted in the report, not fatal. The
-library code is :mod:`bapo_megatron.repro.evaluate`; ``python tools/evaluate.py`` is the same
-command.
+Malformed rows and answers the reward cannot score are counted in the report, not fatal, but a
+benchmark none of whose rows can be evaluated is an error; ``--out`` is checked before the
+evaluation starts, so that an unwritable path does not lose its results. The library code is
+:mod:`bapo_megatron.repro.evaluate`; ``python tools/evaluate.py`` is the same command.
 """
 
 from __future__ import annotations
@@ -107,9 +108,15 @@ def run(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Heavy imports here, not at the top: the reward pool's (spawn) workers re-import the main
     # module, which imports this one.
-    from bapo_megatron.repro.evaluate import EvalSettings, run_evaluation, write_report
+    from bapo_megatron.repro.evaluate import (
+        EvalSettings,
+        check_report_path,
+        run_evaluation,
+        write_report,
+    )
 
     try:
+        check_report_path(args.out)  # before the evaluation, whose results it would lose
         settings = EvalSettings(
             k=args.k,
             pass_ks=args.pass_k,
@@ -139,13 +146,9 @@ def run(argv: list[str] | None = None) -> dict:
         print(f"{parser.prog}: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     write_report(report, args.out)
-    scores = (
-        "no problem evaluated"
-        if not report["problems"]
-        else ", ".join(
-            [f"avg@{settings.k} {report['avg@k']:.4f}"]
-            + [f"pass@{k} {value:.4f}" for k, value in report["pass@k"].items()]
-        )
+    scores = ", ".join(  # run_evaluation refuses a benchmark that leaves no problem
+        [f"avg@{settings.k} {report['avg@k']:.4f}"]
+        + [f"pass@{k} {value:.4f}" for k, value in report["pass@k"].items()]
     )
     print(
         f"{report['problems']} problems x {settings.k} samples: {scores}; "

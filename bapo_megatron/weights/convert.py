@@ -12,13 +12,19 @@ build the actor's chunks for this rank:
   bucket by bucket and each stage writes its buckets as safetensors shards; rank 0 names the
   shards, writes the index and restores the config and tokenizer files.
 
-Outputs are staged and renamed into place (:mod:`~bapo_megatron.files.atomic`).
+Outputs are staged and renamed into place (:mod:`~bapo_megatron.files.atomic`). An output must
+lie apart from the inputs (not the same folder, inside one or containing one: replacing it would
+destroy what is read), and a conversion holds its output's lock
+(:meth:`~bapo_megatron.files.lock.FolderLock.beside`) from its first check to the rename, so two
+conversions into one folder never mix their files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -27,8 +33,10 @@ from tqdm import tqdm
 
 from bapo_megatron.actor.model import build_model
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.distributed.collectives import raise_if_any_rank_failed
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.files.atomic import check_output, staged_folder
+from bapo_megatron.files.lock import FolderLock, FolderLocked
 from bapo_megatron.weights.export import export_weights
 from bapo_megatron.weights.hf_checkpoint import (
     CONFIG_FILE,
@@ -61,6 +69,51 @@ _BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def check_apart(source: str | Path, out: str | Path, what: str) -> None:
+    """``ValueError`` naming both folders when the output ``out`` is the input ``source`` (called
+    ``what``), lies inside it or contains it, symlinks resolved: writing the output (and, with
+    overwrite, replacing it) would destroy or mix into what the conversion reads."""
+    found, written = Path(source).resolve(), Path(out).resolve()
+    if written == found:
+        relation = "is"
+    elif written.is_relative_to(found):
+        relation = "lies inside"
+    elif found.is_relative_to(written):
+        relation = "contains"
+    else:
+        return
+    resolved = (
+        f" (resolved: {written} and {found})"
+        if (str(written), str(found)) != (str(Path(out).absolute()), str(Path(source).absolute()))
+        else ""
+    )
+    raise ValueError(
+        f"output {out} {relation} the {what} {source}{resolved}: the output must be a folder "
+        "apart from what is converted"
+    )
+
+
+@contextlib.contextmanager
+def output_locked(out_folder: str | Path) -> Iterator[None]:
+    """Hold the lock of the output folder for the block (collective over the world): rank 0
+    takes it; if another process holds it, every rank raises ``ValueError`` naming the holder's
+    PID and host."""
+    lock, failure = None, None
+    if _is_rank0():
+        try:
+            lock = FolderLock.beside(out_folder, "conversion").acquire()
+        except FolderLocked as err:
+            failure = err
+    raise_if_any_rank_failed(
+        failure, where=f"output {out_folder}", error_type=ValueError, describe=str
+    )
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 @torch.no_grad()
@@ -131,8 +184,9 @@ def hf_to_megatron(
     HF weights' when it is one of those, else float32. Returns the model and this rank's
     converted chunks.
     """
+    check_apart(hf_folder, out_folder, "HF folder")
     check_output(out_folder, overwrite)
-    with HFCheckpoint.open(hf_folder) as hf:
+    with output_locked(out_folder), HFCheckpoint.open(hf_folder) as hf:
         if params_dtype is None:
             params_dtype = (
                 DTYPE_NAMES[hf.dtype] if hf.dtype in (torch.float32, torch.bfloat16) else "float32"
@@ -232,8 +286,35 @@ def megatron_to_hf(
     checkpoint's. Config and tokenizer files come from the checkpoint's ``hf/`` folder, or from
     ``hf_files_from`` (an HF folder whose config.json must describe the same model).
     """
+    check_apart(checkpoint, out_folder, "Megatron checkpoint")
+    if hf_files_from is not None:
+        check_apart(hf_files_from, out_folder, "folder of HF files")
     check_output(out_folder, overwrite)
-    checkpoint = Path(checkpoint)
+    with output_locked(out_folder):
+        _megatron_to_hf(
+            Path(checkpoint),
+            out_folder,
+            context,
+            dtype=dtype,
+            hf_files_from=hf_files_from,
+            max_shard_bytes=max_shard_bytes,
+            overwrite=overwrite,
+            progress=progress,
+        )
+
+
+def _megatron_to_hf(
+    checkpoint: Path,
+    out_folder: str | Path,
+    context: ParallelContext,
+    *,
+    dtype: str | None,
+    hf_files_from: str | Path | None,
+    max_shard_bytes: int,
+    overwrite: bool,
+    progress: bool,
+) -> None:
+    """:func:`megatron_to_hf` once its output is checked and locked."""
     info = read_checkpoint_info(checkpoint)
     if hf_files_from is not None:
         source = Path(hf_files_from)

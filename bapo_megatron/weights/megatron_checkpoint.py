@@ -24,11 +24,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException
 
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.files.atomic import staged_folder
 from bapo_megatron.megatron_patches.checkpoint_metadata import check_metadata
 from bapo_megatron.megatron_patches.child_processes import checkpoint_writer_queue_ends_with_us
+from bapo_megatron.weights.checkpoint_damage import find_damage
 from bapo_megatron.weights.hf_checkpoint import DTYPE_NAMES, copy_files
 
 INFO_FILE = "bapo_checkpoint.json"
@@ -107,7 +109,7 @@ def read_checkpoint_info(folder: str | Path) -> CheckpointInfo:
         if version != FORMAT_VERSION:
             raise ValueError(f"{path}: format_version {version} is not {FORMAT_VERSION}")
         return CheckpointInfo(model=ModelConfig(**info["model"]), hf_dtype=info.get("hf_dtype"))
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
         raise ValueError(f"Megatron checkpoint {path} is malformed: {err!r}") from None
 
 
@@ -125,13 +127,38 @@ def load_megatron_checkpoint(
     chunks: Sequence[torch.nn.Module], model: ModelConfig, folder: str | Path
 ) -> None:
     """Load the checkpoint ``folder`` into this rank's ``chunks`` of ``model``, whatever layout
-    it was saved at (collective over the world). The recorded model must equal ``model``."""
+    it was saved at (collective over the world). The recorded model must equal ``model``; a
+    load that fails on a damaged file raises ``ValueError`` naming the file
+    (:func:`~bapo_megatron.weights.checkpoint_damage.find_damage`)."""
     info = read_checkpoint_info(folder)
     check_same_model(model, info.model, f"Megatron checkpoint {folder}")
     modules = [_unwrap(chunk) for chunk in chunks]
     keys = state_keys(len(modules))
     state = {key: module.sharded_state_dict() for key, module in zip(keys, modules)}
     check_metadata(folder)  # the one file torch's reader unpickles in full
-    loaded = dist_checkpointing.load(state, str(folder))
+    try:
+        loaded = dist_checkpointing.load(state, str(folder))
+    except (Exception, CheckpointException) as err:  # torch's is a BaseException
+        damage = find_damage(folder)  # the readers' own errors seldom name the file
+        if not damage:
+            raise
+        raise ValueError(
+            f"Megatron checkpoint {folder} is damaged: {'; '.join(damage)} (loading it failed "
+            f"with {_describe_load_failure(err)})"
+        ) from err
     for key, module in zip(keys, modules):
         module.load_state_dict(loaded[key], strict=True)
+
+
+def _describe_load_failure(error: BaseException) -> str:
+    """``Type: message`` (its first line, cut at 120 characters); for torch's
+    ``CheckpointException``, which only lists ranks, the exception of the first failed rank."""
+    where = ""
+    ranks = sorted(getattr(error, "failures", None) or {})
+    if isinstance(error, CheckpointException) and ranks:
+        failure = error.failures[ranks[0]]
+        error = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
+        where = f" on rank {ranks[0]}" + (f" and {len(ranks) - 1} more" if len(ranks) > 1 else "")
+    text = (str(error).splitlines() or [""])[0]
+    text = text if len(text) <= 120 else text[:117] + "..."
+    return f"{type(error).__name__}{': ' + text if text else ''}{where}"

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 # The scripts import the package (and bench_bapo_loss.py tests/) from this checkout, which the
 # editable install may not point at.
@@ -168,3 +170,43 @@ def test_rollout_benchmark_smoke():
     else:
         assert report["vllm"]["generated_tokens"] == 64 and report["vllm_tokens_per_s"] > 0
         assert report["weight_update_s"]["vllm"] > 0
+
+
+def test_convert_checkpoint_names_the_damaged_file_in_one_line(tmp_path):
+    """A truncated ``.distcp`` shard: torch's reader says only ``CheckpointException ...
+    EOFError``; the tool must exit non-zero with one line naming the file, no traceback."""
+    pytest.importorskip("megatron.core")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU patches are for CPU-only runs")
+    from bapo_megatron.weights import convert_cli
+    from tests.helpers import hf_models
+
+    hf_models.save_hf_folder(tmp_path / "hf", "qwen2-tied", seed=0)
+    convert_cli.main(
+        ["hf-to-megatron", str(tmp_path / "hf"), str(tmp_path / "ckpt"), "--no-progress"]
+    )
+    shard = tmp_path / "ckpt" / "__0_1.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "convert_checkpoint.py"),
+            "megatron-to-hf",
+            str(tmp_path / "ckpt"),
+            str(tmp_path / "out"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("convert_checkpoint.py: error: Megatron checkpoint ") and (
+        f"{shard} is truncated: 1000 bytes" in last
+    ), done.stderr
+    assert not (tmp_path / "out").exists()

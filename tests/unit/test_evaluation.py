@@ -393,3 +393,51 @@ def test_reward_errors_and_timeouts_are_counted_per_problem():
         ("b", 1, 1, 0),
     ]
     assert not counts.scoring_errors and not counts.bad_rows
+
+
+# ------------------------------------------------------------------------ refusals before the run
+
+
+def test_an_unwritable_report_path_is_refused_before_the_evaluation(
+    known_answers, tmp_path, monkeypatch, capsys
+):
+    from bapo_megatron.repro import evaluate as evaluation
+
+    hf, bench = known_answers
+
+    def never(*args, **kwargs):
+        raise AssertionError("the evaluation ran before --out was checked")
+
+    monkeypatch.setattr(evaluation, "run_evaluation", never)
+    (tmp_path / "a_file").write_text("")
+    for out, why in [
+        (tmp_path / "a_file" / "report.json", f"{tmp_path / 'a_file'} is not a folder"),
+        (tmp_path, "is a folder"),
+        (Path("/proc/report.json"), "not writable: cannot create a file in /proc"),  # even as root
+    ]:
+        with pytest.raises(SystemExit) as failed:
+            _tool_main([str(hf), str(bench), *_args(out)])
+        assert failed.value.code == 2
+        err = capsys.readouterr().err
+        assert f"error: report path {out}" in err and why in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    # a path whose folders do not exist yet passes, and the check leaves nothing behind
+    evaluation.check_report_path(tmp_path / "new" / "deeper" / "report.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+def test_a_benchmark_whose_rows_are_all_too_long_is_an_error(known_answers, tmp_path, capsys):
+    hf, _ = known_answers
+    bench = tmp_path / "long.jsonl"
+    rows = [{"id": f"long{i}", "problem": "a" * (61 + i), "answer": "0"} for i in range(3)]
+    bench.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(SystemExit) as failed:
+        _tool_main([str(hf), str(bench), *_args(tmp_path / "report.json")])
+    assert failed.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        f"error: benchmark {bench}: no problem left to evaluate: all 3 row(s) were skipped; "
+        "the first: problem 'long0': 61 prompt tokens + max_new_tokens (4) exceed the model's "
+        "64 positions"
+    ) in err, err
+    assert not (tmp_path / "report.json").exists()

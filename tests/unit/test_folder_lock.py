@@ -60,3 +60,40 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
         FolderLock(tmp_path, "training run").acquire()
     lock.release()
     FolderLock(tmp_path, "training run").acquire().release()
+
+
+def test_a_lock_beside_a_folder_is_removed_on_release_and_refuses_meanwhile(tmp_path):
+    out = tmp_path / "link" / "out"
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    lock = FolderLock.beside(out, "conversion").acquire()
+    assert lock.path == tmp_path / "real" / ".out.lock" and not out.exists()
+    # the same output through its real path is the same lock
+    with pytest.raises(FolderLocked, match=rf"real/out is in use by .*PID {os.getpid()} "):
+        FolderLock.beside(tmp_path / "real" / "out", "conversion").acquire()
+    lock.release()
+    assert list((tmp_path / "real").iterdir()) == []
+
+
+def test_a_lock_file_removed_by_its_holder_before_the_flock_is_not_taken(tmp_path, monkeypatch):
+    """A holder removes the file on release; a process that opened it just before, and locks it
+    just after, must not count that lock (a third could create a new file and lock it too)."""
+    from bapo_megatron.files import lock as lock_module
+
+    flocks = []
+    real_flock = lock_module.fcntl.flock
+
+    def released_in_between(fd, operation):
+        if not flocks:  # the first attempt: the holder releases between our open and flock
+            os.unlink(tmp_path / ".out.lock")
+        flocks.append(fd)
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(lock_module.fcntl, "flock", released_in_between)
+    lock = FolderLock.beside(tmp_path / "out", "conversion").acquire()
+    monkeypatch.undo()
+    assert len(flocks) == 2  # the orphaned file was given up, the new one taken
+    with pytest.raises(FolderLocked):
+        FolderLock.beside(tmp_path / "out", "conversion").acquire()
+    lock.release()
+    assert list(tmp_path.iterdir()) == []
