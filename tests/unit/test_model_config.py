@@ -130,9 +130,12 @@ def test_missing_kv_heads_means_multi_head_attention():
         ({"num_hidden_layers": None}, "required field 'num_hidden_layers' is missing"),
         (
             {"model_type": "mistral"},
-            "model_type 'mistral' is not supported; supported: ['llama', 'qwen2']",
+            "model_type 'mistral' is not supported; supported: ['llama', 'qwen2', 'qwen3']",
         ),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling="),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            "rope_scaling.low_freq_factor is missing (rope_type 'llama3' needs",
+        ),
         ({"attention_bias": True}, "attention_bias=True is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
         ({"mlp_bias": True}, "mlp_bias=True is not supported"),
@@ -288,13 +291,15 @@ def test_layout_returns_the_data_parallel_size():
             {"num_attention_heads": 2, "num_query_groups": 2, "hidden_size": 64},
             {"tensor_model_parallel_size": 4},
             4,
-            "model.num_attention_heads (2) is not divisible by parallel.tensor_model_parallel_size (4)",
+            "model.num_attention_heads (2) is not divisible by "
+            "parallel.tensor_model_parallel_size (4)",
         ),
         (
             {"num_query_groups": 1},
             {"tensor_model_parallel_size": 2},
             2,
-            "model.num_query_groups (1) is not divisible by parallel.tensor_model_parallel_size (2)",
+            "model.num_query_groups (1) is not divisible by "
+            "parallel.tensor_model_parallel_size (2)",
         ),
         (
             {"num_layers": 3},
