@@ -28,7 +28,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class EmbeddedEngine:
-    """A :class:`~bapo_megatron.rollout.protocol.RolloutEngine` on transformers' Llama/Qwen2.
+    """A :class:`~bapo_megatron.rollout.protocol.RolloutEngine` on transformers' Llama/Qwen2/Qwen3.
 
     Built from a :class:`ModelConfig` with random weights (the trainer then pushes its own with
     :meth:`update_weights`), or from an HF folder with :meth:`from_pretrained`.
@@ -130,7 +130,7 @@ class EmbeddedEngine:
         alive = torch.ones(len(samples), dtype=torch.bool)
         cache = transformers.DynamicCache()
         step_ids = input_ids
-        for step in range(budget):
+        for _step in range(budget):
             if self._abort.is_set() or self._pause.is_set():
                 break
             positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
