@@ -162,9 +162,10 @@ def hf_config_fields(model: ModelConfig) -> dict[str, Any]:
                 f"model.qkv_bias=true has no {model.model_type} config.json equivalent (its "
                 "attention_bias also biases o_proj)"
             )
-        fields.update(attention_bias=False, head_dim=model.head_dim)
         if model.model_type == "llama":
-            fields.update(mlp_bias=False)
+            fields.update(attention_bias=False, mlp_bias=False, head_dim=model.head_dim)
+        else:
+            fields.update(attention_bias=False, head_dim=model.head_dim)
     elif not model.qkv_bias:
         raise ValueError(
             "model.qkv_bias=false has no Qwen2 config.json equivalent (Qwen2 always biases q/k/v)"
