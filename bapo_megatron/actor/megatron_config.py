@@ -3,7 +3,8 @@
 Megatron's config has some 250 fields; they stay here. Everything else in the project speaks
 :class:`~bapo_megatron.config.ModelConfig` and :class:`~bapo_megatron.config.ParallelConfig`.
 Fields that are arguments of ``GPTModel`` rather than of the config (vocabulary size, RoPE base,
-tied embeddings) are passed by :mod:`bapo_megatron.actor.model`.
+tied embeddings) are passed by :mod:`bapo_megatron.actor.model`, which also installs Llama 3.x's
+RoPE scaling (:mod:`bapo_megatron.actor.rope`: Megatron's own fixes three of its four parameters).
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ def to_transformer_config(
     use_cpu_initialization: bool | None = None,
     initialize: bool = True,
 ) -> TransformerConfig:
-    """Megatron's ``TransformerConfig`` for a Llama/Qwen2 decoder split as ``parallel`` says.
+    """Megatron's ``TransformerConfig`` for a Llama/Qwen2/Qwen3 decoder split as ``parallel``
+    says.
 
     Architecture: pre-norm RMSNorm (``layernorm_epsilon`` = rms_norm_eps), SwiGLU MLP
     (``gated_linear_unit`` with SiLU), grouped-query attention (``num_query_groups``), no bias on
-    any linear layer except q/k/v when ``model.qkv_bias`` (Qwen2). Dropout is off: the policy's
+    any linear layer except q/k/v when ``model.qkv_bias`` (Qwen2), an RMSNorm of each query and
+    key head when ``model.qk_layernorm`` (Qwen3, same epsilon), ``head_dim`` channels per head
+    (``kv_channels``, which Qwen3 sets apart from hidden / heads). Dropout is off: the policy's
     log-probs must not depend on which pass computed them.
 
     ``use_cpu_initialization`` (default: when no CUDA GPU is visible) makes every rank build the
@@ -60,6 +64,7 @@ def to_transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=model.qkv_bias,
+        qk_layernorm=model.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # precision

@@ -1,8 +1,10 @@
 """Build the policy as Megatron-Core ``GPTModel`` chunks for this rank's place in the layout.
 
 The layer spec is Transformer Engine's when it is importable and a CUDA GPU is visible, otherwise
-Megatron's local (plain torch) spec with RMSNorm, which is what runs on the CPU. Rotary position
-embeddings use ``rope_theta``; the output layer shares the embedding matrix when
+Megatron's local (plain torch) spec with RMSNorm, which is what runs on the CPU; both carry the
+per-head q/k RMSNorm of Qwen3 when ``qk_layernorm``. Rotary position embeddings use
+``rope_theta``, and Llama 3.x's ``rope_scaling`` is installed the transformers way
+(:mod:`bapo_megatron.actor.rope`); the output layer shares the embedding matrix when
 ``tie_word_embeddings``. Each chunk knows from the context whether it holds the embedding
 (``pre_process``: first stage) and the output layer (``post_process``: last stage).
 
@@ -25,6 +27,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from bapo_megatron.actor.megatron_config import to_transformer_config
+from bapo_megatron.actor.rope import install_rope_frequencies
 from bapo_megatron.config import ModelConfig, ParallelConfig
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.distributed.layout import validate_layout
@@ -37,11 +40,12 @@ def uses_transformer_engine() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def layer_spec() -> ModuleSpec:
-    """Megatron's decoder-layer spec for the Llama/Qwen2 families on this machine."""
+def layer_spec(model: ModelConfig) -> ModuleSpec:
+    """Megatron's decoder-layer spec for ``model``'s family on this machine: with a q/k RMSNorm
+    module per attention layer for Qwen3 (``qk_layernorm``), an identity otherwise."""
     if uses_transformer_engine():
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model.qk_layernorm)
 
 
 def build_model(
@@ -55,11 +59,10 @@ def build_model(
     """This rank's model chunks: one ``GPTModel``, or ``virtual_pipeline_model_parallel_size``
     of them (Megatron's interleaved schedule takes the list).
 
-    The layout is validated first
-    (:func:`~bapo_megatron.distributed.layout.validate_layout`). Initial weights are a function
-    of ``seed`` and the layout: a rebuild with the same seed and layout gives the same weights,
-    but different layouts do not give the same full model (trained weights are loaded
-    afterwards). The seed sets Megatron's RNG tracker and the default
+    The layout is validated first (:func:`~bapo_megatron.distributed.layout.validate_layout`).
+    Initial weights are a function of ``seed`` and the layout: a rebuild with the same seed and
+    layout gives the same weights, but different layouts do not give the same full model
+    (trained weights are loaded afterwards). The seed sets Megatron's RNG tracker and the default
     generator, offset per pipeline stage so that stages draw different layers; all
     tensor-parallel ranks of a stage share it, which ``use_cpu_initialization`` requires (each
     rank draws the full matrix and keeps its slice).
@@ -78,9 +81,9 @@ def build_model(
     config = to_transformer_config(model, parallel, initialize=initialize)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed + 100 * context.pp_rank)
-    spec = layer_spec()
+    spec = layer_spec(model)
     stages = [None] if context.vpp_size is None else list(range(context.vpp_size))
-    return [
+    chunks = [
         GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -97,6 +100,9 @@ def build_model(
         ).to(context.device)
         for vp_stage in stages
     ]
+    for chunk in chunks:
+        install_rope_frequencies(chunk, model)
+    return chunks
 
 
 def global_parameter_name(chunk: GPTModel, local_name: str) -> str:

@@ -12,12 +12,35 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from bapo_megatron.config.rope import hf_rope_fields, rope_fields_from_hf
+
 if TYPE_CHECKING:  # annotations only: model.py imports this module
     from bapo_megatron.config.model import ModelConfig
 
-ModelType = Literal["llama", "qwen2"]
+ModelType = Literal["llama", "qwen2", "qwen3"]
 
-MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2")
+MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+"""The transformers class of each family (the ``architectures`` entry of its config.json)."""
+
+HEAD_DIM_FAMILIES: tuple[str, ...] = ("qwen3",)
+"""Families whose ``head_dim`` is a field of its own rather than hidden_size / heads."""
+
+MOE_FIELDS: tuple[str, ...] = (
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "n_shared_experts",
+    "shared_expert_intermediate_size",
+)
+"""Mixture-of-experts fields; any of them set (non-zero) describes a model with no dense
+equivalent here."""
 
 
 def read_hf_config(source: str | Path | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -41,11 +64,13 @@ def read_hf_config(source: str | Path | Mapping[str, Any]) -> tuple[str, dict[st
 
 
 def model_fields_from_hf(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The ``ModelConfig`` fields of the HF config ``hf`` (LlamaConfig or Qwen2Config field
-    names). Anything the model definition cannot represent exactly (rope scaling, sliding-window
-    attention, an MLP or output-projection bias, a head dimension other than hidden/heads, an
+    """The ``ModelConfig`` fields of the HF config ``hf`` (LlamaConfig, Qwen2Config or
+    Qwen3Config field names). Anything the model definition cannot represent exactly (a rope
+    type other than plain or llama3, sliding-window attention in use, mixture-of-experts fields,
+    an MLP or output-projection bias, a head dimension other than hidden/heads outside Qwen3, an
     activation other than SiLU) raises ``ValueError`` naming ``where`` and the field, rather than
-    loading a silently different model."""
+    loading a silently different model. Fields present but switched off (``sliding_window``
+    with ``use_sliding_window: false``, ``rope_scaling: null``) are accepted."""
 
     def need(key: str) -> Any:
         if hf.get(key) is None:
@@ -62,42 +87,31 @@ def model_fields_from_hf(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     def refuse(key: str, why: str) -> None:
         raise ValueError(f"HF config {where}: {key}={hf[key]!r} is not supported ({why})")
 
-    if hf.get("rope_scaling") is not None:
-        refuse("rope_scaling", "only plain RoPE with rope_theta is implemented")
-    # transformers >= 5 writes the RoPE base (and any scaling) inside rope_parameters.
-    rope = hf.get("rope_parameters")
-    rope_theta = hf.get("rope_theta")
-    if isinstance(rope, Mapping):
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(
-                f"HF config {where}: rope_parameters.rope_type={rope_type!r} is not "
-                "supported (only plain RoPE with rope_theta is implemented)"
-            )
-        nested = rope.get("rope_theta")
-        if nested is not None and rope_theta is not None and nested != rope_theta:
-            raise ValueError(
-                f"HF config {where}: rope_theta={rope_theta!r} and "
-                f"rope_parameters.rope_theta={nested!r} disagree"
-            )
-        rope_theta = nested if nested is not None else rope_theta
+    rope = rope_fields_from_hf(hf, where)
     if hf.get("hidden_act", "silu") != "silu":
-        refuse("hidden_act", "both families use a SwiGLU MLP with SiLU")
+        refuse("hidden_act", "every family here uses a SwiGLU MLP with SiLU")
     if hf.get("mlp_bias"):
         refuse("mlp_bias", "the MLP has no bias")
-    if model_type == "qwen2" and hf.get("use_sliding_window"):
+    if hf.get("use_sliding_window"):
         refuse("use_sliding_window", "sliding-window attention is not implemented")
-    if model_type == "llama" and hf.get("attention_bias"):
-        # Llama's attention_bias puts a bias on o_proj as well; Megatron can bias q/k/v only
+    layer_types = hf.get("layer_types")
+    if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
+        refuse("layer_types", "only full attention is implemented, in every layer")
+    for key in MOE_FIELDS:
+        if hf.get(key):
+            refuse(key, "mixture-of-experts layers are not implemented; the MLP is dense")
+    if model_type in ("llama", "qwen3") and hf.get("attention_bias"):
+        # Their attention_bias puts a bias on o_proj as well; Megatron can bias q/k/v only
         # (add_qkv_bias) or every linear layer including the MLP (add_bias_linear).
         refuse(
             "attention_bias",
-            "Llama's flag also biases o_proj, which has no Megatron equivalent here",
+            f"{model_type}'s flag also biases o_proj, which has no Megatron equivalent here",
         )
     hidden, heads = need("hidden_size"), need("num_attention_heads")
     head_dim = hf.get("head_dim")
     if (
-        head_dim is not None
+        model_type not in HEAD_DIM_FAMILIES
+        and head_dim is not None
         and isinstance(hidden, int)
         and isinstance(heads, int)
         and heads > 0
@@ -112,8 +126,9 @@ def model_fields_from_hf(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
         "ffn_hidden_size": need("intermediate_size"),
         "num_attention_heads": heads,
         "num_query_groups": hf.get("num_key_value_heads") or heads,  # absent in old MHA configs
+        "head_dim": head_dim,
         "vocab_size": need("vocab_size"),
-        "rope_theta": 10000.0 if rope_theta is None else rope_theta,
+        **rope,
         "rms_norm_eps": need("rms_norm_eps"),
         "qkv_bias": model_type == "qwen2",
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
@@ -124,27 +139,33 @@ def model_fields_from_hf(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
 def hf_config_fields(model: ModelConfig) -> dict[str, Any]:
     """The Hugging Face ``config.json`` fields of ``model`` (the inverse of
     :func:`model_fields_from_hf`): ``transformers.AutoConfig.for_model(**it)`` builds the
-    equivalent ``LlamaConfig`` / ``Qwen2Config``."""
+    equivalent ``LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config``."""
     fields: dict[str, Any] = {
         "model_type": model.model_type,
-        "architectures": [
-            "LlamaForCausalLM" if model.model_type == "llama" else "Qwen2ForCausalLM"
-        ],
+        "architectures": [ARCHITECTURES[model.model_type]],
         "num_hidden_layers": model.num_layers,
         "hidden_size": model.hidden_size,
         "intermediate_size": model.ffn_hidden_size,
         "num_attention_heads": model.num_attention_heads,
         "num_key_value_heads": model.num_query_groups,
         "vocab_size": model.vocab_size,
-        "rope_theta": model.rope_theta,
+        **hf_rope_fields(model.rope_theta, model.rope_scaling),
         "rms_norm_eps": model.rms_norm_eps,
         "tie_word_embeddings": model.tie_word_embeddings,
         "max_position_embeddings": model.max_position_embeddings,
         "hidden_act": "silu",
         "torch_dtype": model.params_dtype,
     }
-    if model.model_type == "llama":
-        fields.update(attention_bias=False, mlp_bias=False, head_dim=model.head_dim)
+    if model.model_type in ("llama", "qwen3"):
+        if model.qkv_bias:
+            raise ValueError(
+                f"model.qkv_bias=true has no {model.model_type} config.json equivalent (its "
+                "attention_bias also biases o_proj)"
+            )
+        if model.model_type == "llama":
+            fields.update(attention_bias=False, mlp_bias=False, head_dim=model.head_dim)
+        else:
+            fields.update(attention_bias=False, head_dim=model.head_dim)
     elif not model.qkv_bias:
         raise ValueError(
             "model.qkv_bias=false has no Qwen2 config.json equivalent (Qwen2 always biases q/k/v)"

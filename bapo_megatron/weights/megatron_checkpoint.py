@@ -27,6 +27,7 @@ from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.config.value_types import build_dataclass
 from bapo_megatron.files.atomic import staged_folder
 from bapo_megatron.megatron_patches.checkpoint_metadata import check_metadata
 from bapo_megatron.megatron_patches.child_processes import checkpoint_writer_queue_ends_with_us
@@ -106,11 +107,16 @@ def read_checkpoint_info(folder: str | Path) -> CheckpointInfo:
     try:
         info = json.loads(path.read_text())
         version = info["format_version"]
-        if version != FORMAT_VERSION:
-            raise ValueError(f"{path}: format_version {version} is not {FORMAT_VERSION}")
-        return CheckpointInfo(model=ModelConfig(**info["model"]), hf_dtype=info.get("hf_dtype"))
+        fields = info["model"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
         raise ValueError(f"Megatron checkpoint {path} is malformed: {err!r}") from None
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version {version} is not {FORMAT_VERSION}")
+    try:  # build_dataclass: the model section nests a dataclass (rope_scaling)
+        model = build_dataclass(ModelConfig, fields, prefix="model")
+    except ValueError as err:
+        raise ValueError(f"Megatron checkpoint {path} is malformed: {err}") from None
+    return CheckpointInfo(model=model, hf_dtype=info.get("hf_dtype"))
 
 
 def check_same_model(expected: ModelConfig, found: ModelConfig, where: str) -> None:

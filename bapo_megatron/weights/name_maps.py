@@ -94,6 +94,17 @@ _QWEN2_LAYER: tuple[_LayerEntry, ...] = (
     + _LLAMA_LAYER[2:]
 )
 
+# Qwen3: Llama's layer plus an RMSNorm of each query and key head (weights of head_dim, shared by
+# the heads, so every TP rank holds them whole), after the projections as in HF.
+_QWEN3_LAYER: tuple[_LayerEntry, ...] = (
+    _LLAMA_LAYER[:3]
+    + (
+        ("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), "same", None),
+        ("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), "same", None),
+    )
+    + _LLAMA_LAYER[3:]
+)
+
 # Transformer Engine's fused layers own the pre-norm weights; the local spec (CPU) has separate
 # norm modules. Megatron's own checkpoints use the TE names as keys for both.
 TE_NAME_ALIASES: dict[str, str] = {
@@ -163,6 +174,7 @@ class NameMap:
 NAME_MAPS: dict[str, NameMap] = {
     "llama": NameMap("llama", _LLAMA_LAYER),
     "qwen2": NameMap("qwen2", _QWEN2_LAYER),
+    "qwen3": NameMap("qwen3", _QWEN3_LAYER),
 }
 """The registry: HF ``model_type`` -> its family's name map."""
 
@@ -191,6 +203,8 @@ def hf_tensor_shapes(rule: ParamRule, model: ModelConfig) -> tuple[tuple[int, ..
         "decoder.final_layernorm.weight": ((h,),),
         "input_layernorm.weight": ((h,),),
         "pre_mlp_layernorm.weight": ((h,),),
+        "self_attention.q_layernorm.weight": ((d,),),
+        "self_attention.k_layernorm.weight": ((d,),),
         "self_attention.linear_qkv.weight": ((q, h), (kv, h), (kv, h)),
         "self_attention.linear_qkv.bias": ((q,), (kv,), (kv,)),
         "self_attention.linear_proj.weight": ((h, q),),

@@ -2,7 +2,8 @@
 export at TP2/PP2 and PP2 x VPP2, in one launch of 4 gloo workers
 (tests/distributed/weights_layouts_worker.py).
 
-The parent builds two tiny transformers models (Llama untied, Qwen2 tied with q/k/v bias; 4
+The parent builds five tiny transformers models (Llama untied, Qwen2 tied with q/k/v bias, Qwen3
+tied and untied with q/k norms and its own head size, Llama 3.2-style tied with scaled RoPE; 4
 layers so that each pipeline stage holds 2) and records transformers' logits. Each worker, for
 every layout (data parallel fills the 4 ranks):
 

@@ -7,7 +7,7 @@ which re-imports ``__main__``: re-importing a test file costs every worker sever
 torch and Megatron imports; re-importing this file costs nothing.
 
 For every layout (TP2/PP2 first, then TP2/PP1, TP1/PP2, TP1/PP2, PP2 x VPP2; data parallel fills
-the 4 ranks) and both model variants it converts the HF folder, records the pipeline's logits,
+the 4 ranks) and every model variant it converts the HF folder, records the pipeline's logits,
 loads the TP2/PP2 checkpoint at that layout and compares every parameter with the direct
 conversion, and, at TP2/PP2 (both transports) and PP2 x VPP2, records the live export's
 buckets; it converts the TP2/PP2 checkpoint back to HF at TP2/PP2 and TP1/PP1. The parent test
@@ -21,7 +21,7 @@ import sys
 import time
 
 LAYERS = 4
-VARIANTS = ("llama-untied", "qwen2-tied")
+VARIANTS = ("llama-untied", "qwen2-tied", "qwen3-tied", "qwen3-untied", "llama32-tied")
 # name -> (TP, PP, virtual stages per PP rank); TP2/PP2 first: the others load its checkpoint
 LAYOUTS = {
     "tp2pp2": (2, 2, None),
@@ -100,15 +100,15 @@ def main(argv: list[str]) -> None:
             for b in buckets
         ]
 
-    def with_full_shm(fn):
-        """fn() while posix_fallocate fails as on a full /dev/shm."""
+    def with_full_shm(fn, *args, **kwargs):
+        """fn(*args, **kwargs) while posix_fallocate fails as on a full /dev/shm."""
 
         def full(fd, offset, length):
             raise OSError(errno.ENOSPC, "No space left on device")
 
         real, os.posix_fallocate = os.posix_fallocate, full
         try:
-            return fn()
+            return fn(*args, **kwargs)
         finally:
             os.posix_fallocate = real
 
@@ -180,23 +180,21 @@ def main(argv: list[str]) -> None:
                     )
                 if variant == VARIANTS[0]:  # /dev/shm full: auto falls back, shared_memory refuses
                     results["export-shm-full", variant] = with_full_shm(
-                        lambda chunks=chunks, model=model, ctx=ctx: records(
-                            export_weights(
-                                chunks, model, ctx, version=VERSION, bucket_bytes=BUCKET_BYTES
-                            )
-                        )
+                        lambda *a, **k: records(export_weights(*a, **k)),
+                        chunks,
+                        model,
+                        ctx,
+                        version=VERSION,
+                        bucket_bytes=BUCKET_BYTES,
                     )
                     results["refused-shm-full", variant] = with_full_shm(
-                        lambda chunks=chunks, model=model, ctx=ctx: refusal(
-                            export_weights(
-                                chunks,
-                                model,
-                                ctx,
-                                version=VERSION,
-                                bucket_bytes=BUCKET_BYTES,
-                                transport="shared_memory",
-                            )
-                        )
+                        lambda *a, **k: refusal(export_weights(*a, **k)),
+                        chunks,
+                        model,
+                        ctx,
+                        version=VERSION,
+                        bucket_bytes=BUCKET_BYTES,
+                        transport="shared_memory",
                     )
                     # one kept buffer, refilled for every bucket of two exports
                     mover = make_transport(

@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from bapo_megatron.trainer.tracking import read_scalars  # noqa: E402
+from tests.helpers import hf_models  # noqa: E402
 from tests.helpers.train_runs import read_metrics, rollout_records, run_in_process, run_subprocess  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs")
@@ -223,15 +224,30 @@ def test_an_engine_past_its_deadline_stops_the_run_naming_it(tmp_path):
     assert read_metrics(tmp_path) == []  # nothing was logged for the step that failed
 
 
-def _walk_model_folder(folder):
-    """A real HF folder: a tiny random Llama and the walk task's tokenizer, saved by
-    transformers."""
+# family -> config.json fields of the tiny model (Qwen3 with its own head size; Llama 3.2-style
+# scaled RoPE with factors that are not megatron-core's fixed ones)
+_FAMILY_FIELDS = {
+    "llama": dict(model_type="llama"),
+    "qwen3-tied": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True),
+    "qwen3-untied": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=False),
+    "llama32-tied": dict(
+        model_type="llama",
+        tie_word_embeddings=True,
+        rope_parameters={**hf_models.LLAMA3_ROPE, "original_max_position_embeddings": 32},
+    ),
+}
+
+
+def _walk_model_folder(folder, family: str = "llama"):
+    """A real HF folder: a tiny random model of ``family`` and the walk task's tokenizer, saved
+    by transformers."""
     import transformers
 
     from bapo_megatron.data.synthetic_task import walk_tokenizer
 
     tokenizer = walk_tokenizer()
-    config = transformers.LlamaConfig(
+    config = transformers.AutoConfig.for_model(
+        **_FAMILY_FIELDS[family],
         vocab_size=16,
         hidden_size=64,
         intermediate_size=128,
@@ -244,8 +260,37 @@ def _walk_model_folder(folder):
         pad_token_id=0,
     )
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+def _prompt_file(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("family", ["qwen3-tied", "qwen3-untied", "llama32-tied"])
+def test_training_starts_from_an_hf_folder_of_each_family(tmp_path, family):
+    model = tmp_path / "model"
+    _walk_model_folder(model, family)
+    data = _prompt_file(tmp_path / "train.jsonl", [{"prompt": "7>12", "answer": "8 9 10 11 12"}])
+    records = run_in_process(
+        tmp_path / "run",
+        "model=null",
+        f"train.model_path={model}",
+        "data.synthetic_task=null",
+        f"data.train_file={data}",
+        "warmup.steps=0",
+        "train.steps=1",
+        "rollout.prompts_per_step=2",
+        "algorithm.optimizer_steps_per_rollout=1",
+    )
+    [step] = optimizer_records(records)
+    [rollout] = rollout_records(records)
+    assert math.isfinite(step["loss"]) and math.isfinite(step["entropy"])
+    # the engine sampled with the actor's model: behaviour and actor log-probs agree
+    assert rollout["logprob_diff/tokens"] > 0 and rollout["logprob_diff/max_abs"] < 1e-5
+    assert abs(step["bapo/ratio_min"] - 1) < 1e-5 and abs(step["bapo/ratio_max"] - 1) < 1e-5
 
 
 def test_prompt_file_and_hf_model_with_bad_rows(tmp_path):

@@ -1,10 +1,18 @@
 """Tiny random Hugging Face checkpoints built with transformers, for the conversion tests.
 
-Each variant is a real ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` (2 layers, hidden 64, 4 heads
-in 2 key/value groups, vocab 128), randomly initialised, saved with ``save_pretrained`` in small
-safetensors shards (so the index file exists), next to a tiny word-level tokenizer built with the
-``tokenizers`` library. Biases of Qwen2's q/k/v and the norm weights are drawn at random too, so
-that a swapped or dropped tensor changes the logits.
+Each variant is a real ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (2
+layers, hidden 64, 4 heads in 2 key/value groups, vocab 128), randomly initialised, saved with
+``save_pretrained`` in small safetensors shards (so the index file exists), next to a tiny
+word-level tokenizer built with the ``tokenizers`` library. Biases of Qwen2's q/k/v and the norm
+weights (Qwen3's q/k norms included) are drawn at random too, so that a swapped or dropped tensor
+changes the logits.
+
+Qwen3's heads are 32 wide (4 x 32 = 128 query channels on a 64-wide residual stream), so
+``head_dim`` is not hidden / heads. The Llama 3.2-style variant scales its rotary frequencies
+(``rope_type: llama3``) with factors that are all not Megatron's fixed ones (low 2, high 8,
+original context 60), over base 1e4, so that its head-size-16 frequencies fall in all three
+bands: kept (wavelength 6.3 < 60 / 8), interpolated (19.9) and divided by the factor (62.8 and
+up, > 60 / 2).
 """
 
 from __future__ import annotations
@@ -22,6 +30,18 @@ VARIANTS: dict[str, tuple[str, bool]] = {
     "llama-tied": ("llama", True),
     "qwen2-tied": ("qwen2", True),
     "qwen2-untied": ("qwen2", False),
+    "qwen3-tied": ("qwen3", True),
+    "qwen3-untied": ("qwen3", False),
+    "llama32-tied": ("llama", True),
+}
+QWEN3_HEAD_DIM = 32
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 1e4,
+    "factor": 4.0,
+    "low_freq_factor": 2.0,
+    "high_freq_factor": 8.0,
+    "original_max_position_embeddings": 60,
 }
 
 
@@ -29,7 +49,14 @@ def build_hf_model(
     variant: str, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = LAYERS
 ) -> torch.nn.Module:
     """A random transformers model of ``variant`` in eval mode."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     model_type, tied = VARIANTS[variant]
     common = dict(
@@ -45,6 +72,11 @@ def build_hf_model(
     )
     if model_type == "qwen2":
         config, cls = Qwen2Config(**common, rope_theta=1e6), Qwen2ForCausalLM
+    elif model_type == "qwen3":
+        config = Qwen3Config(**common, rope_theta=1e6, head_dim=QWEN3_HEAD_DIM)
+        cls = Qwen3ForCausalLM
+    elif variant.startswith("llama32"):
+        config, cls = LlamaConfig(**common, rope_parameters=dict(LLAMA3_ROPE)), LlamaForCausalLM
     else:
         config, cls = LlamaConfig(**common, rope_theta=5e5), LlamaForCausalLM
     config._attn_implementation = "eager"

@@ -130,9 +130,12 @@ def test_missing_kv_heads_means_multi_head_attention():
         ({"num_hidden_layers": None}, "required field 'num_hidden_layers' is missing"),
         (
             {"model_type": "mistral"},
-            "model_type 'mistral' is not supported; supported: ['llama', 'qwen2']",
+            "model_type 'mistral' is not supported; supported: ['llama', 'qwen2', 'qwen3']",
         ),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling="),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            "rope_scaling.low_freq_factor is missing (rope_type 'llama3' needs",
+        ),
         ({"attention_bias": True}, "attention_bias=True is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
         ({"mlp_bias": True}, "mlp_bias=True is not supported"),

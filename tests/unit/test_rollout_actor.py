@@ -1,6 +1,8 @@
 """The actor and the embedded engine agree: the actor's weights, pushed through the live export,
 give an engine whose behaviour log-probs equal the actor's own forward-only log-probs of the same
-tokens (same temperature), so the importance ratio starts at exactly 1 up to float error."""
+tokens (same temperature), so the importance ratio starts at exactly 1 up to float error. For
+every family: Qwen2 (q/k/v bias), Llama, Qwen3 (q/k norms, its own head size) and Llama 3.2-style
+(scaled RoPE), tied and untied."""
 
 from __future__ import annotations
 
@@ -13,18 +15,36 @@ from bapo_megatron.actor.actor import build_actor  # noqa: E402
 from bapo_megatron.actor.batch import PolicyBatch  # noqa: E402
 from bapo_megatron.actor.logprobs import compute_logprobs  # noqa: E402
 from bapo_megatron.config import ActorConfig, ModelConfig, OptimizerConfig, ParallelConfig  # noqa: E402
+from bapo_megatron.config.rope import Llama3RopeScaling  # noqa: E402
 from bapo_megatron.distributed.context import ParallelContext  # noqa: E402
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine  # noqa: E402
 from bapo_megatron.rollout.protocol import SamplingParams  # noqa: E402
 from bapo_megatron.weights.export import export_weights  # noqa: E402
 from bapo_megatron.weights.sync import named_tensors_of  # noqa: E402
 
+# variant -> the ModelConfig fields that make it
+FAMILIES = {
+    "qwen2-tied": dict(model_type="qwen2", tie_word_embeddings=True),
+    "llama-untied": dict(model_type="llama", tie_word_embeddings=False),
+    "qwen3-tied": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True),
+    "qwen3-untied": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=False),
+    "llama32-tied": dict(
+        model_type="llama",
+        tie_word_embeddings=True,
+        rope_scaling=Llama3RopeScaling(
+            factor=4.0,
+            low_freq_factor=2.0,
+            high_freq_factor=8.0,
+            original_max_position_embeddings=60,
+        ),
+    ),
+}
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU run")
-@pytest.mark.parametrize("tied", [True, False])
-def test_engine_logprobs_equal_actor_logprobs_after_export(tied):
+@pytest.mark.parametrize("variant", list(FAMILIES))
+def test_engine_logprobs_equal_actor_logprobs_after_export(variant):
     model = ModelConfig(
-        model_type="qwen2" if tied else "llama",
         num_layers=2,
         hidden_size=64,
         ffn_hidden_size=128,
@@ -32,7 +52,7 @@ def test_engine_logprobs_equal_actor_logprobs_after_export(tied):
         num_query_groups=2,
         vocab_size=128,
         max_position_embeddings=64,
-        tie_word_embeddings=tied,
+        **FAMILIES[variant],
     )
     temperature = 0.7
     context = ParallelContext.initialize(ParallelConfig())

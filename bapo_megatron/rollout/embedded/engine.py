@@ -28,7 +28,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class EmbeddedEngine:
-    """A :class:`~bapo_megatron.rollout.protocol.RolloutEngine` on transformers' Llama/Qwen2.
+    """A :class:`~bapo_megatron.rollout.protocol.RolloutEngine` on transformers' Llama/Qwen2/Qwen3.
 
     Built from a :class:`ModelConfig` with random weights (the trainer then pushes its own with
     :meth:`update_weights`), or from an HF folder with :meth:`from_pretrained`.
