@@ -28,7 +28,8 @@ def rope_inverse_frequencies(model: ModelConfig) -> torch.Tensor:
     ``rope_scaling`` (llama3), low frequencies divided by ``factor`` and the band between the two
     wavelength bounds interpolated smoothly."""
     dim = model.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
+    # on the CPU whatever the default device (the layout planner builds under a meta one)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (model.rope_theta**exponents)
     scaling = model.rope_scaling
     if scaling is None:
