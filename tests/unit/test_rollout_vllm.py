@@ -36,6 +36,7 @@ from bapo_megatron.rollout.resubmission import EngineOutput, RoundRequest
 from bapo_megatron.rollout.vllm.engine import (
     VLLMEngine,
     check_fused_groups,
+    check_seeded_sampling,
     check_truncation,
     sampled_logprobs,
     vllm_sampling_kwargs,
@@ -128,6 +129,15 @@ def test_truncated_sampling_needs_the_full_vocabulary_hook():
     for params in (SamplingParams(top_k=5), SamplingParams(top_p=0.5)):
         with pytest.raises(ValueError, match="sampling.top_k/top_p truncate"):
             check_truncation(params, full_vocab_logprobs=False)
+
+
+def test_seeded_sampling_is_refused_only_on_a_cpu_vllm_that_prefills_in_chunks():
+    seeded, unseeded = SamplingParams(seed=3), SamplingParams()
+    check_seeded_sampling(seeded, on_cpu=True, chunked_prefill=False, engine="E")
+    check_seeded_sampling(seeded, on_cpu=False, chunked_prefill=True, engine="E")
+    check_seeded_sampling(unseeded, on_cpu=True, chunked_prefill=True, engine="E")
+    with pytest.raises(ValueError, match="sampling.seed: E runs on CPU with chunked prefill"):
+        check_seeded_sampling(seeded, on_cpu=True, chunked_prefill=True, engine="E")
 
 
 class TruncatingSampler:
@@ -268,8 +278,10 @@ class FakeLLMEngine:
 
 
 class FakeLLM:
-    def __init__(self):
+    def __init__(self, chunked_prefill=False):
         self.llm_engine = FakeLLMEngine()
+        scheduler = types.SimpleNamespace(enable_chunked_prefill=chunked_prefill)
+        self.llm_engine.vllm_config = types.SimpleNamespace(scheduler_config=scheduler)
         self.rpcs: list[tuple[str, tuple]] = []
         self.prefix_resets = 0
 
@@ -344,6 +356,15 @@ def test_step_loop_abort_and_pause_keep_what_was_generated(fake_vllm):
     engine.resume()
     engine.continue_generation(samples, SamplingParams(max_new_tokens=3))
     assert samples[0].finish_reason == "length" and samples[0].token_ids == [10, 10, 11]
+
+
+def test_step_loop_refuses_seeds_where_chunked_prefill_would_crash_vllm(fake_vllm):
+    llm = FakeLLM(chunked_prefill=True)
+    engine = VLLMEngine(llm, suite.MODEL, version=0)  # fake_vllm: on CPU
+    with pytest.raises(ValueError, match="sampling.seed: vLLM runs on CPU with chunked prefill"):
+        engine.generate([[1]], SamplingParams(max_new_tokens=2, seed=4))
+    assert llm.llm_engine.added == []
+    assert engine.generate([[1]], SamplingParams(max_new_tokens=2))[0].token_ids == [10, 11]
 
 
 def test_step_loop_refuses_outputs_without_logprobs(fake_vllm):
@@ -573,6 +594,7 @@ class FakeVLLMServer:
         self.cut_after = None
         self.on_complete = None
         self.device = "cpu"
+        self.chunked_prefill = False
         self.hold = None
 
     def __call__(self, method, path, body):
@@ -597,6 +619,8 @@ class FakeVLLMServer:
             return 200, {"data": [{"id": "served"}]}
         if path == "/collective_rpc" and body["method"] == "bapo_device":
             return 200, {"results": [self.device]}
+        if path == "/collective_rpc" and body["method"] == "bapo_chunked_prefill":
+            return 200, {"results": [self.chunked_prefill]}
         if path == "/collective_rpc" and body["method"] == "bapo_load_weights_from":
             self.loaded = load_file(Path(body["args"][0]) / "model.safetensors")
             return 200, {"results": [body["args"][0]]}
@@ -612,7 +636,8 @@ def test_server_client_rounds_control_and_weights(tmp_path, caplog):
         "http://fake", suite.MODEL, transport=server, weights_dir=tmp_path
     )
     assert client.served_model == "served" and client.server_device == "cpu"
-    assert server.paths() == ["/health", "/v1/models", "/collective_rpc", "/collective_rpc"]
+    assert client.server_chunked_prefill is False
+    assert server.paths() == ["/health", "/v1/models"] + ["/collective_rpc"] * 3
     params = SamplingParams(n=3, max_new_tokens=5, seed=1)
     samples = client.generate([[1, 2]], params, round_tokens=2)
     completions = [body for _, path, body in server.calls if path == "/v1/completions"]
@@ -663,6 +688,21 @@ def test_server_client_rounds_control_and_weights(tmp_path, caplog):
     client.release_memory()
     client.resume_memory()
     assert server.paths()[-2:] == ["/sleep?level=1", "/wake_up"]
+
+
+def test_server_client_refuses_seeds_on_a_cpu_server_that_prefills_in_chunks():
+    server = FakeVLLMServer()
+    server.chunked_prefill = True
+    client = VLLMServerClient.connect("http://fake", suite.MODEL, transport=server)
+    assert client.server_chunked_prefill is True
+    with pytest.raises(
+        ValueError, match="sampling.seed: the vLLM server at http://fake runs on CPU"
+    ):
+        client.generate([[1]], SamplingParams(max_new_tokens=2, seed=4))
+    assert "/v1/completions" not in server.paths()
+    assert client.generate([[1]], SamplingParams(max_new_tokens=2))[0].token_ids == [100, 101]
+    client.server_device = "cuda"  # GPU generators rewind: chunked prefill is fine there
+    client.generate([[1]], SamplingParams(max_new_tokens=2, seed=4))
 
 
 def test_server_client_refuses_what_it_cannot_do(tmp_path):

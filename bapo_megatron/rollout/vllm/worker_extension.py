@@ -72,6 +72,11 @@ class BapoWorkerExtension:
 
         return current_platform.device_type
 
+    def bapo_chunked_prefill(self) -> bool:
+        """Whether this vLLM prefills long prompts in chunks (``enable_chunked_prefill``), which
+        crashes seeded requests on CPU: a server client cannot see its engine arguments."""
+        return bool(self.vllm_config.scheduler_config.enable_chunked_prefill)
+
     def bapo_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Load HF-named tensors into the live model with vLLM's in-place reload (in process:
         the tensors arrive by reference); returns how many were given."""
