@@ -718,7 +718,10 @@ def test_server_client_refuses_what_it_cannot_do(tmp_path):
     with pytest.raises(ValueError, match="'model.nope.weight' is not a parameter"):
         client.update_weights([("model.nope.weight", torch.zeros(1))], version=1)
     assert not list(tmp_path.iterdir()) and client.version == 0
-    server_error = lambda method, path, body: (400, {"error": "no such method"})
+
+    def server_error(method, path, body):
+        return 400, {"error": "no such method"}
+
     with pytest.raises(RuntimeError, match="could not install the full-vocabulary log-prob hook"):
         VLLMServerClient.connect(
             "http://fake",
@@ -728,7 +731,7 @@ def test_server_client_refuses_what_it_cannot_do(tmp_path):
         )
 
 
-# ------------------------------------------------------------------ a real vLLM server (optional tier)
+# ------------------------------------------------------------ a real vLLM server (optional tier)
 
 
 @pytest.fixture(scope="module")

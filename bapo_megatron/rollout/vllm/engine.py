@@ -45,9 +45,9 @@ Mapping onto the protocol:
   ``reload_weights(weights_iterator=...)`` in the worker (loading into the live model with
   ``load_weights`` fails on CPU: its linear layers prepack and drop the original weights),
   re-ties a tied output layer, which that reload leaves on the old embedding
-  (:func:`~bapo_megatron.rollout.vllm.worker_extension.retie_output_layer`), then resets the prefix cache so no KV computed under the old
-  weights is reused. Tensors travel as
-  arguments by reference in process only (``distributed_executor_backend="uni"``).
+  (:func:`~bapo_megatron.rollout.vllm.worker_extension.retie_output_layer`), then resets the
+  prefix cache so no KV computed under the old weights is reused. Tensors travel as arguments
+  by reference in process only (``distributed_executor_backend="uni"``).
   A partial update must carry whole fused groups (q/k/v, gate/up of a layer): vLLM's layerwise
   reload leaves the rest of a half-loaded fused tensor uninitialized, so the adapter refuses it.
 - Memory: vLLM's ``sleep``/``wake_up`` are ignored on CPU, so there :meth:`release_memory` and
