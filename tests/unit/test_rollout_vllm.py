@@ -648,7 +648,7 @@ class FakeVLLMServer:
         if path == "/collective_rpc" and body["method"] == "bapo_device":
             return 200, {"results": [self.device]}
         if path == "/collective_rpc" and body["method"] == "bapo_chunked_prefill":
-            return 200, {"results": [self.chunked_prefill]}
+            return 200, {"results": [{"enable_chunked_prefill": self.chunked_prefill}]}
         if path == "/collective_rpc" and body["method"] == "bapo_load_weights_from":
             self.loaded = load_file(Path(body["args"][0]) / "model.safetensors")
             return 200, {"results": [body["args"][0]]}
@@ -731,6 +731,9 @@ def test_server_client_refuses_seeds_on_a_cpu_server_that_prefills_in_chunks():
     assert client.generate([[1]], SamplingParams(max_new_tokens=2))[0].token_ids == [100, 101]
     client.server_device = "cuda"  # GPU generators rewind: chunked prefill is fine there
     client.generate([[1]], SamplingParams(max_new_tokens=2, seed=4))
+    server.chunked_prefill = "False"  # what /collective_rpc makes of a bare bool
+    with pytest.raises(RuntimeError, match="expected results.0..enable_chunked_prefill true"):
+        VLLMServerClient.connect("http://fake", suite.MODEL, transport=server)
 
 
 def test_server_client_refuses_what_it_cannot_do(tmp_path):

@@ -132,6 +132,20 @@ def parse_completion_response(answer: Any, where: str) -> EngineOutput:
     )
 
 
+def _chunked_prefill(answer: Any, base_url: str) -> bool:
+    """The worker's ``bapo_chunked_prefill`` result in a ``/collective_rpc`` answer."""
+    try:
+        value = answer["results"][0]["enable_chunked_prefill"]
+    except (KeyError, IndexError, TypeError):
+        value = None
+    if not isinstance(value, bool):
+        raise RuntimeError(  # noqa: TRY004 - a malformed answer, reported like every other
+            f"vLLM server at {base_url}: /collective_rpc bapo_chunked_prefill answered "
+            f"{answer!r:.200}, expected results[0].enable_chunked_prefill true or false"
+        )
+    return value
+
+
 def _token_id(text: Any, position: int, where: str) -> int:
     if isinstance(text, str) and text.startswith("token_id:"):
         try:
@@ -222,7 +236,7 @@ class VLLMServerClient(ResubmittingEngine):
             answer = probe._call("POST", "/collective_rpc", {"method": "bapo_device"})
             probe.server_device = answer["results"][0]
             answer = probe._call("POST", "/collective_rpc", {"method": "bapo_chunked_prefill"})
-            probe.server_chunked_prefill = bool(answer["results"][0])
+            probe.server_chunked_prefill = _chunked_prefill(answer, base_url)
         return probe
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
