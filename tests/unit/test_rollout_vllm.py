@@ -1,6 +1,7 @@
 """The vLLM adapters: request building and output parsing (always), the step loop against a fake
 engine (always), and, where vLLM is installed (the optional tier, see requirements-vllm.txt),
-the rollout conformance suite against a real in-process ``vllm.LLM``.
+the rollout conformance suite against a real in-process ``vllm.LLM`` (against a real vLLM
+server: tests/unit/test_rollout_vllm_server.py).
 
 The conformance suite's model has head size 16, which vLLM's CPU attention refuses (it wants
 32, 64, 80, ...). Rather than change the suite's model for every engine, this file runs the
@@ -13,12 +14,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import os
-import socket
-import subprocess
 import sys
 import threading
-import time
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,12 +27,12 @@ from safetensors.torch import load_file
 import tests.unit.test_rollout_engines as suite
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
-from bapo_megatron.rollout.http import http_transport
 from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams
 from bapo_megatron.rollout.resubmission import EngineOutput, RoundRequest
 from bapo_megatron.rollout.vllm.engine import (
     VLLMEngine,
     check_fused_groups,
+    check_seeded_sampling,
     check_truncation,
     sampled_logprobs,
     vllm_sampling_kwargs,
@@ -128,6 +125,15 @@ def test_truncated_sampling_needs_the_full_vocabulary_hook():
     for params in (SamplingParams(top_k=5), SamplingParams(top_p=0.5)):
         with pytest.raises(ValueError, match="sampling.top_k/top_p truncate"):
             check_truncation(params, full_vocab_logprobs=False)
+
+
+def test_seeded_sampling_is_refused_only_on_a_cpu_vllm_that_prefills_in_chunks():
+    seeded, unseeded = SamplingParams(seed=3), SamplingParams()
+    check_seeded_sampling(seeded, on_cpu=True, chunked_prefill=False, engine="E")
+    check_seeded_sampling(seeded, on_cpu=False, chunked_prefill=True, engine="E")
+    check_seeded_sampling(unseeded, on_cpu=True, chunked_prefill=True, engine="E")
+    with pytest.raises(ValueError, match="sampling.seed: E runs on CPU with chunked prefill"):
+        check_seeded_sampling(seeded, on_cpu=True, chunked_prefill=True, engine="E")
 
 
 class TruncatingSampler:
@@ -268,8 +274,10 @@ class FakeLLMEngine:
 
 
 class FakeLLM:
-    def __init__(self):
+    def __init__(self, chunked_prefill=False):
         self.llm_engine = FakeLLMEngine()
+        scheduler = types.SimpleNamespace(enable_chunked_prefill=chunked_prefill)
+        self.llm_engine.vllm_config = types.SimpleNamespace(scheduler_config=scheduler)
         self.rpcs: list[tuple[str, tuple]] = []
         self.prefix_resets = 0
 
@@ -346,6 +354,15 @@ def test_step_loop_abort_and_pause_keep_what_was_generated(fake_vllm):
     assert samples[0].finish_reason == "length" and samples[0].token_ids == [10, 10, 11]
 
 
+def test_step_loop_refuses_seeds_where_chunked_prefill_would_crash_vllm(fake_vllm):
+    llm = FakeLLM(chunked_prefill=True)
+    engine = VLLMEngine(llm, suite.MODEL, version=0)  # fake_vllm: on CPU
+    with pytest.raises(ValueError, match="sampling.seed: vLLM runs on CPU with chunked prefill"):
+        engine.generate([[1]], SamplingParams(max_new_tokens=2, seed=4))
+    assert llm.llm_engine.added == []
+    assert engine.generate([[1]], SamplingParams(max_new_tokens=2))[0].token_ids == [10, 11]
+
+
 def test_step_loop_refuses_outputs_without_logprobs(fake_vllm):
     llm = FakeLLM()
     llm.llm_engine.broken = True
@@ -418,6 +435,38 @@ def test_vllm_stop_tokens_seed_and_n(vllm_suite):
 @needs_vllm
 def test_vllm_partial_rollout_keeps_each_tokens_version_and_logprob(vllm_suite):
     suite.test_partial_rollout_keeps_each_tokens_version_and_logprob(vllm_suite)
+
+
+# Six requests of 1500+ tokens: more prompt tokens than one step of vLLM takes by default
+# (max_num_batched_tokens 4096 in process, 2048 for a server), so a vLLM that prefills in chunks
+# splits them, and on CPU its worker then crashes on the seeded requests' generators
+# ("CPU Generator does not use offset"; see bapo_megatron/rollout/vllm/engine.py).
+LONG_PROMPTS = [[(5 * i + k) % 128 for i in range(1500)] for k in range(3)]
+
+
+def long_seeded_continuations(make_engine) -> None:
+    """Seeded rounds of long prompts, each continued after a weight update (which resets the
+    prefix cache, so every continuation is prefilled whole, as in a training run), twice: both
+    runs finish and give the same tokens."""
+    weights = suite.random_weights(10)
+    engine = make_engine(weights)
+    params = SamplingParams(n=2, max_new_tokens=6, seed=9)
+    runs = []
+    for _ in range(2):
+        samples = engine.generate(LONG_PROMPTS, params, round_tokens=2)
+        while any(sample.resumable for sample in samples):
+            engine.update_weights(weights.items(), version=engine.version + 1)
+            engine.continue_generation(samples, params, round_tokens=2)
+        assert all(s.finish_reason == "length" and len(s.token_ids) == 6 for s in samples)
+        runs.append([s.token_ids for s in samples])
+    assert runs[0] == runs[1]
+
+
+@needs_vllm
+def test_vllm_long_seeded_continuations_run_and_repeat(vllm_suite):
+    engine = vllm_suite(suite.random_weights(10))
+    assert not engine.llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill
+    long_seeded_continuations(vllm_suite)
 
 
 def after_first_vllm_tokens(engine, samples, action):
@@ -573,6 +622,7 @@ class FakeVLLMServer:
         self.cut_after = None
         self.on_complete = None
         self.device = "cpu"
+        self.chunked_prefill = False
         self.hold = None
 
     def __call__(self, method, path, body):
@@ -597,6 +647,8 @@ class FakeVLLMServer:
             return 200, {"data": [{"id": "served"}]}
         if path == "/collective_rpc" and body["method"] == "bapo_device":
             return 200, {"results": [self.device]}
+        if path == "/collective_rpc" and body["method"] == "bapo_chunked_prefill":
+            return 200, {"results": [{"enable_chunked_prefill": self.chunked_prefill}]}
         if path == "/collective_rpc" and body["method"] == "bapo_load_weights_from":
             self.loaded = load_file(Path(body["args"][0]) / "model.safetensors")
             return 200, {"results": [body["args"][0]]}
@@ -612,7 +664,8 @@ def test_server_client_rounds_control_and_weights(tmp_path, caplog):
         "http://fake", suite.MODEL, transport=server, weights_dir=tmp_path
     )
     assert client.served_model == "served" and client.server_device == "cpu"
-    assert server.paths() == ["/health", "/v1/models", "/collective_rpc", "/collective_rpc"]
+    assert client.server_chunked_prefill is False
+    assert server.paths() == ["/health", "/v1/models"] + ["/collective_rpc"] * 3
     params = SamplingParams(n=3, max_new_tokens=5, seed=1)
     samples = client.generate([[1, 2]], params, round_tokens=2)
     completions = [body for _, path, body in server.calls if path == "/v1/completions"]
@@ -665,6 +718,24 @@ def test_server_client_rounds_control_and_weights(tmp_path, caplog):
     assert server.paths()[-2:] == ["/sleep?level=1", "/wake_up"]
 
 
+def test_server_client_refuses_seeds_on_a_cpu_server_that_prefills_in_chunks():
+    server = FakeVLLMServer()
+    server.chunked_prefill = True
+    client = VLLMServerClient.connect("http://fake", suite.MODEL, transport=server)
+    assert client.server_chunked_prefill is True
+    with pytest.raises(
+        ValueError, match="sampling.seed: the vLLM server at http://fake runs on CPU"
+    ):
+        client.generate([[1]], SamplingParams(max_new_tokens=2, seed=4))
+    assert "/v1/completions" not in server.paths()
+    assert client.generate([[1]], SamplingParams(max_new_tokens=2))[0].token_ids == [100, 101]
+    client.server_device = "cuda"  # GPU generators rewind: chunked prefill is fine there
+    client.generate([[1]], SamplingParams(max_new_tokens=2, seed=4))
+    server.chunked_prefill = "False"  # what /collective_rpc makes of a bare bool
+    with pytest.raises(RuntimeError, match="expected results.0..enable_chunked_prefill true"):
+        VLLMServerClient.connect("http://fake", suite.MODEL, transport=server)
+
+
 def test_server_client_refuses_what_it_cannot_do(tmp_path):
     server = FakeVLLMServer()
     client = VLLMServerClient(
@@ -689,111 +760,3 @@ def test_server_client_refuses_what_it_cannot_do(tmp_path):
             served_model="m",
             transport=lambda m, p, b: (200, None) if p == "/health" else server_error(m, p, b),
         )
-
-
-# ------------------------------------------------------------ a real vLLM server (optional tier)
-
-
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
-    """A vLLM OpenAI-compatible server in a subprocess, on the conformance model."""
-    folder = tmp_path_factory.mktemp("vllm-server-model")
-    torch.manual_seed(0)
-    EmbeddedEngine(VLLM_MODEL).model.save_pretrained(folder)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
-    log_file = open(folder / "server.log", "w")  # noqa: SIM115 - closed below
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(folder),
-            "--worker-extension-cls",
-            WORKER_EXTENSION,
-            "--logprobs-mode",
-            "processed_logprobs",
-            "--skip-tokenizer-init",
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--max-model-len",
-            "131072",
-        ],
-        env=env,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if http_transport(url, timeout=5)("GET", "/health", None)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"vLLM server did not start: {(folder / 'server.log').read_text()[-3000:]}"
-                )
-            time.sleep(1)
-        yield VLLMServerClient.connect(url, VLLM_MODEL, weights_dir=folder / "updates")
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-        log_file.close()
-
-
-@pytest.fixture
-def server_suite(vllm_server, monkeypatch):
-    monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
-
-    def make_engine(weights):
-        vllm_server.resume()
-        vllm_server.resume_memory()
-        vllm_server.update_weights(weights.items(), version=0)
-        return vllm_server
-
-    return make_engine
-
-
-@needs_vllm
-def test_vllm_server_logprobs_match_a_teacher_forced_recompute(server_suite):
-    suite.test_logprobs_match_a_teacher_forced_recompute(server_suite)
-
-
-@needs_vllm
-def test_vllm_server_stop_tokens_seed_and_n(server_suite):
-    suite.test_stop_tokens_seed_and_n(server_suite)
-
-
-@needs_vllm
-def test_vllm_server_partial_rollout_keeps_each_tokens_version_and_logprob(server_suite):
-    suite.test_partial_rollout_keeps_each_tokens_version_and_logprob(server_suite)
-
-
-def after_server_time(engine, samples, action):
-    """The suite's ``after_first_tokens`` for the server client, which cannot see a server's
-    steps: ``action`` 2.3 s after the call starts, by which six requests to a CPU server on a
-    loaded 2-core machine have had their first tokens in every run here (0.3 s was not always
-    enough). The one timed cut of the suite; it runs in the optional tier only."""
-    threading.Timer(2.3, action).start()
-
-
-@needs_vllm
-def test_vllm_server_abort_and_pause_from_another_thread(server_suite, monkeypatch):
-    monkeypatch.setattr(suite, "after_first_tokens", after_server_time)
-    suite.test_abort_and_pause_from_another_thread(server_suite)
-
-
-@needs_vllm
-def test_vllm_server_weight_updates_are_checked_and_memory_can_be_released(server_suite):
-    suite.test_weight_updates_are_checked_and_memory_can_be_released(server_suite)

@@ -29,6 +29,18 @@ Mapping onto the protocol:
 - Stop tokens: ``ignore_eos=True`` with ``stop_token_ids``: only the protocol's stop tokens stop
   a sample (vLLM keeps the stop token in the output, as the protocol does).
 - Partial rollout: re-submission of prompt + tokens so far, ``max_tokens`` the round's cap.
+- Seeds and chunked prefill: a seeded request gets its own ``torch.Generator``. When vLLM 0.32
+  prefills a prompt in several chunks (chunked prefill: the prompts of a step exceed
+  ``max_num_batched_tokens``, as a round of long continuations does), it samples a token it
+  then discards at every chunk but the last and rewinds that generator with
+  ``gen.set_offset(gen.get_offset() - 4)`` (``GPUModelRunner._bookkeeping_sync``); a CPU
+  generator has no offset, so the worker raises ``RuntimeError: CPU Generator does not use
+  offset`` and the engine core dies. So on CPU :meth:`VLLMEngine.from_pretrained` starts vLLM
+  with ``enable_chunked_prefill=False`` (every prompt is then prefilled in one step: vLLM raises
+  ``max_num_batched_tokens`` to at least ``max_model_len``), and both adapters refuse seeded
+  sampling on a CPU vLLM with chunked prefill (:func:`check_seeded_sampling`). Seeds keep
+  their meaning: without chunks, a request's generator draws once per sampled token. On GPUs
+  (Philox generators with an offset) chunked prefill stays on.
 - Weights: ``collective_rpc("bapo_load_weights", args=(tensors,))`` runs vLLM's in-place
   ``reload_weights(weights_iterator=...)`` in the worker (loading into the live model with
   ``load_weights`` fails on CPU: its linear layers prepack and drop the original weights),
@@ -101,6 +113,25 @@ def check_truncation(params: SamplingParams, full_vocab_logprobs: bool) -> None:
         )
 
 
+def check_seeded_sampling(
+    params: SamplingParams, *, on_cpu: bool, chunked_prefill: bool, engine: str
+) -> None:
+    """Refuse seeded sampling on a CPU vLLM with chunked prefill, which crashes its engine core
+    (see the module docstring)."""
+    if params.seed is not None and on_cpu and chunked_prefill:
+        raise ValueError(
+            f"sampling.seed: {engine} runs on CPU with chunked prefill, where vLLM 0.32 crashes "
+            "on seeded requests whose prompt is prefilled in chunks (RuntimeError: CPU Generator "
+            "does not use offset); start it with enable_chunked_prefill=False "
+            "(server: --no-enable-chunked-prefill), or sample without a seed"
+        )
+
+
+def chunked_prefill(llm: Any) -> bool:
+    """Whether the in-process ``vllm.LLM`` ``llm`` prefills long prompts in chunks."""
+    return bool(llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill)
+
+
 def sampled_logprobs(token_ids: list[int], logprobs: Any, where: str) -> list[float]:
     """The log-prob of each sampled token from vLLM's per-token ``logprobs`` (a list of
     ``{token_id: Logprob}`` dicts, one per token)."""
@@ -151,6 +182,7 @@ class VLLMEngine(ResubmittingEngine):
         self.full_vocab_logprobs = full_vocab_logprobs
         self._calls = itertools.count()
         self._on_cpu = _on_cpu()
+        self._chunked_prefill = chunked_prefill(llm)
 
     @classmethod
     def from_pretrained(
@@ -166,7 +198,9 @@ class VLLMEngine(ResubmittingEngine):
         """Start ``vllm.LLM`` on the HF folder ``folder`` in this process (its weights become
         policy ``version``), with the worker extension and, by default, the full-vocabulary
         log-prob hook. Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and, for CPU builds,
-        ``VLLM_CPU_KVCACHE_SPACE`` (GiB) unless already set; other keyword arguments go to
+        ``VLLM_CPU_KVCACHE_SPACE`` (GiB) unless already set, and on CPU
+        ``enable_chunked_prefill=False`` unless given (seeded requests crash a CPU vLLM that
+        prefills in chunks: see the module docstring); other keyword arguments go to
         ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
@@ -185,6 +219,8 @@ class VLLMEngine(ResubmittingEngine):
             "worker_extension_cls": WORKER_EXTENSION,
             "logprobs_mode": "processed_logprobs",
         }
+        if _on_cpu():
+            options["enable_chunked_prefill"] = False
         options.update(llm_kwargs)
         llm = vllm.LLM(**options)
         if full_vocab_logprobs:
@@ -200,6 +236,9 @@ class VLLMEngine(ResubmittingEngine):
 
     def _check_params(self, params: SamplingParams) -> None:
         check_truncation(params, self.full_vocab_logprobs)
+        check_seeded_sampling(
+            params, on_cpu=self._on_cpu, chunked_prefill=self._chunked_prefill, engine="vLLM"
+        )
 
     def _submit(self, requests: list[RoundRequest], params: SamplingParams) -> list[EngineOutput]:
         """Add ``requests`` and step the engine until all finish or a flag cuts them (the cut

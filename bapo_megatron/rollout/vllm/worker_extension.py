@@ -72,6 +72,15 @@ class BapoWorkerExtension:
 
         return current_platform.device_type
 
+    def bapo_chunked_prefill(self) -> dict[str, bool]:
+        """``{"enable_chunked_prefill": ...}``: whether this vLLM prefills long prompts in chunks,
+        which crashes seeded requests on CPU (a server client cannot see its engine arguments).
+        A dict because a server's ``/collective_rpc`` passes dicts on as JSON but turns other
+        results into strings."""
+        return {
+            "enable_chunked_prefill": bool(self.vllm_config.scheduler_config.enable_chunked_prefill)
+        }
+
     def bapo_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Load HF-named tensors into the live model with vLLM's in-place reload (in process:
         the tensors arrive by reference); returns how many were given."""

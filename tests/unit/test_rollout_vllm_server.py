@@ -1,0 +1,262 @@
+"""The vLLM server client against a real vLLM OpenAI-compatible server (the optional vLLM tier,
+see requirements-vllm.txt): the rollout conformance suite, long seeded continuations, and a
+server whose engine dies mid-run. Skipped where vLLM is not installed.
+
+One server serves the module. A test that finds it dead (the death tests kill it, and a crash
+of vLLM would too) gets a new one, started after the old one's log is shown, so one dead
+server never fails the tests after it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import tests.unit.test_rollout_engines as suite
+from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
+from bapo_megatron.rollout.guard import EngineFailure, GuardedEngine
+from bapo_megatron.rollout.http import answers_health, http_transport
+from bapo_megatron.rollout.protocol import SamplingParams
+from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
+from bapo_megatron.rollout.vllm.worker_extension import WORKER_EXTENSION
+from tests.unit.test_rollout_vllm import VLLM_MODEL, long_seeded_continuations
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vllm is not installed (optional tier: requirements-vllm.txt)",
+)
+
+START_TIMEOUT_S = 600
+"""How long a server may take to answer /health after starting (30-40 s here, more under load)."""
+
+WATCH_TIMEOUT_S = 300
+"""How long :func:`after_server_first_tokens` waits for the first tokens before acting anyway
+(the test then fails on its assertions instead of hanging)."""
+
+
+class ServerProcess:
+    """A vLLM server in a subprocess on the model in ``folder``, with the RL routes, the worker
+    extension and chunked prefill off (seeded requests crash a CPU vLLM that prefills in
+    chunks: bapo_megatron/rollout/vllm/engine.py). Its output goes to ``server-N.log``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.starts = 0
+        self.process: subprocess.Popen | None = None
+        self.client: VLLMServerClient | None = None
+        self.cores: list[psutil.Process] = []
+
+    @property
+    def log_path(self) -> Path:
+        return self.folder / f"server-{self.starts}.log"
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def start(self) -> VLLMServerClient:
+        """Start a server and connect a client; RuntimeError with the log's tail if it does not
+        answer /health within START_TIMEOUT_S or exits."""
+        self.starts += 1
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+        with open(self.log_path, "w") as log_file:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "vllm.entrypoints.openai.api_server",
+                    "--model",
+                    str(self.folder),
+                    "--worker-extension-cls",
+                    WORKER_EXTENSION,
+                    "--logprobs-mode",
+                    "processed_logprobs",
+                    "--skip-tokenizer-init",
+                    "--dtype",
+                    "float32",
+                    "--enforce-eager",
+                    "--no-enable-chunked-prefill",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--max-model-len",
+                    "131072",
+                ],
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
+        url = f"http://127.0.0.1:{port}"
+        transport = http_transport(url, timeout=5)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not answers_health(transport):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"vLLM server (log {self.log_path}) did not start:\n{self.log_tail()}"
+                )
+            time.sleep(1)
+        self.cores = [self.engine_core()]
+        self.client = VLLMServerClient.connect(
+            url, VLLM_MODEL, weights_dir=self.folder / "updates", timeout=120
+        )
+        return self.client
+
+    def alive(self) -> bool:
+        return (
+            self.process is not None
+            and self.process.poll() is None
+            and self.client is not None
+            and self.client.health()
+        )
+
+    def live_client(self) -> VLLMServerClient:
+        """The client of a live server: this one's, or a new one's when it died."""
+        if self.alive():
+            return self.client
+        if self.process is not None:
+            print(
+                f"\nvLLM server {self.starts} is dead; starting a new one. Its log "
+                f"({self.log_path}) ends:\n{self.log_tail(1500)}"
+            )
+            self.stop()
+        return self.start()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        for core in self.cores:  # an EngineCore outlives a server killed with SIGKILL
+            if core.is_running():
+                core.kill()
+        self.cores = []
+
+    def engine_core(self) -> psutil.Process:
+        """The server's EngineCore process (vLLM titles it ``VLLM::EngineCore``)."""
+        cores = [
+            child
+            for child in psutil.Process(self.process.pid).children(recursive=True)
+            if "EngineCore" in " ".join(child.cmdline())
+        ]
+        assert len(cores) == 1, f"expected one EngineCore child of the server, found {cores}"
+        return cores[0]
+
+
+@pytest.fixture(scope="module")
+def server_process(tmp_path_factory):
+    """The module's vLLM server (started on first use, restarted when found dead)."""
+    folder = tmp_path_factory.mktemp("vllm-server-model")
+    torch.manual_seed(0)
+    EmbeddedEngine(VLLM_MODEL).model.save_pretrained(folder)
+    server = ServerProcess(folder)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def server_suite(server_process, monkeypatch):
+    """The suite's ``make_engine`` on a live server: loads the given weights as version 0."""
+    monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
+    client = server_process.live_client()
+
+    def make_engine(weights):
+        client.resume()
+        client.resume_memory()
+        client.update_weights(weights.items(), version=0)
+        return client
+
+    return make_engine
+
+
+def test_vllm_server_logprobs_match_a_teacher_forced_recompute(server_suite):
+    suite.test_logprobs_match_a_teacher_forced_recompute(server_suite)
+
+
+def test_vllm_server_stop_tokens_seed_and_n(server_suite):
+    suite.test_stop_tokens_seed_and_n(server_suite)
+
+
+def test_vllm_server_partial_rollout_keeps_each_tokens_version_and_logprob(server_suite):
+    suite.test_partial_rollout_keeps_each_tokens_version_and_logprob(server_suite)
+
+
+def test_vllm_server_long_seeded_continuations_run_and_repeat(server_suite):
+    client = server_suite(suite.random_weights(10))
+    assert client.server_device == "cpu" and client.server_chunked_prefill is False
+    long_seeded_continuations(server_suite)
+
+
+def first_tokens_served(client: VLLMServerClient) -> int:
+    """How many requests the server has given a first token (its Prometheus
+    ``vllm:time_to_first_token_seconds`` histogram counts one per request)."""
+    text = client._call("GET", "/metrics")
+    counts = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:time_to_first_token_seconds_count")
+    ]
+    assert counts, "the server's /metrics has no vllm:time_to_first_token_seconds_count"
+    return int(sum(counts))
+
+
+def after_server_first_tokens(engine, samples, action):
+    """The suite's ``after_first_tokens`` for the server client: a thread watches the server's
+    first-token count and runs ``action`` once the next call's ``samples`` requests all hold a
+    token (the count is read before the call, so earlier requests do not count)."""
+    start = first_tokens_served(engine)
+
+    def watch():
+        deadline = time.monotonic() + WATCH_TIMEOUT_S
+        while first_tokens_served(engine) < start + samples and time.monotonic() < deadline:
+            time.sleep(0.05)
+        action()
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def test_vllm_server_abort_and_pause_from_another_thread(server_suite, monkeypatch):
+    monkeypatch.setattr(suite, "after_first_tokens", after_server_first_tokens)
+    suite.test_abort_and_pause_from_another_thread(server_suite)
+
+
+def test_vllm_server_weight_updates_are_checked_and_memory_can_be_released(server_suite):
+    suite.test_weight_updates_are_checked_and_memory_can_be_released(server_suite)
+
+
+@pytest.mark.parametrize("victim", ["engine core", "server"])
+def test_a_vllm_server_that_dies_mid_run_is_named(server_process, server_suite, victim):
+    """Kill the server's EngineCore process (as vLLM's crash above did) or the whole server
+    between two calls: the next call raises EngineFailure naming the engine and its URL, and
+    health() answers False. (The guard's deadline bounds the call if the server hung instead.)"""
+    client = server_suite(suite.random_weights(3))
+    url = client.base_url
+    guarded = GuardedEngine(client, name=f"rollout engine 'vllm-server' at {url}", timeout_s=300)
+    params = SamplingParams(max_new_tokens=3, seed=1)
+    assert all(len(s.token_ids) == 3 for s in guarded.generate(suite.PROMPTS, params))
+    process = server_process.engine_core() if victim == "engine core" else server_process.process
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    with pytest.raises(EngineFailure) as failure:
+        guarded.generate(suite.PROMPTS, params)
+    message = str(failure.value)
+    assert message.startswith(f"rollout engine 'vllm-server' at {url}: generate failed: ")
+    assert "gave no result within" not in message  # the engine's own error, not the deadline
+    assert not guarded.health()
