@@ -54,3 +54,34 @@ def checkpoint_writer_queue_ends_with_us() -> None:
     server.start(initializer=exit_with_parent)
     _servers.append(server)
     filesystem_async._results_queue = server.Queue()
+
+
+_fork_hook_installed = False
+_forking_pid: int | None = None
+
+
+def _remember_forking_process() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+def _end_with_forking_process() -> None:
+    if sys.platform != "linux":
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != _forking_pid:  # it died before the prctl call
+        os._exit(1)
+
+
+def forked_writers_end_with_us() -> None:
+    """Megatron-Core's torch_dist writer (0.16, ``FileSystemWriterAsync.
+    write_preloaded_data_multiproc``) forks one process per write bucket from the saving thread.
+    A fork child that outlives a SIGKILLed trainer blocks for good in its results queue's feeder
+    thread (nobody reads the pipe any more). Every child forked by this process from now on gets
+    ``PR_SET_PDEATHSIG``, so it ends with the trainer. (Only Python-level forks run the hook:
+    spawned processes and ``subprocess`` are not affected.) Idempotent."""
+    global _fork_hook_installed
+    if _fork_hook_installed:
+        return
+    os.register_at_fork(before=_remember_forking_process, after_in_child=_end_with_forking_process)
+    _fork_hook_installed = True

@@ -62,7 +62,10 @@ from bapo_megatron.config import ModelConfig
 from bapo_megatron.distributed.collectives import barrier, on_every_rank
 from bapo_megatron.files.atomic import staged_folder
 from bapo_megatron.megatron_patches.checkpoint_metadata import check_metadata
-from bapo_megatron.megatron_patches.child_processes import checkpoint_writer_queue_ends_with_us
+from bapo_megatron.megatron_patches.child_processes import (
+    checkpoint_writer_queue_ends_with_us,
+    forked_writers_end_with_us,
+)
 from bapo_megatron.megatron_patches.cpu_runtime import cuda_sites_on_cpu
 from bapo_megatron.megatron_patches.optimizer_state import (
     add_zero_common_step,
@@ -169,6 +172,7 @@ def save_checkpoint(
         state = _sharded_state(actor, is_loading=False)
         with cuda_sites_on_cpu():  # the optimizer's pieces and the save exchange ask for CUDA
             checkpoint_writer_queue_ends_with_us()
+            forked_writers_end_with_us()
             dist_checkpointing.save(state, str(staging))
         on_every_rank(
             lambda: _write_rank_file(staging, step, context.rank, trainer_state),

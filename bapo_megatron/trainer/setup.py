@@ -119,7 +119,9 @@ def _build_run(cfg: Config, context: ParallelContext, output: Path, lock: Folder
         context.rank,
         context.world_size,
         stall_s=cfg.parallel.stall_report_s,
-    ).start()
+    )
+    if context.world_size > 1:  # one process has no peer to wait for: no thread
+        watchdog.start()
     watchdog.enter("setup")
     task = load_task(cfg)
     validate_layout(task.model, cfg.parallel, context.world_size)

@@ -30,7 +30,10 @@ from bapo_megatron.config import ModelConfig
 from bapo_megatron.config.value_types import build_dataclass
 from bapo_megatron.files.atomic import staged_folder
 from bapo_megatron.megatron_patches.checkpoint_metadata import check_metadata
-from bapo_megatron.megatron_patches.child_processes import checkpoint_writer_queue_ends_with_us
+from bapo_megatron.megatron_patches.child_processes import (
+    checkpoint_writer_queue_ends_with_us,
+    forked_writers_end_with_us,
+)
 from bapo_megatron.weights.checkpoint_damage import find_damage
 from bapo_megatron.weights.hf_checkpoint import DTYPE_NAMES, copy_files
 
@@ -83,6 +86,7 @@ def save_megatron_checkpoint(
             for key, chunk in zip(state_keys(len(chunks)), chunks)
         }
         checkpoint_writer_queue_ends_with_us()
+        forked_writers_end_with_us()
         dist_checkpointing.save(state, str(staging))
         if not dist.is_initialized() or dist.get_rank() == 0:
             info = {
