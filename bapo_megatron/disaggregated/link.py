@@ -25,8 +25,6 @@ class EngineLink:
     weights: StageBroadcast | None
     """This stage's weight broadcast, on replica 0's export ranks of stages after the first
     (the first stage's is inside the engine client)."""
-    exports: bool
-    """Whether this rank takes part in the weight export (every rank of replica 0)."""
 
     def close(self) -> None:
         """Stop this replica's engine rank (on the rank that holds the client)."""
@@ -67,5 +65,4 @@ def connect_engines(cfg: Config, context: ParallelContext, role: Role) -> Engine
     return EngineLink(
         engine=engine,
         weights=weights if context.pp_rank > 0 else None,
-        exports=context.dp_rank == 0,
     )
