@@ -25,6 +25,26 @@ def check_training(cfg: Config) -> None:
             "weight is exp(recomputed - behaviour))"
         )
     _check_schedule(cfg)
+    _check_placement(cfg)
+
+
+def _check_placement(cfg: Config) -> None:
+    """What a disaggregated run (engines on ranks of their own) cannot do yet, or at all."""
+    rollout = cfg.rollout
+    if rollout.placement != "disaggregated":
+        return
+    if rollout.engine.endswith("-server"):
+        raise ValueError(
+            f"rollout.placement=disaggregated runs in-process engines on rollout.engine_ranks; "
+            f"rollout.engine={rollout.engine!r} is a server client (use placement=colocated "
+            "for a separately started server)"
+        )
+    if rollout.release_memory_during_training:
+        raise ValueError(
+            "rollout.release_memory_during_training frees a colocated engine's memory for the "
+            "actor; with rollout.placement=disaggregated the engine has its own ranks (set it "
+            "to false)"
+        )
 
 
 def _check_sources(cfg: Config) -> None:

@@ -9,6 +9,8 @@ from bapo_megatron.config.ranges import require_at_least
 
 EngineKind = Literal["embedded", "vllm", "vllm-server", "sglang", "sglang-server"]
 ENGINE_KINDS: tuple[str, ...] = ("embedded", "vllm", "vllm-server", "sglang", "sglang-server")
+Placement = Literal["colocated", "disaggregated"]
+PLACEMENTS: tuple[str, ...] = ("colocated", "disaggregated")
 
 
 @dataclass(kw_only=True)
@@ -50,6 +52,14 @@ class RolloutConfig:
     the weight sync (colocated GPU runs; a logged no-op where the engine cannot)."""
     weight_bucket_mib: int = 512
     """Size bound of a bucket of the live weight export to the engine."""
+    placement: Placement = "colocated"
+    """`colocated`: each model replica's engine runs on its first rank, between training phases
+    (the synchronous main job); `disaggregated`: the last ``engine_ranks`` ranks of the torchrun
+    world run one in-process engine replica each and nothing else, the first ranks train, and
+    requests and weights travel over process groups between the two (docs/async-design.md)."""
+    engine_ranks: int = 0
+    """Ranks of the torchrun world that run an engine replica (disaggregated placement: at
+    least 1, one per data-parallel replica of the trainer; colocated: 0)."""
     timeout_s: float | None = None
     """Seconds one generation call may take: past it the engine is aborted and the run stops
     with an error naming the engine (None: no limit). Server clients also give up on a request
@@ -83,6 +93,22 @@ class RolloutConfig:
             raise ValueError(
                 f"{prefix}.gpu_memory_utilization must lie in (0, 1], "
                 f"got {self.gpu_memory_utilization!r}"
+            )
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"{prefix}.placement must be one of {list(PLACEMENTS)}, got {self.placement!r}"
+            )
+        require_at_least(self.engine_ranks, 0, f"{prefix}.engine_ranks")
+        if self.placement == "disaggregated" and self.engine_ranks < 1:
+            raise ValueError(
+                f"{prefix}.placement=disaggregated needs {prefix}.engine_ranks >= 1 (the ranks "
+                f"that run an engine replica), got {self.engine_ranks}"
+            )
+        if self.placement == "colocated" and self.engine_ranks:
+            raise ValueError(
+                f"{prefix}.engine_ranks={self.engine_ranks} applies to "
+                f"{prefix}.placement=disaggregated; colocated engines run on the trainer's ranks "
+                f"(set {prefix}.engine_ranks=0)"
             )
         if self.engine.endswith("-server") and not self.server_urls:
             raise ValueError(f"{prefix}.engine={self.engine!r} needs {prefix}.server_urls")

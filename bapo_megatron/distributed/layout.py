@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bapo_megatron.config import ModelConfig, ParallelConfig
+from bapo_megatron.config import ModelConfig, ParallelConfig, RolloutConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,3 +95,73 @@ def validate_layout(
                 "set parallel.fp8=null"
             )
     return world_size // parallel.model_parallel_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorldSplit:
+    """How a disaggregated run divides the torchrun world: the first ``trainer_size`` ranks
+    train (tensor x pipeline x context x data parallel, as a colocated run over that many
+    ranks), the last ``engine_count`` ranks run one engine replica each."""
+
+    world_size: int
+    engine_count: int
+    data_parallel_size: int
+    """Data-parallel replicas of the trainer; engine replica ``i`` serves replica ``i``."""
+
+    @property
+    def trainer_size(self) -> int:
+        """Ranks that train (global ranks 0 .. trainer_size - 1)."""
+        return self.world_size - self.engine_count
+
+    def is_engine(self, rank: int) -> bool:
+        """Whether global rank ``rank`` runs an engine replica."""
+        return rank >= self.trainer_size
+
+    def engine_index(self, rank: int) -> int:
+        """Which engine replica global rank ``rank`` runs."""
+        if not self.is_engine(rank):
+            raise ValueError(f"rank {rank} is a trainer rank, not an engine rank")
+        return rank - self.trainer_size
+
+    def engine_rank(self, index: int) -> int:
+        """The global rank of engine replica ``index``."""
+        return self.trainer_size + index
+
+
+def split_world(parallel: ParallelConfig, rollout: RolloutConfig, world_size: int) -> WorldSplit:
+    """The trainer/engine split of a disaggregated run over ``world_size`` ranks; ``ValueError``
+    naming the settings when it does not divide (checked on every rank before any process
+    group is joined, so trainer and engine ranks refuse alike)."""
+    engines = rollout.engine_ranks
+    if rollout.placement != "disaggregated":
+        raise ValueError(
+            f"rollout.placement={rollout.placement!r}: only a disaggregated run splits its world"
+        )
+    if world_size <= engines:
+        raise ValueError(
+            f"the world has {world_size} ranks and rollout.engine_ranks={engines} of them run "
+            "engines, which leaves no trainer rank (start more processes or lower "
+            "rollout.engine_ranks)"
+        )
+    trainers = world_size - engines
+    mp = parallel.model_parallel_size
+    if trainers % mp:
+        raise ValueError(
+            f"world size {world_size} minus rollout.engine_ranks={engines} leaves {trainers} "
+            f"trainer ranks, not divisible by tensor x pipeline x context parallel = {mp} "
+            "(parallel.tensor_model_parallel_size, pipeline_model_parallel_size, "
+            "context_parallel_size)"
+        )
+    dp = trainers // mp
+    if engines != dp:
+        raise ValueError(
+            f"rollout.engine_ranks={engines} must equal the trainer's data-parallel size {dp} "
+            f"({trainers} trainer ranks / model parallel {mp}): each data-parallel replica "
+            "sends its prompts to one engine replica of its own"
+        )
+    if rollout.prompts_per_step % dp:
+        raise ValueError(
+            f"rollout.prompts_per_step ({rollout.prompts_per_step}) must be a multiple of "
+            f"the trainer's data-parallel size ({dp})"
+        )
+    return WorldSplit(world_size=world_size, engine_count=engines, data_parallel_size=dp)

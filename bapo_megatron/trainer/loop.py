@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from bapo_megatron.actor.train_step import train_step
 from bapo_megatron.config import Config
+from bapo_megatron.disaggregated.link import EngineLink
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.trainer.checkpoint import save_checkpoint
 from bapo_megatron.trainer.metrics import staleness, throughput
@@ -33,14 +34,14 @@ from bapo_megatron.trainer.phases import (
     select_off_policy,
 )
 from bapo_megatron.trainer.replicas import call_engine, engine_failures_stop_every_rank
-from bapo_megatron.trainer.setup import Run, start_run, watched
+from bapo_megatron.trainer.setup import Run, push_policy, start_run, watched
 from bapo_megatron.trainer.state import run_identity
-from bapo_megatron.weights.sync import push_weights
 
 
-def train(cfg: Config, context: ParallelContext) -> None:
-    """Run ``cfg`` on this rank (collective over the world); see the module docstring."""
-    run = start_run(cfg, context)
+def train(cfg: Config, context: ParallelContext, engines: EngineLink | None = None) -> None:
+    """Run ``cfg`` on this rank (collective over the world); see the module docstring.
+    ``engines``: the links to a disaggregated run's engine ranks (None: colocated engines)."""
+    run = start_run(cfg, context, engines)
     try:
         rewards_seen = [rollout_step(run, step) for step in range(run.state.step, cfg.train.steps)]
     except Exception as error:
@@ -119,9 +120,7 @@ def sync_weights(run: Run, start_version: int, step: int) -> None:
         )
     if run.state.version != start_version or released:
         with run.timer.phase("weight_sync"):
-            push_weights(
-                run.actor, run.engine, version=run.state.version, bucket_bytes=run.bucket_bytes
-            )
+            push_policy(run, run.state.version)
 
 
 @watched("7. metrics, checkpoint")

@@ -17,6 +17,9 @@ from pathlib import Path
 
 from bapo_megatron.config import Config
 from bapo_megatron.config.loading import load_config
+from bapo_megatron.disaggregated.engine_rank import run_engine_rank
+from bapo_megatron.disaggregated.link import connect_engines
+from bapo_megatron.disaggregated.world import join_world
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.rewards.registry import get_reward
 from bapo_megatron.trainer.loop import train
@@ -51,15 +54,40 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, args.overrides)
         preflight(cfg)
-        context = ParallelContext.initialize(cfg.parallel)
-        try:
-            train(cfg, context)
-        finally:
-            context.teardown()
+        if cfg.rollout.placement == "disaggregated":
+            run_disaggregated(cfg)
+        else:
+            context = ParallelContext.initialize(cfg.parallel)
+            try:
+                train(cfg, context)
+            finally:
+                context.teardown()
     except ValueError as error:
         if args.debug:
             raise
         sys.exit(_one_line(error))
+
+
+def run_disaggregated(cfg: Config) -> None:
+    """This process's part of a disaggregated run: an engine rank serves its engine replica
+    until the trainer stops it; a trainer rank trains over the trainer ranks' own world with
+    the links to the engines, and stops its engine rank when it ends (normally or not)."""
+    role = join_world(cfg)
+    if role.is_engine:
+        run_engine_rank(cfg, role)
+        return
+    try:
+        context = ParallelContext.initialize(cfg.parallel)
+        try:
+            engines = connect_engines(cfg, context, role)
+            try:
+                train(cfg, context, engines)
+            finally:
+                engines.close()
+        finally:
+            context.teardown()
+    finally:
+        role.leave()
 
 
 def _one_line(error: BaseException) -> str:

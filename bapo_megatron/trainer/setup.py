@@ -19,6 +19,7 @@ from bapo_megatron.algo.search_plan import SearchPlan
 from bapo_megatron.config import Config
 from bapo_megatron.data.experience import ReplayBuffer
 from bapo_megatron.data.task import Task, load_task
+from bapo_megatron.disaggregated.link import EngineLink
 from bapo_megatron.distributed.collectives import barrier, on_every_rank
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.distributed.layout import validate_layout
@@ -33,7 +34,7 @@ from bapo_megatron.trainer.replicas import holds_engine
 from bapo_megatron.trainer.state import TrainerState, run_identity
 from bapo_megatron.trainer.tracking import MetricsLogger, PhaseTimer
 from bapo_megatron.trainer.warmup import run_warmup
-from bapo_megatron.weights.sync import push_weights
+from bapo_megatron.weights.sync import push_weights, push_weights_to_engines
 
 log = logging.getLogger("bapo_megatron.train")
 T = TypeVar("T")
@@ -63,6 +64,8 @@ class Run:
     """The output folder's lock, held by rank 0 for the whole run."""
     watchdog: PhaseWatchdog
     """Records this rank's phase; reports which rank is behind when a step stalls."""
+    engines: EngineLink | None = None
+    """The links to the engine ranks of a disaggregated run (None: colocated engines)."""
 
     @property
     def checkpoints(self) -> Path:
@@ -97,23 +100,47 @@ def watched(name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
     return decorate
 
 
-def start_run(cfg: Config, context: ParallelContext) -> Run:
+def push_policy(run: Run, version: int) -> None:
+    """The actor's weights into the engines as policy ``version`` (collective over the trainer
+    world): colocated engines through :func:`push_weights`, engine ranks of their own through
+    :func:`push_weights_to_engines`."""
+    if run.engines is None:
+        push_weights(run.actor, run.engine, version=version, bucket_bytes=run.bucket_bytes)
+    else:
+        push_weights_to_engines(
+            run.actor,
+            run.engine,
+            run.engines.weights,
+            version=version,
+            bucket_bytes=run.bucket_bytes,
+        )
+
+
+def start_run(cfg: Config, context: ParallelContext, engines: EngineLink | None = None) -> Run:
     """Build the run on this rank (collective over the world), resumed from the newest
     checkpoint under ``train.output_dir`` that verifies, when there is one and
     ``checkpoint.resume``, and with the policy's weights (version ``state.version``) loaded into
-    the engines. Rank 0 holds the output folder's lock until :meth:`Run.close`."""
+    the engines. ``engines``: the links to a disaggregated run's engine ranks (None: each
+    replica builds its colocated engine). Rank 0 holds the output folder's lock until
+    :meth:`Run.close`."""
     cfg.check_training()
     output = Path(cfg.train.output_dir)
     lock = _lock_output(output, context)
     try:
-        return _build_run(cfg, context, output, lock)
+        return _build_run(cfg, context, output, lock, engines)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
 
 
-def _build_run(cfg: Config, context: ParallelContext, output: Path, lock: FolderLock | None) -> Run:
+def _build_run(
+    cfg: Config,
+    context: ParallelContext,
+    output: Path,
+    lock: FolderLock | None,
+    engines: EngineLink | None,
+) -> Run:
     watchdog = PhaseWatchdog(
         _process_group_store(context),
         context.rank,
@@ -131,12 +158,22 @@ def _build_run(cfg: Config, context: ParallelContext, output: Path, lock: Folder
             f"rollout.prompts_per_step ({rollout.prompts_per_step}) must be a multiple of "
             f"the data-parallel size ({context.dp_size})"
         )
+    if rollout.placement == "disaggregated" and engines is None:
+        raise ValueError(
+            "rollout.placement=disaggregated needs engine ranks: start the run with "
+            "python -m bapo_megatron.train under torchrun (rollout.engine_ranks of its ranks "
+            "run the engines)"
+        )
+    if rollout.placement == "colocated" and engines is not None:
+        raise ValueError("rollout.placement=colocated: links to engine ranks were given")
     # weights loaded from a folder or checkpoint replace every parameter: skip the random init
     loads_weights = cfg.train.model_path is not None or cfg.train.load_checkpoint is not None
     actor = build_actor(task.model, cfg.actor, cfg.optimizer, context, initialize=not loads_weights)
     plan = SearchPlan.from_config(cfg.loss.clip)
     engine = rewards = None
-    if holds_engine(context):
+    if holds_engine(context) and engines is not None:
+        engine = engines.engine
+    elif holds_engine(context):
         engine = build_engine(
             rollout,
             task.model,
@@ -145,6 +182,7 @@ def _build_run(cfg: Config, context: ParallelContext, output: Path, lock: Folder
             work_dir=output,
             pad_token_id=task.pad_token_id,
         )
+    if holds_engine(context):
         rewards = RewardPool(
             cfg.reward.name,
             workers=cfg.reward.workers,
@@ -210,8 +248,9 @@ def _build_run(cfg: Config, context: ParallelContext, output: Path, lock: Folder
         output=output,
         lock=lock,
         watchdog=watchdog,
+        engines=engines,
     )
-    push_weights(actor, engine, version=state.version, bucket_bytes=run.bucket_bytes)
+    push_policy(run, state.version)
     return run
 
 

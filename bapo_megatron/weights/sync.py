@@ -8,6 +8,9 @@ loads with ``update_weights``.
   tensor-parallel rank, and the engine loads them bucket by bucket: its own stage's first, then
   each later stage's, sent over the pipeline group as that stage exports them. No rank collects
   a whole stage (only the engine keeps what it loads).
+- :func:`push_weights_to_engines`: the same for engines on ranks of their own (disaggregated
+  placement): data-parallel replica 0 exports, and each of its stages broadcasts its own tensors
+  to every engine replica (:mod:`~bapo_megatron.weights.broadcast`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from bapo_megatron.distributed.collectives import raise_if_any_rank_failed
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.rollout.guard import EngineFailure
 from bapo_megatron.rollout.protocol import RolloutEngine
+from bapo_megatron.weights.broadcast import StageBroadcast
 from bapo_megatron.weights.export import WeightBucket, export_weights
 
 
@@ -70,6 +74,50 @@ def push_weights(
         _drain(stream)  # after a refusal, the other ranks still wait in the stream's exchanges
     # every rank raises, as trainer.replicas.stop_if_any_engine_failed does (weights/ is below
     # trainer/ and does not import it)
+    raise_if_any_rank_failed(
+        failure,
+        error_type=EngineFailure,
+        where=f"stopped during the weight update to version {version}",
+    )
+    return loaded
+
+
+def push_weights_to_engines(
+    actor: Actor,
+    engine: RolloutEngine | None,
+    stage: StageBroadcast | None,
+    *,
+    version: int,
+    bucket_bytes: int,
+    checksum: bool = False,
+) -> str | None:
+    """Disaggregated weight sync (collective over the trainer world): every replica's first rank
+    asks its engine (``engine``, the remote client) for an update to ``version``; replica 0's
+    ranks export, its first rank broadcasts stage 0 through its client and its other stages'
+    export ranks broadcast their own (``stage``). Returns the engine's checksum (with
+    ``checksum``, on the client ranks). Any failure stops every trainer rank with
+    :class:`EngineFailure`, after the export's exchanges are drained."""
+    context = actor.context
+    loaded = failure = None
+    stream: Iterator[tuple[str, torch.Tensor]] = iter(())
+    if context.dp_rank == 0:  # the other replicas hold the same weights: no export there
+        stream = named_tensors_of(
+            export_weights(
+                actor.chunks,
+                actor.model_config,
+                context,
+                version=version,
+                bucket_bytes=bucket_bytes,
+            )
+        )
+    try:
+        if engine is not None:
+            loaded = engine.update_weights(stream, version=version, checksum=checksum)
+        elif stage is not None:
+            stage.send(stream, version=version, bucket_bytes=bucket_bytes)
+    except Exception as error:
+        failure = error
+    _drain(stream)  # the export's tensor-parallel exchanges go on to the end on every TP rank
     raise_if_any_rank_failed(
         failure,
         error_type=EngineFailure,

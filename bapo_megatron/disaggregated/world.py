@@ -1,0 +1,123 @@
+"""Which role this process plays in a disaggregated run, and the groups that join the roles.
+
+Every process reads torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``) and the run's split (:func:`~bapo_megatron.distributed.layout.split_world`).
+Megatron-Core takes the default process group for its trainer, so the trainer ranks make the
+default group among themselves alone (on torchrun's store, under a prefix of their own); the
+engine ranks never join it. The links between the two sides are gloo groups built directly on
+the same store, each under its own prefix (:mod:`bapo_megatron.distributed.messages`):
+
+- request link ``i`` (:func:`request_link`): data-parallel replica ``i``'s first rank (tensor,
+  pipeline and context rank 0; group rank 0) and engine replica ``i`` (group rank 1);
+- stage broadcast ``s`` (:func:`stage_broadcast`): pipeline stage ``s``'s export rank of
+  replica 0 (tensor and context rank 0; group rank 0) and every engine replica ``i`` (group rank
+  ``i + 1``): the weights of stage ``s``.
+
+Rank order is Megatron's ``tp-cp-ep-dp-pp`` over the trainer ranks, so the engine side can name
+the trainer ranks it talks to without Megatron.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from bapo_megatron.config import Config, ParallelConfig
+from bapo_megatron.distributed.layout import WorldSplit, split_world
+from bapo_megatron.distributed.messages import GroupMessenger, gloo_group
+from bapo_megatron.weights.broadcast import StageBroadcast
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class Role:
+    """This process's place in a disaggregated run."""
+
+    split: WorldSplit
+    rank: int
+    """Global rank in the torchrun world."""
+    store: dist.Store
+    """Torchrun's rendezvous store, which every group of the run meets in."""
+    timeout: datetime.timedelta
+    """Deadline of group set-up and of every transfer (``parallel.collective_timeout_s``)."""
+
+    @property
+    def is_engine(self) -> bool:
+        return self.split.is_engine(self.rank)
+
+    def leave(self) -> None:
+        """Destroy the trainer's default group (trainer ranks; the ParallelContext built on it
+        does not own it)."""
+        if not self.is_engine and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def join_world(cfg: Config) -> Role:
+    """Read torchrun's environment, check the split and, on a trainer rank, make the default
+    process group over the trainer ranks. ``ValueError`` naming the setting when the run is not
+    under torchrun or the world does not split."""
+    missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise ValueError(
+            "rollout.placement=disaggregated runs one process per rank under torchrun "
+            f"(missing environment variables {missing})"
+        )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    split = split_world(cfg.parallel, cfg.rollout, world_size)
+    timeout = datetime.timedelta(seconds=cfg.parallel.collective_timeout_s)
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    role = Role(split=split, rank=rank, store=store, timeout=timeout)
+    if not role.is_engine:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("bapo/trainer", store),
+            rank=rank,
+            world_size=split.trainer_size,
+            timeout=timeout,
+        )
+    return role
+
+
+def trainer_rank(parallel: ParallelConfig, split: WorldSplit, *, replica: int, stage: int) -> int:
+    """Global rank of data-parallel replica ``replica``'s pipeline stage ``stage`` at tensor and
+    context rank 0 (Megatron's ``tp-cp-ep-dp-pp`` order)."""
+    inner = parallel.tensor_model_parallel_size * parallel.context_parallel_size
+    return inner * (replica + split.data_parallel_size * stage)
+
+
+def request_link(role: Role, parallel: ParallelConfig, replica: int) -> GroupMessenger:
+    """The request link of replica ``replica`` (its first trainer rank and its engine)."""
+    trainer = trainer_rank(parallel, role.split, replica=replica, stage=0)
+    engine = role.split.engine_rank(replica)
+    group = gloo_group(role.store, f"bapo/requests/{replica}", int(role.is_engine), 2, role.timeout)
+    return GroupMessenger(
+        group,
+        names=[f"trainer rank {trainer}", f"engine rank {engine} (engine replica {replica})"],
+        timeout=role.timeout,
+        what=f"rollout requests of data-parallel replica {replica}",
+    )
+
+
+def stage_broadcast(role: Role, parallel: ParallelConfig, stage: int) -> StageBroadcast:
+    """The weight broadcast of pipeline stage ``stage`` (its export rank and every engine)."""
+    split = role.split
+    sender = trainer_rank(parallel, split, replica=0, stage=stage)
+    rank = split.engine_index(role.rank) + 1 if role.is_engine else 0
+    group = gloo_group(
+        role.store, f"bapo/weights/stage{stage}", rank, split.engine_count + 1, role.timeout
+    )
+    names = [f"trainer rank {sender} (pipeline stage {stage})"] + [
+        f"engine rank {split.engine_rank(i)}" for i in range(split.engine_count)
+    ]
+    messenger = GroupMessenger(
+        group, names=names, timeout=role.timeout, what=f"weights of pipeline stage {stage}"
+    )
+    return StageBroadcast(messenger, stage)

@@ -1,0 +1,133 @@
+"""Objects and tensors between the members of one process group that lives outside the default
+group: the links between a disaggregated run's trainer and its engine ranks.
+
+Megatron takes the default group for the trainer ranks alone, so these groups are built
+directly (``torch.distributed.ProcessGroupGloo`` on a prefixed store), and ``dist.send`` and
+friends, which look groups up in the default world, cannot drive them: :class:`GroupMessenger`
+calls the group's own ``send`` / ``recv`` / ``broadcast`` and waits on each with a deadline.
+Every failure (a peer that went away, a deadline that passed) is raised as :class:`PeerLost`
+naming the peer. A gloo wait that times out closes the connection, so a messenger is unusable
+after its first failure: the run stops, it never retries.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class PeerLost(RuntimeError):
+    """A peer of a messenger's group went away or did not answer by the deadline; the message
+    names it."""
+
+
+class GroupMessenger:
+    """Pickled objects and tensors over ``group`` (this process is group rank ``group.rank()``).
+
+    ``names[i]`` is how group rank ``i`` is called in errors (e.g. ``engine rank 2``);
+    ``timeout`` is the default deadline of every wait; ``what`` names the link."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        *,
+        names: Sequence[str],
+        timeout: datetime.timedelta,
+        what: str,
+    ) -> None:
+        if len(names) != group.size():
+            raise ValueError(f"{what}: {len(names)} names for a group of {group.size()} ranks")
+        self.group, self.names, self.timeout, self.what = group, list(names), timeout, what
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self.group.rank()
+
+    # -------------------------------------------------------------- point to point
+
+    def send(self, obj: Any, dst: int) -> None:
+        """Send the pickled ``obj`` to group rank ``dst``."""
+        payload = _to_bytes(obj)
+        self._wait(self.group.send([_length(payload)], dst, 0), dst, "sending to")
+        self._wait(self.group.send([payload], dst, 0), dst, "sending to")
+
+    def recv(self, src: int, *, timeout: datetime.timedelta | None = None) -> Any:
+        """The next object group rank ``src`` sends, waiting at most ``timeout`` (default: the
+        messenger's) for it to begin."""
+        length = torch.zeros(1, dtype=torch.int64)
+        self._wait(self.group.recv([length], src, 0), src, "waiting for", timeout)
+        payload = torch.empty(int(length), dtype=torch.uint8)
+        self._wait(self.group.recv([payload], src, 0), src, "receiving from")
+        return pickle.loads(payload.numpy().tobytes())
+
+    # -------------------------------------------------------------- collectives
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        """``obj`` of group rank ``root`` on every rank (others pass None)."""
+        if self.rank == root:
+            payload = _to_bytes(obj)
+            self.broadcast_tensor(_length(payload), root)
+            self.broadcast_tensor(payload, root)
+            return obj
+        length = torch.zeros(1, dtype=torch.int64)
+        self.broadcast_tensor(length, root)
+        payload = torch.empty(int(length), dtype=torch.uint8)
+        self.broadcast_tensor(payload, root)
+        return pickle.loads(payload.numpy().tobytes())
+
+    def broadcast_tensor(self, tensor: torch.Tensor, root: int) -> None:
+        """Group rank ``root``'s ``tensor`` into every rank's ``tensor`` (same shape and dtype)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        options.timeout = self.timeout
+        peer = root if self.rank != root else None
+        self._wait(self.group.broadcast([tensor], options), peer, "broadcasting with")
+
+    # -------------------------------------------------------------- errors
+
+    def _wait(
+        self,
+        work: dist.Work,
+        peer: int | None,
+        doing: str,
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
+        timeout = timeout or self.timeout
+        try:
+            work.wait(timeout)
+        except RuntimeError as error:
+            who = (
+                self.names[peer]
+                if peer is not None
+                else " and ".join(n for i, n in enumerate(self.names) if i != self.rank)
+            )
+            late = "timed out" in str(error).lower()
+            cause = (
+                f"no answer within {timeout.total_seconds():g} s"
+                if late
+                else f"connection lost ({str(error).splitlines()[0][:200]})"
+            )
+            raise PeerLost(f"{self.what}: {doing} {who}: {cause}") from error
+
+
+def _to_bytes(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _length(payload: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([payload.numel()], dtype=torch.int64)
+
+
+def gloo_group(
+    store: dist.Store, prefix: str, rank: int, size: int, timeout: datetime.timedelta
+) -> dist.ProcessGroup:
+    """A gloo group of ``size`` processes, this one group rank ``rank``, that meet under
+    ``prefix`` in ``store`` (each member calls it with the same prefix and size); it needs no
+    default group. Blocks until every member has joined (at most ``timeout``)."""
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timeout)

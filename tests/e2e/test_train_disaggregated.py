@@ -1,0 +1,107 @@
+"""The tiny run with its engine on a rank of its own (``rollout.placement=disaggregated``: one
+trainer rank, one engine rank, started as torchrun would), against the colocated synchronous run
+in one process with the same seeds; and the two ways one side can die, each bounded in time."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from tests.helpers.train_runs import (  # noqa: E402
+    read_metrics,
+    rollout_records,
+    run_in_process,
+    start_ranks,
+    training_command,
+)
+
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs"),
+]
+DISAGGREGATED = ["rollout.placement=disaggregated", "rollout.engine_ranks=1"]
+STEPS = ["train.steps=3"]
+UPDATE_KEYS = ("loss", "grad_norm", "entropy", "response_tokens", "staleness/max")
+
+
+def finish(ranks: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Wait for every rank (killing all of them if one outlives ``timeout``); their output."""
+    try:
+        return [rank.communicate(timeout=timeout)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.communicate()
+
+
+def first_rollout_step(output_dir: Path, ranks: list[subprocess.Popen]) -> None:
+    """Wait until the run has logged its first rollout step (both ranks then hold their links)."""
+    path = output_dir / "tensorboard" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        dead = [i for i, rank in enumerate(ranks) if rank.poll() is not None]
+        assert not dead, f"rank(s) {dead} ended early:\n" + "\n".join(finish(ranks, 10))
+        if path.exists() and any(
+            "reward/mean" in json.loads(line)
+            for line in path.read_text().splitlines()
+            if line.strip().endswith("}")
+        ):
+            return
+        time.sleep(0.5)
+    finish(ranks, 1)
+    pytest.fail("the run logged no rollout step within 600 s")
+
+
+def test_eta0_disaggregated_run_matches_the_colocated_run(tmp_path, warm_start):
+    colocated = run_in_process(tmp_path / "colocated", *warm_start[0], *STEPS)
+    ranks = start_ranks(
+        training_command(tmp_path / "split", *warm_start[0], *STEPS, *DISAGGREGATED), 2
+    )
+    outputs = finish(ranks, 900)
+    assert [r.returncode for r in ranks] == [0, 0], "\n".join(o[-4000:] for o in outputs)
+    assert "answered" in outputs[1]  # the engine rank served, then was stopped by its trainer
+    records = read_metrics(tmp_path / "split")
+    ours, reference = rollout_records(records), rollout_records(colocated)
+    assert len(ours) == len(reference) == 3
+    assert any(r["reward/mean"] > 0 for r in reference)
+    for a, b in zip(ours, reference):
+        assert a["reward/mean"] == b["reward/mean"]
+        assert a["rollout/generated_tokens"] == b["rollout/generated_tokens"]
+        assert a["policy_version"] == b["policy_version"]
+    updates = [r for r in records if "grad_norm" in r and "reward/mean" not in r]
+    expected = [r for r in colocated if "grad_norm" in r and "reward/mean" not in r]
+    assert len(updates) == len(expected) == 6
+    for a, b in zip(updates, expected):
+        keys = [*UPDATE_KEYS, *(k for k in b if k.startswith("bapo/"))]
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}  # bitwise: same numbers
+
+
+def test_killed_engine_rank_stops_the_trainer_naming_it(tmp_path, warm_start):
+    ranks = start_ranks(
+        training_command(tmp_path, *warm_start[0], "train.steps=40", *DISAGGREGATED), 2
+    )
+    first_rollout_step(tmp_path, ranks)
+    ranks[1].send_signal(signal.SIGKILL)
+    outputs = finish(ranks, 300)
+    assert ranks[0].returncode not in (0, None)
+    assert "EngineFailure" in outputs[0] and "engine rank 1" in outputs[0], outputs[0][-3000:]
+
+
+def test_killed_trainer_ends_the_engine_rank(tmp_path, warm_start):
+    ranks = start_ranks(
+        training_command(tmp_path, *warm_start[0], "train.steps=40", *DISAGGREGATED), 2
+    )
+    first_rollout_step(tmp_path, ranks)
+    ranks[0].send_signal(signal.SIGKILL)
+    outputs = finish(ranks, 300)
+    assert ranks[1].returncode not in (0, None)  # ended by itself, not by finish()'s kill
+    assert "PeerLost" in outputs[1] and "trainer rank 0" in outputs[1], outputs[1][-3000:]

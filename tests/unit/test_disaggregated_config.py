@@ -1,0 +1,77 @@
+"""Disaggregated placement's settings: refused alone (``rollout``), across sections
+(``check_training``) and against the world (:func:`split_world`), each naming the setting."""
+
+from __future__ import annotations
+
+import pytest
+
+from bapo_megatron.config import ParallelConfig, RolloutConfig
+from bapo_megatron.config.loading import load_config
+from bapo_megatron.distributed.layout import split_world
+from tests.unit.test_config import TRAINABLE
+
+SPLIT = ["rollout.placement=disaggregated", "rollout.engine_ranks=1"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.placement=disaggregated"], r"needs rollout\.engine_ranks >= 1"),
+        (["rollout.engine_ranks=2"], r"rollout\.engine_ranks=2 applies to .*disaggregated"),
+        (["rollout.placement=elsewhere"], r"rollout\.placement: expected one of"),
+        (["rollout.engine_ranks=-1"], r"rollout\.engine_ranks must be an integer >= 0"),
+    ],
+)
+def test_bad_placement_settings_name_the_field(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["rollout.engine=vllm-server", "rollout.server_urls=[http://a:1]"],
+            r"rollout\.engine='vllm-server' is a server client",
+        ),
+        (["rollout.release_memory_during_training=true"], "release_memory_during_training"),
+    ],
+)
+def test_what_a_disaggregated_run_cannot_do_is_refused(overrides, message):
+    cfg = load_config(None, [*TRAINABLE, *SPLIT, *overrides])
+    with pytest.raises(ValueError, match=message):
+        cfg.check_training()
+
+
+def test_a_disaggregated_config_trains():
+    load_config(None, [*TRAINABLE, *SPLIT]).check_training()
+
+
+def rollout(engines: int, prompts: int = 8) -> RolloutConfig:
+    return RolloutConfig(placement="disaggregated", engine_ranks=engines, prompts_per_step=prompts)
+
+
+def test_the_world_splits_into_trainer_and_engine_ranks():
+    parallel = ParallelConfig(tensor_model_parallel_size=2)
+    split = split_world(parallel, rollout(2), 6)
+    assert (split.trainer_size, split.data_parallel_size) == (4, 2)
+    assert [split.is_engine(r) for r in range(6)] == [False] * 4 + [True] * 2
+    assert [split.engine_index(r) for r in (4, 5)] == [0, 1]
+    assert [split.engine_rank(i) for i in (0, 1)] == [4, 5]
+    with pytest.raises(ValueError, match="rank 3 is a trainer rank"):
+        split.engine_index(3)
+
+
+@pytest.mark.parametrize(
+    ("world", "engines", "prompts", "message"),
+    [
+        (1, 1, 8, r"leaves no trainer rank .*rollout\.engine_ranks"),
+        (4, 1, 8, r"leaves 3 trainer ranks, not divisible by .* = 2"),
+        (5, 1, 8, r"rollout\.engine_ranks=1 must equal the trainer's data-parallel size 2"),
+        (9, 3, 8, r"rollout\.prompts_per_step \(8\) must be a multiple of .* \(3\)"),
+    ],
+)
+def test_bad_splits_are_refused_naming_the_setting(world, engines, prompts, message):
+    parallel = ParallelConfig(tensor_model_parallel_size=2)
+    with pytest.raises(ValueError, match=message):
+        split_world(parallel, rollout(engines, prompts), world)
