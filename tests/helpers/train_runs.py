@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import torch.distributed as dist
 
 from tests.helpers.gloo_launch import ONE_THREAD, REPO_ROOT
 
@@ -79,7 +80,14 @@ def subprocess_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])
     )
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for var in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_USE_AGENT_STORE",
+    ):
         env.pop(var, None)
     return env
 
@@ -97,13 +105,23 @@ def run_subprocess(
     )
 
 
-def start_ranks(command: list[str], world_size: int) -> list[subprocess.Popen]:
-    """``command`` once per rank, with the variables torchrun sets (a free local port for the
-    rendezvous), output merged into each process's stdout pipe. The caller ends them."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
-    ranks = []
+class Ranks(list):
+    """The rank processes of :func:`start_ranks`, and the rendezvous store they meet in (kept
+    alive here as long as the processes are)."""
+
+    store: dist.TCPStore
+
+
+def start_ranks(command: list[str], world_size: int, extra_env: dict | None = None) -> Ranks:
+    """``command`` once per rank, with the variables torchrun sets, output merged into each
+    process's stdout pipe. The caller ends them.
+
+    As under torchrun, the rendezvous store is served by the launcher (this process, on a port
+    the system picks) and the ranks connect to it (``TORCHELASTIC_USE_AGENT_STORE``): no rank
+    has to bind a port that something else could take first."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ranks = Ranks()
+    ranks.store = store
     for rank in range(world_size):
         env = {
             **subprocess_env(),
@@ -111,7 +129,9 @@ def start_ranks(command: list[str], world_size: int) -> list[subprocess.Popen]:
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
+            "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            **(extra_env or {}),
         }
         ranks.append(
             subprocess.Popen(
