@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
+
 if TYPE_CHECKING:
     from bapo_megatron.rollout.protocol import RolloutEngine
     from bapo_megatron.rollout.registry import EngineSetup
@@ -18,6 +20,5 @@ FAMILY = "embedded"
 
 def start_in_process(setup: EngineSetup) -> RolloutEngine:
     """An embedded engine with random weights (the trainer pushes its own before rolling out)."""
-    from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 
     return EmbeddedEngine(setup.model, pad_token_id=setup.pad_token_id)
