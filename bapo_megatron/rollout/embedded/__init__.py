@@ -1,7 +1,6 @@
 """The embedded CPU engine (transformers' model, our sampler): the default rollout engine.
 
-The family's builder for :mod:`bapo_megatron.rollout.registry` lives here; it imports the
-engine (and transformers) only when called, so registering the family imports neither.
+The family's builder for :mod:`bapo_megatron.rollout.registry` lives here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """SGLang: the in-process engine (``sglang.Engine``) and the HTTP server client.
 
-The family's builders for :mod:`bapo_megatron.rollout.registry` live here; each imports its
-adapter only when called, so registering the family imports neither the adapters nor sglang.
+The family's builders for :mod:`bapo_megatron.rollout.registry` live here. The adapters import
+sglang only when an engine starts, so registering the family does not need it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """vLLM: the in-process engine (``vllm.LLM``), the OpenAI-compatible server client, and the
 worker extension both load.
 
-The family's builders for :mod:`bapo_megatron.rollout.registry` live here; each imports its
-adapter only when called, so registering the family imports neither the adapters nor vllm.
+The family's builders for :mod:`bapo_megatron.rollout.registry` live here. The adapters import
+vllm only when an engine starts, so registering the family does not need it.
 """
 
 from __future__ import annotations
