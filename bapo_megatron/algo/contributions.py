@@ -112,6 +112,7 @@ def contribution_stats(
     if backend == "auto":
         backend = "numba" if ratio.device.type == "cpu" and _numba_available() else "torch"
     if backend == "numba":
+        # lazy backend: GPU runs never load numba (LLVM); it also imports this module (a cycle)
         from bapo_megatron.algo import contributions_cpu
 
         return contributions_cpu.histogram_stats(ratio, log_ratio, advantages, mask, plan)
@@ -122,6 +123,7 @@ def contribution_stats(
 
 def _numba_available() -> bool:
     try:
+        # lazy: only CPU runs ask, and a numba that fails to import falls back to torch
         import numba  # noqa: F401
     except ImportError:
         return False

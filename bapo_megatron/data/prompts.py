@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
 
 @dataclass(frozen=True)
 class PromptRow:
@@ -96,8 +98,6 @@ def _records(path: Path) -> list[tuple[str, Any]]:
                     records.append((where, ValueError(f"{where}: not valid JSON ({err.msg})")))
         return records
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         try:
             table = pq.read_table(path)
         except Exception as err:  # noqa: BLE001 - any reader failure is a bad file

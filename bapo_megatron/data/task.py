@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import transformers
+
 from bapo_megatron.config import Config, ModelConfig
 from bapo_megatron.data.prompts import PromptRow, load_prompts, prompt_token_ids
 from bapo_megatron.data.synthetic_task import synthetic_rows, walk_tokenizer
@@ -60,7 +62,6 @@ def load_task(cfg: Config) -> Task:
         except ValueError as err:
             raise ValueError(f"data.synthetic_task {data.synthetic_task!r}: {err}") from None
         return task
-    import transformers
 
     overrides = {"params_dtype": cfg.train.params_dtype or "float32"}
     if cfg.train.max_position_embeddings is not None:

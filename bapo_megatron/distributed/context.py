@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from bapo_megatron.config import ParallelConfig
+from bapo_megatron.megatron_patches.cpu_runtime import apply_cpu_patches
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,8 +90,6 @@ class ParallelContext:
             )
         use_cuda = torch.cuda.is_available()
         if not use_cuda:
-            from bapo_megatron.megatron_patches.cpu_runtime import apply_cpu_patches
-
             apply_cpu_patches()
         if timeout is None:
             timeout = datetime.timedelta(seconds=config.collective_timeout_s)

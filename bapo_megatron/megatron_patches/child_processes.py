@@ -4,6 +4,8 @@ A trainer killed with SIGKILL runs no cleanup, and the pipes of a helper process
 either (other processes of the trainer, such as the checkpoint writer's forked children, hold
 copies of their ends). Without this, every killed run would leave its reward workers and
 Megatron's checkpoint-writer queue server running for good, each holding a Python with torch.
+(That server is started by :mod:`bapo_megatron.megatron_patches.checkpoint_writer_queue`; this
+module imports no Megatron, so the helpers that import it start fast.)
 """
 
 from __future__ import annotations
@@ -15,10 +17,8 @@ import os
 import signal
 import sys
 import threading
-from multiprocessing.managers import SyncManager
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_servers: list[SyncManager] = []
 
 
 def exit_with_parent() -> None:
@@ -39,21 +39,6 @@ def exit_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
-def checkpoint_writer_queue_ends_with_us() -> None:
-    """Megatron-Core's torch_dist writer (0.16, ``dist_checkpointing/strategies/
-    filesystem_async.py``) keeps a module-global results queue served by a spawn-started
-    ``multiprocessing`` Manager, created at the first save. Create it first, with a server that
-    ends with this process (see patches/README.md). Idempotent."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is not None:
-        return
-    server = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    server.start(initializer=exit_with_parent)
-    _servers.append(server)
-    filesystem_async._results_queue = server.Queue()
 
 
 _fork_hook_installed = False

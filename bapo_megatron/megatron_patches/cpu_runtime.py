@@ -20,7 +20,14 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 
+import megatron.core
 import torch
+from megatron.core.fusions import fused_softmax
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.tensor_parallel import random as megatron_random
+from megatron.core.transformer import torch_norm
+from megatron.core.transformer import utils as transformer_utils
 
 SUPPORTED_MEGATRON_CORE = "0.16.1"
 
@@ -42,7 +49,6 @@ def _patch_rng_tracker_on_cpu_generator() -> None:
     make the module's ``_get_cuda_rng_state``/``_set_cuda_rng_state`` no-ops: activation
     recompute snapshots them, and on CPU there is no device generator (the CPU state is saved
     separately)."""
-    from megatron.core.tensor_parallel import random as megatron_random
 
     class CpuRNGStatesTracker(megatron_random.CudaRNGStatesTracker):
         """Named RNG states over the CPU generator, with Megatron's tracker interface."""
@@ -97,7 +103,6 @@ def _patch_schedules_token_counter_on_cpu() -> None:
     """All three pipeline schedules (no pipelining, 1F1B, interleaved) allocate their token
     counter with ``torch.zeros([], dtype=torch.int, device="cuda")`` unconditionally. Give the
     ``schedules`` module a ``torch`` whose ``zeros`` maps a CUDA device to the CPU."""
-    from megatron.core.pipeline_parallel import schedules
 
     schedules.torch = _TorchWithCpuZeros()
 
@@ -107,8 +112,6 @@ def _patch_default_causal_mask_on_cpu() -> None:
     the unfused softmax calls it whenever ``attention_mask`` is None with a causal mask type.
     Rebind it, in that module and in ``fusions.fused_softmax`` (which imported it by name), to
     the same upper-triangular boolean mask built on the CPU."""
-    from megatron.core.fusions import fused_softmax
-    from megatron.core.transformer import utils as transformer_utils
 
     @functools.lru_cache(maxsize=32)
     def get_default_causal_mask(sq: int) -> torch.Tensor:
@@ -124,7 +127,6 @@ def _patch_tied_embedding_setup_without_cuda() -> None:
     the shared weight with ``weight.data.cuda()`` before all-reducing it between the first and
     last stage. Run that method with ``Tensor.cuda`` returning the tensor itself (it already is
     where it belongs); ``Tensor.cuda`` is restored afterwards, so nothing else is affected."""
-    from megatron.core.models.common.language_module.language_module import LanguageModule
 
     original = LanguageModule.setup_embeddings_and_output_layer
 
@@ -153,7 +155,6 @@ def _patch_torch_norm_sequence_parallel() -> None:
     ``finalize_model_grads`` does for parameters tagged ``.sequence_parallel = True`` (with
     Megatron's DDP). Build the norm with the flag lowered for the assertion only, then tag its
     parameters."""
-    from megatron.core.transformer import torch_norm
 
     original_new = torch_norm.WrappedTorchNorm.__new__
 
@@ -244,7 +245,6 @@ def apply_cpu_patches() -> tuple[str, ...]:
     available (the patches replace CUDA entry points that a GPU run needs). Calling it again is
     a no-op.
     """
-    import megatron.core
 
     version = megatron.core.__version__
     if version != SUPPORTED_MEGATRON_CORE:

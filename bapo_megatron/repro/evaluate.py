@@ -36,12 +36,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import transformers
 from tqdm import tqdm
 
+from bapo_megatron.actor.model import build_model
+from bapo_megatron.config import ModelConfig, ParallelConfig, RolloutConfig
 from bapo_megatron.data.prompts import PromptRow, load_prompts, prompt_token_ids
+from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.files.atomic import write_text_atomically
 from bapo_megatron.rewards.pool import RewardPool
+from bapo_megatron.rewards.registry import get_reward
+from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from bapo_megatron.rollout.protocol import RolloutEngine, SamplingParams
+from bapo_megatron.rollout.registry import build_engine
+from bapo_megatron.trainer.checkpoint import latest_checkpoint
+from bapo_megatron.weights.convert import megatron_to_hf
+from bapo_megatron.weights.export import export_weights
+from bapo_megatron.weights.hf_checkpoint import copy_files, non_weight_files
+from bapo_megatron.weights.megatron_checkpoint import (
+    HF_FILES_DIR,
+    INFO_FILE,
+    load_megatron_checkpoint,
+    read_checkpoint_info,
+)
+from bapo_megatron.weights.sync import named_tensors_of
 
 ENGINES = ("embedded", "vllm", "sglang")
 TIMEOUT = -math.inf
@@ -303,7 +321,6 @@ class CheckpointSource:
 def resolve_checkpoint(path: str | Path) -> CheckpointSource:
     """Tell an HF folder from a Megatron checkpoint (or a trainer's checkpoint root, whose
     latest complete step is taken); ``ValueError`` for anything else."""
-    from bapo_megatron.weights.megatron_checkpoint import HF_FILES_DIR, INFO_FILE
 
     path = Path(path)
     if not path.is_dir():
@@ -311,8 +328,6 @@ def resolve_checkpoint(path: str | Path) -> CheckpointSource:
     if (path / "config.json").is_file():
         return CheckpointSource("hf", path, path)
     if not (path / INFO_FILE).is_file():
-        from bapo_megatron.trainer.checkpoint import latest_checkpoint
-
         latest = latest_checkpoint(path)
         if latest is None:
             raise ValueError(
@@ -328,11 +343,8 @@ def model_config(source: CheckpointSource):
     """The checkpoint's :class:`~bapo_megatron.config.ModelConfig`, read from its files only.
     For an HF folder, ``params_dtype`` is bfloat16 when its weights are 16-bit (what vLLM and
     SGLang then run in), else float32."""
-    from bapo_megatron.config import ModelConfig
 
     if source.kind == "megatron":
-        from bapo_megatron.weights.megatron_checkpoint import read_checkpoint_info
-
         return read_checkpoint_info(source.path).model
     try:
         hf = json.loads((source.path / "config.json").read_text())
@@ -346,7 +358,6 @@ def model_config(source: CheckpointSource):
 
 def load_tokenizer(source: CheckpointSource, tokenizer_dir: str | Path | None):
     """The tokenizer of ``tokenizer_dir``, else the one stored with the checkpoint."""
-    import transformers
 
     folder = Path(tokenizer_dir) if tokenizer_dir is not None else source.files
     if folder is None:
@@ -385,8 +396,6 @@ def _one_process(context) -> Iterator[Any]:
     if context is not None:
         yield context
         return
-    from bapo_megatron.config import ParallelConfig
-    from bapo_megatron.distributed.context import ParallelContext
 
     context = ParallelContext.initialize(ParallelConfig())
     try:
@@ -415,8 +424,6 @@ def open_engine(
     from disk and size their KV cache for ``max_model_len`` tokens (default: the model's
     positions).
     """
-    from bapo_megatron.config import RolloutConfig
-    from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 
     if kind not in ENGINES:
         raise ValueError(f"engine must be one of {list(ENGINES)}, got {kind!r}")
@@ -426,12 +433,6 @@ def open_engine(
             return EmbeddedEngine.from_pretrained(source.path, pad_token_id=pad_token_id)
         folder = source.path
     else:
-        from bapo_megatron.actor.model import build_model
-        from bapo_megatron.weights.convert import megatron_to_hf
-        from bapo_megatron.weights.export import export_weights
-        from bapo_megatron.weights.megatron_checkpoint import load_megatron_checkpoint
-        from bapo_megatron.weights.sync import named_tensors_of
-
         with _one_process(context) as ctx:
             if kind == "embedded":
                 chunks = build_model(model, ctx.config, ctx, initialize=False)
@@ -449,7 +450,6 @@ def open_engine(
                 else _hf_files(model, tokenizer_dir, work_dir / "hf_files")
             )
             megatron_to_hf(source.path, folder, ctx, hf_files_from=files)
-    from bapo_megatron.rollout.registry import build_engine
 
     rollout = RolloutConfig(
         engine=kind,
@@ -473,7 +473,6 @@ def open_engine(
 def _hf_files(model, tokenizer_dir: str | Path | None, out: Path) -> Path:
     """A folder with config.json written from ``model`` and the tokenizer folder's files, for
     converting a checkpoint that carries no HF files (trainer checkpoints)."""
-    from bapo_megatron.weights.hf_checkpoint import copy_files, non_weight_files
 
     out.mkdir(parents=True)
     if tokenizer_dir is not None:
@@ -499,7 +498,6 @@ def run_evaluation(
     """Evaluate ``checkpoint`` on the benchmark file and return the report (see the module
     docstring). ``ValueError`` for a bad checkpoint, tokenizer, settings or an unreadable
     benchmark without a single usable row; bad rows and answers are only counted."""
-    from bapo_megatron.rewards.registry import get_reward
 
     started = time.monotonic()
     get_reward(settings.reward)  # an unknown reward fails before the model is loaded

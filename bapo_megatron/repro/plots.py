@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from matplotlib.figure import Figure
 
 from bapo_megatron.files.atomic import replaced_atomically
 from bapo_megatron.trainer.tracking import read_scalars
@@ -237,7 +238,6 @@ def plot_runs(
     # Requirements pins (tested with): matplotlib==3.11.2 and its dependencies contourpy==1.3.3,
     # cycler==0.12.1, fonttools==4.68.0, kiwisolver==1.5.1, pyparsing==3.3.2,
     # python-dateutil==2.9.0.post0, six==1.17.0 (numpy, packaging and pillow are pinned already).
-    from matplotlib.figure import Figure
 
     if not groups:
         raise ValueError("plot_runs: no runs given")

@@ -32,108 +32,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-METHODS: dict[str, tuple[str, ...]] = {
-    "grpo": ("loss.clip.preset=grpo",),  # fixed [0.8, 1.2]
-    "clip-higher": ("loss.clip.preset=clip-higher",),  # fixed [0.8, 1.28] (DAPO)
-    # BAPO's start bounds without the adaptation: does the looser lower bound alone do the work?
-    "fixed-0.6": ("loss.clip.preset=grpo", "loss.clip.c_low_start=0.6", "loss.clip.c_low_max=0.6"),
-    "bapo-paper": ("loss.clip.preset=paper",),
-    "bapo-reference": ("loss.clip.preset=reference",),
-}
-"""Clipping method -> its dotted overrides (docs/algorithm.md section 7)."""
+import torch
+import yaml
 
-REUSE = (1, 4, 8)
-LAGS = (8, 16)
-
-
-@dataclass(kw_only=True)
-class SweepSettings:
-    """Everything a sweep runs with (fixed before the first run; written into the report)."""
-
-    task: str = "seek"
-    """Synthetic task (:data:`bapo_megatron.data.synthetic_task.SYNTHETIC_TASKS`)."""
-    task_size: int = 4000
-    """Prompts generated for the task (seed 0)."""
-    warmup_steps: int = 150
-    """Supervised warm-up steps of the shared start."""
-    warmup_lr: float = 3e-3
-    warmup_batch_size: int = 64
-    methods: tuple[str, ...] = tuple(METHODS)
-    staleness: tuple[str, ...] = ("reuse1", "reuse4", "reuse8", "lag8", "lag16", "partial8")
-    """`reuse<k>`: k optimizer steps (mini-batches) per rollout batch; `lag<k>`: train on the batch
-    generated k rollout steps earlier (k extra rollout steps, so every run trains as often);
-    `partial<b>`: partial rollout, b tokens per round."""
-    seeds: tuple[int, ...] = (0, 1, 2)
-    """``train.seed`` of each run (prompt order, sampling); the start is shared."""
-    steps: int = 60
-    """Rollout steps that train (lag runs add their lag)."""
-    prompts_per_step: int = 16
-    samples_per_prompt: int = 8
-    max_new_tokens: int = 32
-    lr: float = 3e-4
-    temperature: float = 1.0
-    micro_batch_size: int = 64
-    extra_overrides: tuple[str, ...] = ()
-    """Further dotted overrides given to every run."""
-    jobs: int = 2
-    """Runs at a time."""
-
-    @classmethod
-    def minimal(cls, **changes) -> SweepSettings:
-        """A tiny sweep for CI: 2 methods x 1 staleness x 1 seed x a few steps."""
-        base = {
-            "task_size": 200,
-            "warmup_steps": 20,
-            "warmup_batch_size": 16,
-            "methods": ("grpo", "bapo-paper"),
-            "staleness": ("reuse4",),
-            "seeds": (0,),
-            "steps": 4,
-            "prompts_per_step": 4,
-            "samples_per_prompt": 4,
-            "max_new_tokens": 16,
-            "micro_batch_size": 16,
-        }
-        return cls(**{**base, **changes})
-
-    def __post_init__(self) -> None:
-        self.methods, self.staleness, self.seeds = (
-            tuple(self.methods),
-            tuple(self.staleness),
-            tuple(self.seeds),
-        )
-        self.extra_overrides = tuple(self.extra_overrides)
-        unknown = [m for m in self.methods if m not in METHODS]
-        if unknown:
-            raise ValueError(f"sweep: unknown methods {unknown}; known: {list(METHODS)}")
-        for name in self.staleness:
-            staleness_overrides(name, self)  # raises for an unknown setting
-        if self.jobs < 1:
-            raise ValueError(f"sweep: jobs must be >= 1, got {self.jobs}")
-
-
-def staleness_overrides(name: str, settings: SweepSettings) -> list[str]:
-    """Dotted overrides of staleness setting ``name`` (see :attr:`SweepSettings.staleness`)."""
-    for prefix in ("reuse", "lag", "partial"):
-        if (
-            name.startswith(prefix)
-            and name[len(prefix) :].isdigit()
-            and int(name[len(prefix) :]) > 0
-        ):
-            value = int(name[len(prefix) :])
-            break
-    else:
-        raise ValueError(f"sweep: staleness setting {name!r} is not reuse<k>, lag<k> or partial<b>")
-    if prefix == "reuse":
-        if settings.prompts_per_step % value:
-            raise ValueError(
-                f"sweep: {name} needs prompts_per_step ({settings.prompts_per_step}) "
-                f"to be a multiple of {value}"
-            )
-        return [f"algorithm.optimizer_steps_per_rollout={value}", f"train.steps={settings.steps}"]
-    if prefix == "lag":
-        return [f"algorithm.rollout_lag={value}", f"train.steps={settings.steps + value}"]
-    return [f"rollout.partial_tokens_per_round={value}", f"train.steps={settings.steps}"]
+from bapo_megatron.actor.actor import build_actor
+from bapo_megatron.config.loading import load_config
+from bapo_megatron.data.synthetic_task import synthetic_rows, walk_tokenizer
+from bapo_megatron.data.task import Task
+from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.repro.sweep_report import write_report
+from bapo_megatron.repro.sweep_settings import METHODS, SweepSettings, staleness_overrides
+from bapo_megatron.trainer.warmup import run_warmup
+from bapo_megatron.weights.convert import write_hf_folder
 
 
 @dataclass
@@ -171,8 +81,6 @@ def plan_runs(settings: SweepSettings, out: Path) -> list[RunSpec]:
 
 
 def _tiny_config(settings: SweepSettings, overrides: list[str]):
-    from bapo_megatron.config.loading import load_config
-
     root = Path(__file__).resolve().parents[2]  # the checkout (bapo_megatron/repro/sweep.py)
     return load_config(
         root / "examples" / "tiny_cpu" / "train.yaml",
@@ -192,14 +100,6 @@ def _tiny_config(settings: SweepSettings, overrides: list[str]):
 def prepare_start(settings: SweepSettings, start: Path) -> Path:
     """Write the shared start into ``start`` (``prompts.jsonl`` and the HF folder ``model/``)
     unless it is there already; returns ``start``. Runs the warm-up in this process, one thread."""
-    import torch
-
-    from bapo_megatron.actor.actor import build_actor
-    from bapo_megatron.data.synthetic_task import synthetic_rows, walk_tokenizer
-    from bapo_megatron.data.task import Task
-    from bapo_megatron.distributed.context import ParallelContext
-    from bapo_megatron.trainer.warmup import run_warmup
-    from bapo_megatron.weights.convert import write_hf_folder
 
     model_dir = start / "model"
     if (model_dir / "config.json").is_file():
@@ -242,7 +142,6 @@ def prepare_start(settings: SweepSettings, start: Path) -> Path:
 
 def base_config(settings: SweepSettings, start: Path, path: Path) -> Path:
     """The YAML every run starts from (its overrides add method, staleness, seed, folder)."""
-    import yaml
 
     config = {
         "data": {"train_file": str(start / "prompts.jsonl")},
@@ -321,7 +220,6 @@ def execute(config: Path, run: RunSpec, timeout_s: float | None = None) -> dict:
 
 def run_sweep(settings: SweepSettings, out: str | Path, *, progress=print) -> Path:
     """The whole sweep into ``out``; returns the report's path."""
-    from bapo_megatron.repro.sweep_report import write_report
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

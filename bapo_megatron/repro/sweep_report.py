@@ -18,6 +18,9 @@ import os
 import statistics
 from pathlib import Path
 
+from bapo_megatron.repro.plots import RunGroup, plot_runs
+from bapo_megatron.repro.sweep_settings import METHODS, staleness_overrides
+
 RHO0 = 0.4
 """The positive-contribution target of the `paper` preset (share P/(P+N)); the `reference`
 preset's q0 = P/N = 1 is a share of 0.5."""
@@ -249,8 +252,6 @@ def _timing(runs, records: list[dict], jobs: int) -> str:
 
 def write_report(settings, out: Path, runs, records: list[dict], config: Path) -> Path:
     """``<out>/report.md`` (and ``<out>/plots/<staleness>/*.png``); returns its path."""
-    from bapo_megatron.repro.plots import RunGroup, plot_runs
-    from bapo_megatron.repro.sweep import METHODS, staleness_overrides
 
     out = Path(out)
     lines = [

@@ -3,8 +3,8 @@ engine kinds, filled by the engine families.
 
 Each family (:mod:`.embedded`, :mod:`.vllm`, :mod:`.sglang`) registers a builder for its
 in-process engine under its name and, when it has one, a builder for its server client under
-``<name>-server``. Builders import their adapter when called, so registering imports neither
-the adapters nor vllm/sglang; only the embedded engine runs on these machines, and vLLM and
+``<name>-server``. The adapters import vllm/sglang only when an engine starts, so registering
+needs neither; only the embedded engine runs on these machines, and vLLM and
 SGLang need their packages installed on the ranks that hold an engine (docs/rollout-engines.md).
 """
 

@@ -170,7 +170,8 @@ def apply_output(
 
 def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name of ``model`` and its shape (tied: no ``lm_head.weight``)."""
-    from bapo_megatron.weights.name_maps import name_map_for  # keeps this module light
+    # not at the top: rollout -> weights would be a package cycle (weights.sync imports rollout)
+    from bapo_megatron.weights.name_maps import name_map_for
 
     return name_map_for(model.model_type).hf_shapes(model)
 

@@ -62,10 +62,10 @@ from bapo_megatron.config import ModelConfig
 from bapo_megatron.distributed.collectives import barrier, on_every_rank
 from bapo_megatron.files.atomic import staged_folder
 from bapo_megatron.megatron_patches.checkpoint_metadata import check_metadata
-from bapo_megatron.megatron_patches.child_processes import (
+from bapo_megatron.megatron_patches.checkpoint_writer_queue import (
     checkpoint_writer_queue_ends_with_us,
-    forked_writers_end_with_us,
 )
+from bapo_megatron.megatron_patches.child_processes import forked_writers_end_with_us
 from bapo_megatron.megatron_patches.cpu_runtime import cuda_sites_on_cpu
 from bapo_megatron.megatron_patches.optimizer_state import (
     add_zero_common_step,

@@ -30,10 +30,10 @@ from bapo_megatron.config import ModelConfig
 from bapo_megatron.config.value_types import build_dataclass
 from bapo_megatron.files.atomic import staged_folder
 from bapo_megatron.megatron_patches.checkpoint_metadata import check_metadata
-from bapo_megatron.megatron_patches.child_processes import (
+from bapo_megatron.megatron_patches.checkpoint_writer_queue import (
     checkpoint_writer_queue_ends_with_us,
-    forked_writers_end_with_us,
 )
+from bapo_megatron.megatron_patches.child_processes import forked_writers_end_with_us
 from bapo_megatron.weights.checkpoint_damage import find_damage
 from bapo_megatron.weights.hf_checkpoint import DTYPE_NAMES, copy_files
 

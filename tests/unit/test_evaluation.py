@@ -263,7 +263,6 @@ def test_megatron_and_trainer_checkpoints_give_the_hf_report(known_answers, tmp_
     from bapo_megatron.config import ActorConfig, OptimizerConfig, ParallelConfig
     from bapo_megatron.distributed.context import ParallelContext
     from bapo_megatron.repro import evaluate as evaluation
-    from bapo_megatron.rollout import registry as factory
     from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
     from bapo_megatron.trainer.checkpoint import save_checkpoint
     from bapo_megatron.weights.convert import hf_to_megatron, load_hf_weights
@@ -302,7 +301,7 @@ def test_megatron_and_trainer_checkpoints_give_the_hf_report(known_answers, tmp_
         opened.append((rollout.engine, sorted(p.name for p in Path(model_path).iterdir())))
         return EmbeddedEngine.from_pretrained(model_path, pad_token_id=pad_token_id)
 
-    monkeypatch.setattr(factory, "build_engine", fake_build_engine)
+    monkeypatch.setattr(evaluation, "build_engine", fake_build_engine)
     settings = evaluation.EvalSettings(
         k=K,
         pass_ks=(1, 2, 4),

@@ -1,5 +1,6 @@
-"""The package's shape: no import cycles (between modules, and between subpackages), the core
-imports without the optional heavy packages, and every console script names a callable."""
+"""The package's shape: no import cycles (between modules, and between subpackages), imports at
+the top of modules (but for an allow-list), the core imports without the optional heavy
+packages, and every console script names a callable."""
 
 from __future__ import annotations
 
@@ -123,6 +124,109 @@ def test_no_import_cycle_between_subpackages():
     packages.pop("bapo_megatron", None)
     cycle = find_cycle(packages)
     assert cycle is None, "import cycle between subpackages: " + " -> ".join(cycle)
+
+
+# The optional heavy packages, and the modules that may import them inside functions.
+HEAVY_OPTIONAL_ADAPTERS = {
+    "vllm": "bapo_megatron.rollout.vllm",
+    "sglang": "bapo_megatron.rollout.sglang",
+}
+
+# (module, what it imports inside a function, or a package above it) -> why it is not at the top.
+FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
+    ("bapo_megatron.algo.contributions", "bapo_megatron.algo.contributions_cpu"): (
+        "the numba backend, loaded on CPU runs only; it imports contributions (a cycle)"
+    ),
+    ("bapo_megatron.algo.contributions", "numba"): (
+        "asked on CPU runs only; a numba that fails to import falls back to torch"
+    ),
+    ("bapo_megatron.rollout.resubmission", "bapo_megatron.weights.name_maps"): (
+        "rollout -> weights at the top would be a package cycle (weights.sync imports rollout)"
+    ),
+    ("bapo_megatron.repro.evaluate_cli", "bapo_megatron.repro.evaluate"): (
+        "the reward pool's spawn workers re-import the main module; OMP_NUM_THREADS is set first"
+    ),
+    **{
+        ("bapo_megatron.weights.convert_cli", target): (
+            "the checkpoint writer's spawn Manager re-imports the main module; "
+            "OMP_NUM_THREADS is set first"
+        )
+        for target in (
+            "bapo_megatron.config",
+            "bapo_megatron.distributed.context",
+            "bapo_megatron.weights.convert",
+        )
+    },
+}
+
+
+def function_level_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, imported module or ``module.name``) of every import inside a function of ``path``."""
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)
+            if in_function and isinstance(child, ast.Import):
+                found.extend((child.lineno, alias.name) for alias in child.names)
+            elif in_function and isinstance(child, ast.ImportFrom):
+                base = "." * child.level + (f"{child.module}." if child.module else "")
+                found.extend((child.lineno, base + alias.name) for alias in child.names)
+            visit(child, inside)
+
+    visit(ast.parse(path.read_text(), str(path)), False)
+    return found
+
+
+def _allowed_in_function(module: str, imported: str) -> bool:
+    def under(name: str, package: str) -> bool:
+        return name == package or name.startswith(package + ".")
+
+    adapter = HEAVY_OPTIONAL_ADAPTERS.get(imported.split(".")[0])
+    if adapter is not None and under(module, adapter):
+        return True
+    return any(m == module and under(imported, target) for m, target in FUNCTION_IMPORTS_ALLOWED)
+
+
+def test_function_level_import_finder_sees_nested_imports(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import os\n"
+        "def f():\n"
+        "    import json\n"
+        "    class C:\n"
+        "        def g(self):\n"
+        "            from a.b import c\n"
+        "async def h():\n"
+        "    from . import d\n"
+    )
+    assert function_level_imports(source) == [(3, "json"), (6, "a.b.c"), (8, ".d")]
+
+
+def test_heavy_packages_are_allowed_inside_their_adapters_only():
+    assert _allowed_in_function("bapo_megatron.rollout.vllm.engine", "vllm.platforms.x")
+    assert not _allowed_in_function("bapo_megatron.rollout.sglang.engine", "vllm")
+    assert not _allowed_in_function("bapo_megatron.trainer.loop", "sglang")
+    assert _allowed_in_function("bapo_megatron.algo.contributions", "numba")
+    assert not _allowed_in_function("bapo_megatron.algo.contributions", "torch")
+
+
+def test_imports_are_at_the_top_of_modules_but_for_the_allow_list():
+    modules = module_files()
+    inside = [
+        f"{path.relative_to(ROOT)}:{line}: {imported}"
+        for module, path in modules.items()
+        for line, imported in function_level_imports(path)
+        if not _allowed_in_function(module, imported)
+    ]
+    assert not inside, "imports inside functions (move them to the top):\n" + "\n".join(inside)
+    for module, target in FUNCTION_IMPORTS_ALLOWED:  # no stale entries
+        assert module in modules, module
+        assert any(
+            _allowed_in_function(module, imported)
+            and (imported == target or imported.startswith(target + "."))
+            for _, imported in function_level_imports(modules[module])
+        ), f"{module} no longer imports {target} inside a function: drop its allow-list entry"
 
 
 def test_the_root_package_holds_only_its_init_and_subpackages():

@@ -1,12 +1,13 @@
 """The embedded CPU engine (transformers' model, our sampler): the default rollout engine.
 
-The family's builder for :mod:`bapo_megatron.rollout.registry` lives here; it imports the
-engine (and transformers) only when called, so registering the family imports neither.
+The family's builder for :mod:`bapo_megatron.rollout.registry` lives here.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 
 if TYPE_CHECKING:
     from bapo_megatron.rollout.protocol import RolloutEngine
@@ -18,6 +19,5 @@ FAMILY = "embedded"
 
 def start_in_process(setup: EngineSetup) -> RolloutEngine:
     """An embedded engine with random weights (the trainer pushes its own before rolling out)."""
-    from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 
     return EmbeddedEngine(setup.model, pad_token_id=setup.pad_token_id)

@@ -1,12 +1,15 @@
 """SGLang: the in-process engine (``sglang.Engine``) and the HTTP server client.
 
-The family's builders for :mod:`bapo_megatron.rollout.registry` live here; each imports its
-adapter only when called, so registering the family imports neither the adapters nor sglang.
+The family's builders for :mod:`bapo_megatron.rollout.registry` live here. The adapters import
+sglang only when an engine starts, so registering the family does not need it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from bapo_megatron.rollout.sglang.engine import SGLangEngine
+from bapo_megatron.rollout.sglang.server_client import SGLangServerClient
 
 if TYPE_CHECKING:
     from bapo_megatron.rollout.protocol import RolloutEngine
@@ -18,7 +21,6 @@ FAMILY = "sglang"
 
 def start_in_process(setup: EngineSetup) -> RolloutEngine:
     """``sglang.Engine`` in this process on the run's HF folder, sized by the rollout settings."""
-    from bapo_megatron.rollout.sglang.engine import SGLangEngine
 
     rollout = setup.rollout
     return SGLangEngine.in_process(
@@ -32,7 +34,6 @@ def start_in_process(setup: EngineSetup) -> RolloutEngine:
 
 def connect_server(setup: EngineSetup) -> RolloutEngine:
     """A client of the replica's SGLang server (no weights yet: version -1)."""
-    from bapo_megatron.rollout.sglang.server_client import SGLangServerClient
 
     rollout = setup.rollout
     return SGLangServerClient(

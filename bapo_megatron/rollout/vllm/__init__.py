@@ -1,13 +1,16 @@
 """vLLM: the in-process engine (``vllm.LLM``), the OpenAI-compatible server client, and the
 worker extension both load.
 
-The family's builders for :mod:`bapo_megatron.rollout.registry` live here; each imports its
-adapter only when called, so registering the family imports neither the adapters nor vllm.
+The family's builders for :mod:`bapo_megatron.rollout.registry` live here. The adapters import
+vllm only when an engine starts, so registering the family does not need it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from bapo_megatron.rollout.vllm.engine import VLLMEngine
+from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 
 if TYPE_CHECKING:
     from bapo_megatron.rollout.protocol import RolloutEngine
@@ -19,7 +22,6 @@ FAMILY = "vllm"
 
 def start_in_process(setup: EngineSetup) -> RolloutEngine:
     """``vllm.LLM`` in this process on the run's HF folder, sized by the rollout settings."""
-    from bapo_megatron.rollout.vllm.engine import VLLMEngine
 
     rollout = setup.rollout
     return VLLMEngine.from_pretrained(
@@ -34,7 +36,6 @@ def start_in_process(setup: EngineSetup) -> RolloutEngine:
 
 def connect_server(setup: EngineSetup) -> RolloutEngine:
     """A client of the replica's vLLM server, writing weight updates under the work folder."""
-    from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 
     return VLLMServerClient.connect(
         setup.url,

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.rollout.http import Transport, answers_health, call, http_transport
@@ -280,7 +281,6 @@ class VLLMServerClient(ResubmittingEngine):
     def _load_weights(self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: int) -> None:
         """Write the tensors to a new folder under ``weights_dir``, reload them in the server's
         workers and reset its prefix cache; the previous update's folder is removed."""
-        from safetensors.torch import save_file
 
         if self.weights_dir is None:
             raise ValueError(
