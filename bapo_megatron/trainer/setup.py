@@ -34,6 +34,9 @@ from bapo_megatron.trainer.replicas import holds_engine
 from bapo_megatron.trainer.state import TrainerState, run_identity
 from bapo_megatron.trainer.tracking import MetricsLogger, PhaseTimer
 from bapo_megatron.trainer.warmup import run_warmup
+from bapo_megatron.weights.convert import load_hf_weights
+from bapo_megatron.weights.hf_checkpoint import HFCheckpoint
+from bapo_megatron.weights.megatron_checkpoint import load_megatron_checkpoint
 from bapo_megatron.weights.sync import push_weights, push_weights_to_engines
 
 log = logging.getLogger("bapo_megatron.train")
@@ -258,9 +261,6 @@ def _initial_weights(cfg: Config, task: Task, actor: Actor, logger: MetricsLogge
     """Weights of a run that does not resume: from the HF folder, a Megatron checkpoint, or
     random ones (the model section's seed) followed by the supervised warm-up."""
     if cfg.train.model_path is not None:
-        from bapo_megatron.weights.convert import load_hf_weights
-        from bapo_megatron.weights.hf_checkpoint import HFCheckpoint
-
         with HFCheckpoint.open(
             cfg.train.model_path,
             params_dtype=task.model.params_dtype,
@@ -269,8 +269,6 @@ def _initial_weights(cfg: Config, task: Task, actor: Actor, logger: MetricsLogge
             load_hf_weights(actor.chunks, hf, actor.context)
         actor.optimizer.reload_model_params()
     elif cfg.train.load_checkpoint is not None:
-        from bapo_megatron.weights.megatron_checkpoint import load_megatron_checkpoint
-
         load_megatron_checkpoint(actor.chunks, task.model, cfg.train.load_checkpoint)
         actor.optimizer.reload_model_params()
     elif cfg.warmup.steps:
