@@ -262,6 +262,7 @@ def test_megatron_and_trainer_checkpoints_give_the_hf_report(known_answers, tmp_
     from bapo_megatron.actor.actor import build_actor
     from bapo_megatron.config import ActorConfig, OptimizerConfig, ParallelConfig
     from bapo_megatron.distributed.context import ParallelContext
+    from bapo_megatron.repro import checkpoint_source
     from bapo_megatron.repro import evaluate as evaluation
     from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
     from bapo_megatron.trainer.checkpoint import save_checkpoint
@@ -301,7 +302,7 @@ def test_megatron_and_trainer_checkpoints_give_the_hf_report(known_answers, tmp_
         opened.append((rollout.engine, sorted(p.name for p in Path(model_path).iterdir())))
         return EmbeddedEngine.from_pretrained(model_path, pad_token_id=pad_token_id)
 
-    monkeypatch.setattr(evaluation, "build_engine", fake_build_engine)
+    monkeypatch.setattr(checkpoint_source, "build_engine", fake_build_engine)
     settings = evaluation.EvalSettings(
         k=K,
         pass_ks=(1, 2, 4),
