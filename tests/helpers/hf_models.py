@@ -12,7 +12,8 @@ Qwen3's heads are 32 wide (4 x 32 = 128 query channels on a 64-wide residual str
 (``rope_type: llama3``) with factors that are all not Megatron's fixed ones (low 2, high 8,
 original context 60), over base 1e4, so that its head-size-16 frequencies fall in all three
 bands: kept (wavelength 6.3 < 60 / 8), interpolated (19.9) and divided by the factor (62.8 and
-up, > 60 / 2).
+up, > 60 / 2). ``heads`` / ``kv_heads`` change the head counts (vLLM's CPU attention refuses
+heads 16 wide: the vLLM tier builds its Llama with 2 heads of 32).
 """
 
 from __future__ import annotations
@@ -46,7 +47,13 @@ LLAMA3_ROPE = {
 
 
 def build_hf_model(
-    variant: str, seed: int = 0, dtype: torch.dtype = torch.float32, layers: int = LAYERS
+    variant: str,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    layers: int = LAYERS,
+    *,
+    heads: int = HEADS,
+    kv_heads: int = KV_HEADS,
 ) -> torch.nn.Module:
     """A random transformers model of ``variant`` in eval mode."""
     from transformers import (
@@ -64,8 +71,8 @@ def build_hf_model(
         hidden_size=HIDDEN,
         intermediate_size=FFN,
         num_hidden_layers=layers,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=64,
         tie_word_embeddings=tied,
         rms_norm_eps=1e-6,
@@ -108,9 +115,11 @@ def save_hf_folder(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     layers: int = LAYERS,
+    **heads: int,
 ) -> torch.nn.Module:
-    """Build ``variant``, save it and a tokenizer to ``folder``; return the model."""
-    model = build_hf_model(variant, seed, dtype, layers)
+    """Build ``variant`` (``heads``: :func:`build_hf_model`'s head counts), save it and a
+    tokenizer to ``folder``; return the model."""
+    model = build_hf_model(variant, seed, dtype, layers, **heads)
     model.save_pretrained(str(folder), safe_serialization=True, max_shard_size="40KB")
     save_tokenizer(folder)
     assert (folder / "model.safetensors.index.json").is_file()

@@ -6,7 +6,9 @@ server: tests/unit/test_rollout_vllm_server.py).
 The conformance suite's model has head size 16, which vLLM's CPU attention refuses (it wants
 32, 64, 80, ...). Rather than change the suite's model for every engine, this file runs the
 suite's own test functions with its module-level ``MODEL`` swapped for a same-shaped model of
-head size 32 (:data:`VLLM_MODEL`); everything else in those tests is unchanged.
+head size 32 (:data:`VLLM_MODEL`); everything else in those tests is unchanged. The central
+check, behaviour log-probs equal to a teacher-forced recompute, also runs on the Qwen3 and Llama
+3.x families (:data:`VLLM_FAMILIES`), each vLLM started on a folder transformers saved.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from bapo_megatron.rollout.vllm.worker_extension import (
     full_vocab_logprobs_hook,
     retie_output_layer,
 )
+from tests.helpers import hf_models
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(
@@ -68,6 +71,15 @@ VLLM_MODEL = ModelConfig(
     tie_word_embeddings=True,
     rope_theta=1e6,
 )
+
+# The families after Qwen2 (tests/helpers/hf_models.py variants), with heads of 32, and the
+# helper's head counts that give them: Qwen3 with 4 heads of 32 on a 64-wide residual stream
+# (head_dim != hidden / heads; q/k norms), untied; a Llama 3.2-style model with llama3 RoPE
+# scaling whose low/high frequency factors and original context are not the defaults, tied.
+VLLM_FAMILIES: dict[str, dict[str, int]] = {
+    "qwen3-untied": {},
+    "llama32-tied": {"heads": 2, "kv_heads": 1},
+}
 
 
 def request(context=(1, 2), cap=4, final=True, seed=None) -> RoundRequest:
@@ -393,6 +405,30 @@ def test_weight_update_checks_before_anything_reaches_vllm(fake_vllm, caplog):
     assert engine.version == -1 and not engine.health()
 
 
+@pytest.mark.parametrize("variant", sorted(VLLM_FAMILIES))
+def test_weight_update_checks_know_each_familys_tensors(fake_vllm, variant, tmp_path):
+    """The update of a family's HF tensors as transformers saves them passes the name and shape
+    checks whole (Qwen3's q/k norms are head_dim wide); a q/k norm of another width, or one in a
+    Llama, is refused before anything reaches vLLM."""
+    hf_models.save_hf_folder(tmp_path, variant, **VLLM_FAMILIES[variant])
+    tensors = hf_models.read_hf_tensors(tmp_path)
+    llm = FakeLLM()
+    engine = VLLMEngine(llm, ModelConfig.from_hf_config(tmp_path), version=0)
+    engine.update_weights(tensors.items(), version=1)
+    [(method, (loaded,))] = llm.rpcs
+    assert method == "bapo_load_weights" and [n for n, _ in loaded] == list(tensors)
+    q_norm = "model.layers.1.self_attn.q_norm.weight"
+    if variant.startswith("qwen3"):
+        assert tensors[q_norm].shape == (hf_models.QWEN3_HEAD_DIM,)
+        message = rf"'{q_norm}' has shape \(16,\), the model expects \(32,\)"
+    else:
+        assert q_norm not in tensors
+        message = f"'{q_norm}' is not a parameter of this llama model"
+    with pytest.raises(ValueError, match=message):  # 16: hidden / heads
+        engine.update_weights([(q_norm, torch.ones(16))], version=2)
+    assert engine.version == 1 and len(llm.rpcs) == 1
+
+
 # ------------------------------------------------------------------ the real vLLM (optional tier)
 
 
@@ -422,9 +458,55 @@ def vllm_suite(vllm_engine, monkeypatch):
     return make_engine
 
 
+@pytest.fixture(scope="module")
+def vllm_family_engines(tmp_path_factory):
+    """Starts one in-process vLLM per family of VLLM_FAMILIES, on a folder transformers saved
+    (seed 100: the tests load other weights), when a test first asks for it; each is kept for
+    the module."""
+    engines: dict[str, VLLMEngine] = {}
+
+    def engine_for(variant: str) -> VLLMEngine:
+        if variant not in engines:
+            folder = tmp_path_factory.mktemp(variant)
+            hf_models.save_hf_folder(folder, variant, seed=100, **VLLM_FAMILIES[variant])
+            engines[variant] = VLLMEngine.from_pretrained(folder, enforce_eager=True)
+        return engines[variant]
+
+    yield engine_for
+    for engine in engines.values():
+        del engine.llm
+
+
+@pytest.fixture(params=["qwen2", *VLLM_FAMILIES])
+def vllm_family_suite(request, monkeypatch, tmp_path):
+    """:func:`vllm_suite` for each family: VLLM_MODEL's shared engine for qwen2; for the others
+    the family's engine, with the suite's ``MODEL`` the config that engine read from its folder
+    (so the suite's teacher-forced recompute is the embedded engine's, i.e. transformers', on
+    that family) and the suite's ``random_weights(seed)`` the HF tensors transformers saves for
+    the family with that seed (random norms included, so a dropped or swapped q/k norm shows)."""
+    if request.param == "qwen2":
+        return request.getfixturevalue("vllm_suite")
+    variant = request.param
+    engine = request.getfixturevalue("vllm_family_engines")(variant)
+    monkeypatch.setattr(suite, "MODEL", engine.model_config)
+
+    def random_weights(seed: int) -> dict[str, torch.Tensor]:
+        folder = tmp_path / f"seed-{seed}"
+        hf_models.save_hf_folder(folder, variant, seed=seed, **VLLM_FAMILIES[variant])
+        return hf_models.read_hf_tensors(folder)
+
+    monkeypatch.setattr(suite, "random_weights", random_weights)
+
+    def make_engine(weights):
+        engine.update_weights(weights.items(), version=0)
+        return engine
+
+    return make_engine
+
+
 @needs_vllm
-def test_vllm_logprobs_match_a_teacher_forced_recompute(vllm_suite):
-    suite.test_logprobs_match_a_teacher_forced_recompute(vllm_suite)
+def test_vllm_logprobs_match_a_teacher_forced_recompute(vllm_family_suite):
+    suite.test_logprobs_match_a_teacher_forced_recompute(vllm_family_suite)
 
 
 @needs_vllm
