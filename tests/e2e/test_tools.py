@@ -19,25 +19,23 @@ ENV = {
 }
 
 
-def test_loss_benchmark_smoke():
+def benchmark_report(tool: str, *args: str) -> dict:
+    """Run ``tools/<tool>`` with ``args``; the JSON object its last line prints."""
     out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "bench_bapo_loss.py"),
-            "--sizes",
-            "64K",
-            "--repeats",
-            "1",
-            "--threads",
-            "1",
-        ],
+        [sys.executable, str(ROOT / "tools" / tool), *args],
         check=True,
         capture_output=True,
         text=True,
         timeout=300,
         env=ENV,
     ).stdout
-    report = json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_loss_benchmark_smoke():
+    report = benchmark_report(
+        "bench_bapo_loss.py", "--sizes", "64K", "--repeats", "1", "--threads", "1"
+    )
     res = report["sizes"]["64K"]
     assert res["steps"] >= 20  # the data makes the search walk far, as the targets require
     assert res["reductions"]["b"] == 1 and res["reductions"]["c"] == res["steps"] + 1
@@ -46,34 +44,25 @@ def test_loss_benchmark_smoke():
 
 
 def test_actor_step_benchmark_smoke():
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "bench_actor_step.py"),
-            "--layouts",
-            "tp1",
-            "--steps",
-            "1",
-            "--warmup",
-            "1",
-            "--sequences",
-            "2",
-            "--length",
-            "16",
-            "--layers",
-            "2",
-            "--hidden",
-            "64",
-            "--vocab",
-            "128",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=ENV,
-    ).stdout
-    report = json.loads(out.strip().splitlines()[-1])
+    report = benchmark_report(
+        "bench_actor_step.py",
+        "--layouts",
+        "tp1",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--sequences",
+        "2",
+        "--length",
+        "16",
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--vocab",
+        "128",
+    )
     tp1 = report["layouts"]["tp1"]
     assert report["benchmark"] == "actor_step" and tp1["processes"] == 1
     assert tp1["step_ms"] > 0 and tp1["tokens_per_s"] > 0
@@ -81,40 +70,31 @@ def test_actor_step_benchmark_smoke():
 
 
 def test_weights_benchmark_smoke(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "bench_weights.py"),
-            "--dtype",
-            "float32",
-            "--hidden",
-            "64",
-            "--layers",
-            "4",
-            "--ffn",
-            "128",
-            "--heads",
-            "4",
-            "--kv-heads",
-            "2",
-            "--vocab",
-            "128",
-            "--repeats",
-            "1",
-            "--bucket-mib",
-            "0.05",
-            "--workdir",
-            str(tmp_path),
-            "--timeout",
-            "240",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=ENV,
-    ).stdout
-    report = json.loads(out.strip().splitlines()[-1])
+    report = benchmark_report(
+        "bench_weights.py",
+        "--dtype",
+        "float32",
+        "--hidden",
+        "64",
+        "--layers",
+        "4",
+        "--ffn",
+        "128",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--vocab",
+        "128",
+        "--repeats",
+        "1",
+        "--bucket-mib",
+        "0.05",
+        "--workdir",
+        str(tmp_path),
+        "--timeout",
+        "240",
+    )
     assert report["benchmark"] == "weights"
     # The bytes of every rank's shards (what the copy and the export move) at TP2/PP2: embedding
     # and untied output 2 x 128 x 64, per layer q,k,v,o + 3 MLP matrices, and the norms (per layer
@@ -136,15 +116,7 @@ def test_weights_benchmark_smoke(tmp_path):
 def test_rollout_benchmark_smoke():
     import importlib.util
 
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench_rollout.py"), "--quick"],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=ENV,
-    ).stdout
-    report = json.loads(out.strip().splitlines()[-1])
+    report = benchmark_report("bench_rollout.py", "--quick")
     assert report["benchmark"] == "rollout"
     cfg, emb = report["config"], report["embedded"]
     # no stop tokens: every sample runs to max_new_tokens (4 prompts x n=2 x 8 tokens)
