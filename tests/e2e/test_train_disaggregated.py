@@ -1,6 +1,7 @@
 """The tiny run with its engine on a rank of its own (``rollout.placement=disaggregated``: one
 trainer rank, one engine rank, started as torchrun would), against the colocated synchronous run
-in one process with the same seeds; and the two ways one side can die, each bounded in time."""
+in one process with the same seeds; the same with a tensor- or pipeline-parallel trainer (two
+trainer ranks, one engine rank); and the two ways one side can die, each bounded in time."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ pytestmark = [
 DISAGGREGATED = ["rollout.placement=disaggregated", "rollout.engine_ranks=1"]
 STEPS = ["train.steps=3"]
 UPDATE_KEYS = ("loss", "grad_norm", "entropy", "response_tokens", "staleness/max")
+LAYOUTS = {
+    "tp2": "parallel.tensor_model_parallel_size=2",
+    "pp2": "parallel.pipeline_model_parallel_size=2",
+}
 
 
 def finish(ranks: list[subprocess.Popen], timeout: float) -> list[str]:
@@ -61,8 +66,13 @@ def first_rollout_step(output_dir: Path, ranks: list[subprocess.Popen]) -> None:
     pytest.fail("the run logged no rollout step within 600 s")
 
 
-def test_eta0_disaggregated_run_matches_the_colocated_run(tmp_path, warm_start):
-    colocated = run_in_process(tmp_path / "colocated", *warm_start[0], *STEPS)
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory, warm_start):
+    """The colocated synchronous run in one process (trainer TP1, PP1)."""
+    return run_in_process(tmp_path_factory.mktemp("colocated"), *warm_start[0], *STEPS)
+
+
+def test_eta0_disaggregated_run_matches_the_colocated_run(tmp_path, warm_start, colocated):
     ranks = start_ranks(
         training_command(tmp_path / "split", *warm_start[0], *STEPS, *DISAGGREGATED), 2
     )
@@ -83,6 +93,46 @@ def test_eta0_disaggregated_run_matches_the_colocated_run(tmp_path, warm_start):
     for a, b in zip(updates, expected):
         keys = [*UPDATE_KEYS, *(k for k in b if k.startswith("bapo/"))]
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}  # bitwise: same numbers
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_parallel_trainer_with_an_engine_rank_matches_the_one_process_run(
+    tmp_path, warm_start, colocated, layout
+):
+    # Two trainer ranks (tensor-parallel: the export gathers the shards on TP rank 0; pipeline:
+    # each stage's export rank broadcasts its own layers) and one engine rank. The rollouts equal
+    # the one-process run's exactly, so after every broadcast the engine holds the same HF
+    # weights as the one-process engine; and at every step the engine's log-probs of the tokens
+    # it sampled under the new version match the actor's (measured without changing the run:
+    # the ratio is still taken against the engine's log-probs).
+    command = training_command(
+        tmp_path,
+        *warm_start[0],
+        *STEPS,
+        LAYOUTS[layout],
+        *DISAGGREGATED,
+        "logging.logprob_diff_interval=1",
+    )
+    ranks = start_ranks(command, 3)
+    outputs = finish(ranks, 900)
+    assert [r.returncode for r in ranks] == [0, 0, 0], "\n".join(o[-4000:] for o in outputs)
+    assert "answered" in outputs[2]
+    records = read_metrics(tmp_path)
+    ours, reference = rollout_records(records), rollout_records(colocated)
+    assert len(ours) == len(reference) == 3
+    assert any(r["reward/mean"] > 0 for r in reference)
+    for a, b in zip(ours, reference):
+        assert a["reward/mean"] == b["reward/mean"]
+        assert a["rollout/generated_tokens"] == b["rollout/generated_tokens"]
+        assert a["policy_version"] == b["policy_version"]
+        assert a["logprob_diff/tokens"] == a["rollout/generated_tokens"] > 0
+        assert a["logprob_diff/max_abs"] < 1e-4, a["logprob_diff/max_abs"]
+    updates = [r for r in records if "grad_norm" in r and "reward/mean" not in r]
+    expected = [r for r in colocated if "grad_norm" in r and "reward/mean" not in r]
+    assert len(updates) == len(expected) == 6
+    for a, b in zip(updates, expected):
+        for key in ("loss", "grad_norm", "entropy", "bapo/rho_after", "bapo/c_high"):
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), key
 
 
 def test_killed_engine_rank_stops_the_trainer_naming_it(tmp_path, warm_start):
