@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from tests.helpers.train_runs import (  # noqa: E402
+    assert_same_run,
     read_metrics,
     rollout_records,
     run_in_process,
@@ -30,7 +31,6 @@ pytestmark = [
 ]
 DISAGGREGATED = ["rollout.placement=disaggregated", "rollout.engine_ranks=1"]
 STEPS = ["train.steps=3"]
-UPDATE_KEYS = ("loss", "grad_norm", "entropy", "response_tokens", "staleness/max")
 LAYOUTS = {
     "tp2": "parallel.tensor_model_parallel_size=2",
     "pp2": "parallel.pipeline_model_parallel_size=2",
@@ -79,20 +79,9 @@ def test_eta0_disaggregated_run_matches_the_colocated_run(tmp_path, warm_start, 
     outputs = finish(ranks, 900)
     assert [r.returncode for r in ranks] == [0, 0], "\n".join(o[-4000:] for o in outputs)
     assert "answered" in outputs[1]  # the engine rank served, then was stopped by its trainer
-    records = read_metrics(tmp_path / "split")
-    ours, reference = rollout_records(records), rollout_records(colocated)
-    assert len(ours) == len(reference) == 3
-    assert any(r["reward/mean"] > 0 for r in reference)
-    for a, b in zip(ours, reference):
-        assert a["reward/mean"] == b["reward/mean"]
-        assert a["rollout/generated_tokens"] == b["rollout/generated_tokens"]
-        assert a["policy_version"] == b["policy_version"]
-    updates = [r for r in records if "grad_norm" in r and "reward/mean" not in r]
-    expected = [r for r in colocated if "grad_norm" in r and "reward/mean" not in r]
-    assert len(updates) == len(expected) == 6
-    for a, b in zip(updates, expected):
-        keys = [*UPDATE_KEYS, *(k for k in b if k.startswith("bapo/"))]
-        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}  # bitwise: same numbers
+    assert_same_run(
+        read_metrics(tmp_path / "split"), colocated, rollout_steps=3, updates=6, bitwise=True
+    )
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -118,21 +107,10 @@ def test_parallel_trainer_with_an_engine_rank_matches_the_one_process_run(
     assert [r.returncode for r in ranks] == [0, 0, 0], "\n".join(o[-4000:] for o in outputs)
     assert "answered" in outputs[2]
     records = read_metrics(tmp_path)
-    ours, reference = rollout_records(records), rollout_records(colocated)
-    assert len(ours) == len(reference) == 3
-    assert any(r["reward/mean"] > 0 for r in reference)
-    for a, b in zip(ours, reference):
-        assert a["reward/mean"] == b["reward/mean"]
-        assert a["rollout/generated_tokens"] == b["rollout/generated_tokens"]
-        assert a["policy_version"] == b["policy_version"]
-        assert a["logprob_diff/tokens"] == a["rollout/generated_tokens"] > 0
-        assert a["logprob_diff/max_abs"] < 1e-4, a["logprob_diff/max_abs"]
-    updates = [r for r in records if "grad_norm" in r and "reward/mean" not in r]
-    expected = [r for r in colocated if "grad_norm" in r and "reward/mean" not in r]
-    assert len(updates) == len(expected) == 6
-    for a, b in zip(updates, expected):
-        for key in ("loss", "grad_norm", "entropy", "bapo/rho_after", "bapo/c_high"):
-            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), key
+    assert_same_run(records, colocated, rollout_steps=3, updates=6)
+    for step in rollout_records(records):
+        assert step["logprob_diff/tokens"] == step["rollout/generated_tokens"] > 0
+        assert step["logprob_diff/max_abs"] < 1e-4, step["logprob_diff/max_abs"]
 
 
 def test_killed_engine_rank_stops_the_trainer_naming_it(tmp_path, warm_start):

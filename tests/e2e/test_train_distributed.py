@@ -14,8 +14,8 @@ pytest.importorskip("megatron.core")
 from tests.helpers.gloo_launch import REPO_ROOT  # noqa: E402
 from tests.helpers.train_runs import (  # noqa: E402
     FAST,
+    assert_same_run,
     read_metrics,
-    rollout_records,
     run_in_process,
     subprocess_env,
 )
@@ -45,16 +45,4 @@ def test_two_process_run_matches_one_process(tmp_path, warm_start, single_proces
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    records = read_metrics(tmp_path)
-    ours, reference = rollout_records(records), rollout_records(single_process)
-    assert len(ours) == len(reference) == 3
-    assert any(r["reward/mean"] > 0 for r in reference)
-    for a, b in zip(ours, reference):
-        assert a["reward/mean"] == b["reward/mean"]
-        assert a["rollout/generated_tokens"] == b["rollout/generated_tokens"]
-    updates = [r for r in records if "grad_norm" in r and "reward/mean" not in r]
-    expected = [r for r in single_process if "grad_norm" in r and "reward/mean" not in r]
-    assert len(updates) == len(expected) == 6
-    for a, b in zip(updates, expected):
-        for key in ("loss", "grad_norm", "entropy", "bapo/rho_after", "bapo/c_high"):
-            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), key
+    assert_same_run(read_metrics(tmp_path), single_process, rollout_steps=3, updates=6)

@@ -144,3 +144,47 @@ def start_ranks(command: list[str], world_size: int, extra_env: dict | None = No
             )
         )
     return ranks
+
+
+# Per-update values a parallel run must reproduce (to float rounding, or bitwise).
+UPDATE_KEYS = ("loss", "grad_norm", "entropy", "bapo/rho_after", "bapo/c_high")
+
+
+def update_records(records: list[dict]) -> list[dict]:
+    """One record per optimizer update (not the rollout-step records)."""
+    return [r for r in records if "grad_norm" in r and "reward/mean" not in r]
+
+
+def assert_same_run(
+    records: list[dict],
+    reference: list[dict],
+    *,
+    rollout_steps: int,
+    updates: int,
+    bitwise: bool = False,
+) -> None:
+    """``records`` repeat ``reference``'s run: the same rollouts exactly (reward, generated
+    tokens, policy version) and the same updates, bitwise (every ``bapo/*`` metric too) or to
+    float rounding (rel 1e-3 on :data:`UPDATE_KEYS`, as layouts reduce in other orders)."""
+    import pytest
+
+    ours, theirs = rollout_records(records), rollout_records(reference)
+    assert len(ours) == len(theirs) == rollout_steps
+    assert any(r["reward/mean"] > 0 for r in theirs)  # a run that learned nothing proves little
+    for a, b in zip(ours, theirs):
+        for key in ("reward/mean", "rollout/generated_tokens", "policy_version"):
+            assert a[key] == b[key], key
+    ours, theirs = update_records(records), update_records(reference)
+    assert len(ours) == len(theirs) == updates
+    for a, b in zip(ours, theirs):
+        if bitwise:
+            keys = [
+                *UPDATE_KEYS,
+                "response_tokens",
+                "staleness/max",
+                *(k for k in b if k.startswith("bapo/")),
+            ]
+            assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+        else:
+            for key in UPDATE_KEYS:
+                assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), key
