@@ -26,6 +26,48 @@ def check_training(cfg: Config) -> None:
         )
     _check_schedule(cfg)
     _check_placement(cfg)
+    _check_asynchronous(cfg)
+
+
+def _check_asynchronous(cfg: Config) -> None:
+    """What asynchronous training (``algorithm.max_staleness`` >= 1) needs and excludes."""
+    rollout, algorithm = cfg.rollout, cfg.algorithm
+    eta = algorithm.max_staleness
+    if not eta:
+        if rollout.sync_interval != 1:
+            raise ValueError(
+                f"rollout.sync_interval={rollout.sync_interval} applies to asynchronous training "
+                "(algorithm.max_staleness >= 1); a synchronous run pushes every rollout step"
+            )
+        return
+    if rollout.placement != "disaggregated":
+        raise ValueError(
+            f"algorithm.max_staleness={eta} trains while the engines generate, which needs "
+            "rollout.placement=disaggregated (engines on ranks of their own); colocated engines "
+            "share the trainer's ranks (set algorithm.max_staleness=0)"
+        )
+    for name, value in (
+        ("rollout.partial_tokens_per_round", rollout.partial_tokens_per_round),
+        ("algorithm.rollout_lag", algorithm.rollout_lag or None),
+        ("algorithm.replay_fraction", algorithm.replay_fraction or None),
+    ):
+        if value is not None:
+            raise ValueError(
+                f"{name}={value} imitates staleness in a synchronous run; with "
+                f"algorithm.max_staleness={eta} the staleness is real (set {name} off)"
+            )
+    if rollout.sync_interval > eta + 1:
+        raise ValueError(
+            f"rollout.sync_interval={rollout.sync_interval} leaves the engines up to "
+            f"{rollout.sync_interval - 1} versions behind, more than algorithm.max_staleness="
+            f"{eta} allows: every group would be dropped (use at most {eta + 1})"
+        )
+    if rollout.inflight_update == "continue" and rollout.engine != "embedded":
+        raise ValueError(
+            f"rollout.inflight_update=continue loads weights between two tokens, which only "
+            f"the embedded engine offers; rollout.engine={rollout.engine!r} takes "
+            "rollout.inflight_update=resume"
+        )
 
 
 def _check_placement(cfg: Config) -> None:

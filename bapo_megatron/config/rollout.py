@@ -11,6 +11,8 @@ EngineKind = Literal["embedded", "vllm", "vllm-server", "sglang", "sglang-server
 ENGINE_KINDS: tuple[str, ...] = ("embedded", "vllm", "vllm-server", "sglang", "sglang-server")
 Placement = Literal["colocated", "disaggregated"]
 PLACEMENTS: tuple[str, ...] = ("colocated", "disaggregated")
+InflightUpdate = Literal["continue", "resume"]
+INFLIGHT_UPDATES: tuple[str, ...] = ("continue", "resume")
 
 
 @dataclass(kw_only=True)
@@ -65,6 +67,18 @@ class RolloutConfig:
     with an error naming the engine (None: no limit). Server clients also give up on a request
     that gets no answer for this long (one hour when None)."""
 
+    sync_interval: int = 1
+    """Asynchronous training (``algorithm.max_staleness`` >= 1): push the weights to the engines
+    once at least this many policy versions are new since the last push (checked after each
+    rollout step's training); at most ``algorithm.max_staleness + 1``."""
+    inflight_update: InflightUpdate = "continue"
+    """What a weight update does to generation in flight (asynchronous training): `continue`
+    loads the new weights between two tokens and goes on (each token keeps the version and
+    behaviour log-prob it was sampled with; the KV cache of earlier tokens stays); `resume`
+    stops the samples, loads the weights and resumes them from their prefix (its cache
+    recomputed under the new weights). `continue` needs an engine that can load weights between
+    two tokens (`embedded`)."""
+
     def __post_init__(self) -> None:
         prefix = "rollout"
         if self.timeout_s is not None and not self.timeout_s > 0:
@@ -99,6 +113,12 @@ class RolloutConfig:
                 f"{prefix}.placement must be one of {list(PLACEMENTS)}, got {self.placement!r}"
             )
         require_at_least(self.engine_ranks, 0, f"{prefix}.engine_ranks")
+        require_at_least(self.sync_interval, 1, f"{prefix}.sync_interval")
+        if self.inflight_update not in INFLIGHT_UPDATES:
+            raise ValueError(
+                f"{prefix}.inflight_update must be one of {list(INFLIGHT_UPDATES)}, "
+                f"got {self.inflight_update!r}"
+            )
         if self.placement == "disaggregated" and self.engine_ranks < 1:
             raise ValueError(
                 f"{prefix}.placement=disaggregated needs {prefix}.engine_ranks >= 1 (the ranks "

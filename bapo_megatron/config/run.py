@@ -105,6 +105,14 @@ class AlgorithmConfig:
     the training batch is put together: its later mini-batches and epochs train the replayed
     groups up to ``optimizer_steps_per_rollout * epochs - 1`` versions later still (the
     ``staleness/*`` metrics report what was trained)."""
+    max_staleness: int = 0
+    """eta of asynchronous training (``rollout.placement=disaggregated``): a group trains in a
+    rollout step whose policy version is v only if every token of it was sampled at version
+    >= v - eta (counted from the version at the start of the step's training; its mini-batches
+    add up to ``optimizer_steps_per_rollout - 1`` more, as in a synchronous run). The engines
+    generate while the trainer learns and start no prompt that could not train within eta;
+    groups that still exceed it are dropped and counted. 0: synchronous (generate, then
+    train)."""
 
     def __post_init__(self) -> None:
         prefix = "algorithm"
@@ -120,6 +128,7 @@ class AlgorithmConfig:
         ):
             require_at_least(getattr(self, name), 1, f"{prefix}.{name}")
         require_at_least(self.rollout_lag, 0, f"{prefix}.rollout_lag")
+        require_at_least(self.max_staleness, 0, f"{prefix}.max_staleness")
         if not 0 <= self.replay_fraction < 1:
             raise ValueError(
                 f"{prefix}.replay_fraction must lie in [0, 1), got {self.replay_fraction!r}"

@@ -45,6 +45,47 @@ def test_what_a_disaggregated_run_cannot_do_is_refused(overrides, message):
 
 def test_a_disaggregated_config_trains():
     load_config(None, [*TRAINABLE, *SPLIT]).check_training()
+    load_config(None, [*TRAINABLE, *SPLIT, "algorithm.max_staleness=2"]).check_training()
+
+
+ASYNC = [*SPLIT, "algorithm.max_staleness=1"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algorithm.max_staleness=1"], r"max_staleness=1 .* needs rollout\.placement=disagg"),
+        (["rollout.sync_interval=2"], r"rollout\.sync_interval=2 applies to asynchronous"),
+        ([*ASYNC, "rollout.sync_interval=3"], r"sync_interval=3 .* \(use at most 2\)"),
+        ([*ASYNC, "algorithm.rollout_lag=1"], r"algorithm\.rollout_lag=1 imitates staleness"),
+        ([*ASYNC, "algorithm.replay_fraction=0.5"], r"algorithm\.replay_fraction=0\.5"),
+        (
+            [*ASYNC, "rollout.partial_tokens_per_round=4"],
+            r"rollout\.partial_tokens_per_round=4 imitates",
+        ),
+        (
+            [*ASYNC, "rollout.engine=vllm"],
+            r"inflight_update=continue .* rollout\.engine='vllm' takes .*=resume",
+        ),
+    ],
+)
+def test_what_asynchronous_training_cannot_do_is_refused(overrides, message):
+    cfg = load_config(None, [*TRAINABLE, *overrides])
+    with pytest.raises(ValueError, match=message):
+        cfg.check_training()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algorithm.max_staleness=-1"], r"algorithm\.max_staleness must be an integer >= 0"),
+        (["rollout.sync_interval=0"], r"rollout\.sync_interval must be an integer >= 1"),
+        (["rollout.inflight_update=later"], r"rollout\.inflight_update: expected one of"),
+    ],
+)
+def test_bad_asynchronous_settings_name_the_field(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, overrides)
 
 
 def rollout(engines: int, prompts: int = 8) -> RolloutConfig:
