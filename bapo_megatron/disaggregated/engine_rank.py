@@ -10,7 +10,8 @@ from pathlib import Path
 from bapo_megatron.config import Config
 from bapo_megatron.data.task import load_task
 from bapo_megatron.disaggregated.server import TRAINER, serve
-from bapo_megatron.disaggregated.world import Role, request_link, stage_broadcast
+from bapo_megatron.disaggregated.stream_server import StreamServer
+from bapo_megatron.disaggregated.world import Role, request_link, result_link, stage_broadcast
 from bapo_megatron.distributed.collectives import describe_failure
 from bapo_megatron.rollout.registry import build_engine
 
@@ -42,5 +43,12 @@ def run_engine_rank(cfg: Config, role: Role) -> None:
         stage_broadcast(role, cfg.parallel, stage)
         for stage in range(cfg.parallel.pipeline_model_parallel_size)
     ]
-    answered = serve(engine, requests, stages)
+    if cfg.algorithm.max_staleness:
+        results = result_link(role, cfg.parallel, index)
+        server = StreamServer(
+            engine, requests, results, stages, inflight_update=cfg.rollout.inflight_update
+        )
+        answered = server.serve()
+    else:
+        answered = serve(engine, requests, stages)
     log.info("engine replica %d (rank %d) answered %d requests", index, role.rank, answered)

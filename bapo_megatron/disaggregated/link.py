@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from bapo_megatron.config import Config
 from bapo_megatron.disaggregated.client import ENGINE, RemoteEngine
 from bapo_megatron.disaggregated.server import IDLE_LIMIT
-from bapo_megatron.disaggregated.world import Role, request_link, stage_broadcast
+from bapo_megatron.disaggregated.stream_client import StreamingEngine
+from bapo_megatron.disaggregated.world import Role, request_link, result_link, stage_broadcast
 from bapo_megatron.distributed.collectives import raise_if_any_rank_failed
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.rollout.guard import EngineFailure, GuardedEngine
@@ -25,11 +26,22 @@ class EngineLink:
     weights: StageBroadcast | None
     """This stage's weight broadcast, on replica 0's export ranks of stages after the first
     (the first stage's is inside the engine client)."""
+    stream: StreamingEngine | None = None
+    """Asynchronous training (``algorithm.max_staleness`` >= 1): the replica's streaming client
+    on its first rank, in place of ``engine``."""
+
+    @property
+    def sent_bytes(self) -> int:
+        """Weight bytes this rank has broadcast to the engines so far."""
+        stages = [self.weights, self.stream.weights if self.stream is not None else None]
+        return sum(stage.sent_bytes for stage in stages if stage is not None)
 
     def close(self) -> None:
         """Stop this replica's engine rank (on the rank that holds the client)."""
         if self.engine is not None:
             self.engine.engine.close()
+        if self.stream is not None:
+            self.stream.close()
 
 
 def connect_engines(cfg: Config, context: ParallelContext, role: Role) -> EngineLink:
@@ -48,9 +60,18 @@ def connect_engines(cfg: Config, context: ParallelContext, role: Role) -> Engine
     )
     sends = context.dp_rank == 0 and context.tp_rank == 0 and context.cp_rank == 0
     weights = stage_broadcast(role, cfg.parallel, context.pp_rank) if sends else None
-    engine = None
-    if link is not None:
-        timeout = cfg.rollout.timeout_s
+    engine = stream = None
+    timeout = cfg.rollout.timeout_s
+    if link is not None and cfg.algorithm.max_staleness:
+        stream = StreamingEngine(
+            link,
+            result_link(role, cfg.parallel, context.dp_rank),
+            weights=weights if context.pp_rank == 0 else None,
+            bucket_bytes=cfg.rollout.weight_bucket_mib * 2**20,
+            timeout=datetime.timedelta(seconds=timeout) if timeout else IDLE_LIMIT,
+            name=f"rollout engine {cfg.rollout.engine!r} on {link.names[ENGINE]}",
+        )
+    elif link is not None:
         client = RemoteEngine(
             link,
             weights=weights if context.pp_rank == 0 else None,
@@ -65,4 +86,5 @@ def connect_engines(cfg: Config, context: ParallelContext, role: Role) -> Engine
     return EngineLink(
         engine=engine,
         weights=weights if context.pp_rank > 0 else None,
+        stream=stream,
     )

@@ -80,8 +80,22 @@ def _answer(engine: RolloutEngine, request: tuple) -> tuple[str, Any]:
 def _update(
     engine: RolloutEngine, stages: Sequence[StageBroadcast], *, version: int, checksum: bool
 ) -> tuple[str, Any]:
-    """Receive every stage completely, then load: a stage whose sender disappears raises
-    :class:`PeerLost` here (passed on: the link is gone), before anything is loaded."""
+    """Receive every stage completely, then load (see :func:`receive_version`)."""
+    staged, problem = receive_version(stages, version)
+    if problem is not None:
+        return "error", problem
+    try:
+        return "ok", engine.update_weights(staged, version=version, checksum=checksum)
+    except Exception as error:  # noqa: BLE001 - answered: the trainer stops naming this engine
+        return "error", describe_failure(error)
+
+
+def receive_version(
+    stages: Sequence[StageBroadcast], version: int
+) -> tuple[list[tuple[str, Any]], str | None]:
+    """Every stage's tensors of weight update ``version``, received completely before anything
+    is loaded, and what was wrong with them (None: nothing). A stage whose sender disappears
+    raises :class:`PeerLost` here (passed on: the link is gone), before anything is loaded."""
     staged = []
     problems = []
     for stage in stages:
@@ -96,8 +110,5 @@ def _update(
             )
         staged.extend(tensors)
     if problems:
-        return "error", f"weight update to version {version} refused: " + "; ".join(problems)
-    try:
-        return "ok", engine.update_weights(staged, version=version, checksum=checksum)
-    except Exception as error:  # noqa: BLE001 - answered: the trainer stops naming this engine
-        return "error", describe_failure(error)
+        return staged, f"weight update to version {version} refused: " + "; ".join(problems)
+    return staged, None

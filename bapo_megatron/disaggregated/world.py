@@ -9,6 +9,9 @@ the same store, each under its own prefix (:mod:`bapo_megatron.distributed.messa
 
 - request link ``i`` (:func:`request_link`): data-parallel replica ``i``'s first rank (tensor,
   pipeline and context rank 0; group rank 0) and engine replica ``i`` (group rank 1);
+- result link ``i`` (:func:`result_link`, asynchronous training only): the same two ends, the
+  engine's finished rollout items travelling back while the request link carries work and
+  weight updates;
 - stage broadcast ``s`` (:func:`stage_broadcast`): pipeline stage ``s``'s export rank of
   replica 0 (tensor and context rank 0; group rank 0) and every engine replica ``i`` (group rank
   ``i + 1``): the weights of stage ``s``.
@@ -103,6 +106,21 @@ def request_link(role: Role, parallel: ParallelConfig, replica: int) -> GroupMes
         names=[f"trainer rank {trainer}", f"engine rank {engine} (engine replica {replica})"],
         timeout=role.timeout,
         what=f"rollout requests of data-parallel replica {replica}",
+    )
+
+
+def result_link(role: Role, parallel: ParallelConfig, replica: int) -> GroupMessenger:
+    """The result link of replica ``replica`` in asynchronous training: the engine's answers
+    (finished rollout items), the opposite direction of :func:`request_link`, so that each
+    group is used by one thread at each end."""
+    trainer = trainer_rank(parallel, role.split, replica=replica, stage=0)
+    engine = role.split.engine_rank(replica)
+    group = gloo_group(role.store, f"bapo/results/{replica}", int(role.is_engine), 2, role.timeout)
+    return GroupMessenger(
+        group,
+        names=[f"trainer rank {trainer}", f"engine rank {engine} (engine replica {replica})"],
+        timeout=role.timeout,
+        what=f"rollout results of data-parallel replica {replica}",
     )
 
 

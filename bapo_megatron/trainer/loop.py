@@ -14,6 +14,10 @@ One rollout step, top to bottom in :func:`rollout_step`:
 6. weight sync: the new weights are exported into the engines;
 7. metrics, then checkpoint.
 
+Asynchronous training (``algorithm.max_staleness`` >= 1) swaps two phases for those of
+:mod:`~bapo_megatron.trainer.async_rollout`: 1. admits the items the engines may start ahead
+and takes this step's, 6. sends the weights without waiting for the engines to load them.
+
 Phases 1-3 run on the engine ranks (:mod:`~bapo_megatron.trainer.phases`); an engine failure
 there, or in the engine calls of phases 5-6, stops every rank with :class:`EngineFailure`.
 """
@@ -24,6 +28,7 @@ from bapo_megatron.actor.train_step import train_step
 from bapo_megatron.config import Config
 from bapo_megatron.disaggregated.link import EngineLink
 from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.trainer.async_rollout import send_weights, take_rollout, weight_update_metrics
 from bapo_megatron.trainer.checkpoint import save_checkpoint
 from bapo_megatron.trainer.metrics import staleness, throughput
 from bapo_megatron.trainer.phases import (
@@ -68,12 +73,12 @@ def rollout_step(run: Run, step: int) -> float:
     with engine_failures_stop_every_rank(
         run.context, during=f"rollout step {step} (generation, rewards)"
     ):
-        rollout = generate(run, step)  # 1. rollout
+        rollout = take_rollout(run, step) if run.stream else generate(run, step)  # 1. rollout
         fresh = score(run, rollout)  # 2. reward
         experience = select_off_policy(run, fresh, step)  # 3. off-policy selection
     minibatches, metrics = old_logprobs(run, experience, step)  # 4. old log-probs
     last_update, trained_tokens = train_minibatches(run, minibatches, step)  # 5. train
-    sync_weights(run, start_version, step)  # 6. weight sync
+    send_weights(run) if run.stream else sync_weights(run, start_version, step)  # 6. weight sync
     record_step(run, step, metrics, last_update, trained_tokens)  # 7. metrics, checkpoint
     return metrics["reward/mean"]
 
@@ -94,13 +99,18 @@ def train_minibatches(
         )
     last_update: dict[str, float] = {}
     trained_tokens = 0.0
+    algo = run.cfg.algorithm
+    # asynchronous: the share of tokens each number of versions behind, up to the most possible
+    bins = algo.max_staleness + algo.optimizer_steps_per_rollout if algo.max_staleness else 0
     with run.timer.phase("train"):
         for epoch in range(run.cfg.algorithm.epochs):
             for batch, versions in minibatches:
                 update = train_step(run.actor, batch, run.cfg.loss, run.plan)
                 trained_tokens += update["response_tokens"]
                 last_update = update
-                update.update(staleness(versions, run.state.version, run.context))
+                update.update(
+                    staleness(versions, run.state.version, run.context, histogram_bins=bins)
+                )
                 run.state.version += 1
                 update.update(rollout_step=step, epoch=epoch)
                 run.logger.log(run.state.version, update, console=False)
@@ -138,6 +148,8 @@ def record_step(
     state.step = step + 1
     metrics.update(run.timer.metrics())
     metrics.update(throughput(metrics, trained_tokens))
+    if run.stream:
+        metrics.update(weight_update_metrics(run))
     metrics.update(
         rollout_step=step + 1,
         policy_version=state.version,

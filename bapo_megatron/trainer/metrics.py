@@ -35,10 +35,22 @@ class RolloutCounts:
     reward_timeouts: float = 0.0
     reward_errors: float = 0.0
     generated_tokens: float = 0.0
+    # asynchronous training only
+    dropped_groups: float = 0.0
+    mixed_version_samples: float = 0.0
+    engine_idle_s: float = 0.0
+    engine_generate_s: float = 0.0
+    engine_load_s: float = 0.0
+    engine_loads: float = 0.0
+    trainer_wait_s: float = 0.0
+    queued_items: float = 0.0
 
 
-def rollout_metrics(counts: RolloutCounts, context: ParallelContext) -> dict[str, float]:
-    """Reward, accuracy, lengths and rollout counts of the step, over every replica."""
+def rollout_metrics(
+    counts: RolloutCounts, context: ParallelContext, *, asynchronous: bool = False
+) -> dict[str, float]:
+    """Reward, accuracy, lengths and rollout counts of the step, over every replica (with
+    ``asynchronous``, also the engines' and the trainer's waits, in-flight updates and drops)."""
     names = [f.name for f in dataclasses.fields(RolloutCounts)]
     totals = dict(
         zip(
@@ -59,6 +71,26 @@ def rollout_metrics(counts: RolloutCounts, context: ParallelContext) -> dict[str
         "rollout/generated_tokens": totals["generated_tokens"],
         "reward/timeouts": totals["reward_timeouts"],
         "reward/errors": totals["reward_errors"],
+    } | (_asynchronous_metrics(totals, context.dp_size) if asynchronous else {})
+
+
+def _asynchronous_metrics(totals: dict[str, float], replicas: int) -> dict[str, float]:
+    engine_s = totals["engine_idle_s"] + totals["engine_generate_s"]
+    return {
+        "async/dropped_groups": totals["dropped_groups"],
+        "async/mixed_version_samples": totals["mixed_version_samples"],
+        "async/queued_items": totals["queued_items"] / replicas,
+        "async/trainer_wait_s": totals["trainer_wait_s"] / replicas,
+        "async/engine_idle_s": totals["engine_idle_s"] / replicas,
+        "async/engine_idle_share": totals["engine_idle_s"] / engine_s if engine_s else 0.0,
+        "async/engine_generate_s": totals["engine_generate_s"] / replicas,
+        "async/engine_tokens_per_s": (
+            totals["generated_tokens"] / totals["engine_generate_s"]
+            if totals["engine_generate_s"]
+            else 0.0
+        ),
+        "async/engine_weight_loads": totals["engine_loads"],
+        "async/engine_weight_load_s": totals["engine_load_s"] / replicas,
     }
 
 
@@ -111,16 +143,31 @@ class LogprobGap:
         return out
 
 
-def staleness(versions: torch.Tensor, version: int, context: ParallelContext) -> dict[str, float]:
-    """Policy versions between each response token's sampling and the update it trains."""
+def staleness(
+    versions: torch.Tensor,
+    version: int,
+    context: ParallelContext,
+    *,
+    histogram_bins: int = 0,
+) -> dict[str, float]:
+    """Policy versions between each response token's sampling and the update it trains; with
+    ``histogram_bins`` = k, also the share of tokens 0, 1, ..., k - 1 versions behind
+    (``staleness/share_<i>``) and at least k behind (``staleness/share_<k>+``)."""
     behind = (version - versions[versions >= 0]).double()
-    total, count = sum_over(
-        [float(behind.sum()), float(behind.numel())], context.dp_group, context.device
+    bins = [float((behind == i).sum()) for i in range(histogram_bins)]
+    if histogram_bins:
+        bins.append(float((behind >= histogram_bins).sum()))
+    total, count, *counts = sum_over(
+        [float(behind.sum()), float(behind.numel()), *bins], context.dp_group, context.device
     )
     (largest,) = max_over(
         [float(behind.max()) if behind.numel() else 0.0], context.dp_group, context.device
     )
-    return {"staleness/mean": total / max(count, 1.0), "staleness/max": largest}
+    out = {"staleness/mean": total / max(count, 1.0), "staleness/max": largest}
+    for i, tokens in enumerate(counts):
+        label = f"{i}+" if i == histogram_bins else str(i)
+        out[f"staleness/share_{label}"] = tokens / max(count, 1.0)
+    return out
 
 
 def throughput(metrics: dict[str, float], trained_tokens: float) -> dict[str, float]:

@@ -16,7 +16,9 @@ from bapo_megatron.actor.logprobs import compute_logprobs
 from bapo_megatron.algo.advantages import grpo_advantages, informative_groups
 from bapo_megatron.data.experience import Group, prompts_at, split_groups, to_policy_batch
 from bapo_megatron.data.task import encode_prompt
+from bapo_megatron.disaggregated.stream_server import ItemStats
 from bapo_megatron.distributed.collectives import sum_over
+from bapo_megatron.trainer.admission import mixed_version_samples, stale_groups
 from bapo_megatron.trainer.metrics import LogprobGap, RolloutCounts, rollout_metrics
 from bapo_megatron.trainer.replicas import share_from_engine_rank
 from bapo_megatron.trainer.setup import Run, watched
@@ -33,6 +35,12 @@ class Rollout:
     finished: list[PausedGroup]
     """Groups all of whose samples have finished (started now or continued from the carry)."""
     generated_tokens: int
+    engine: ItemStats | None = None
+    """Asynchronous training: the engine's account of the step's rollout item."""
+    wait_s: float = 0.0
+    """Asynchronous training: seconds the trainer waited for the item."""
+    queued: int = 0
+    """Asynchronous training: items admitted and not yet trained when the step began."""
 
 
 @dataclass
@@ -108,7 +116,16 @@ def score(run: Run, rollout: Rollout | None) -> Experience | None:
         return None
     with run.timer.phase("reward"):
         experience = _score(run, rollout.finished)
-    experience.counts.generated_tokens = rollout.generated_tokens
+    counts = experience.counts
+    counts.generated_tokens = rollout.generated_tokens
+    if rollout.engine is not None:
+        counts.mixed_version_samples = float(mixed_version_samples(rollout.finished))
+        counts.engine_idle_s = rollout.engine.idle_s
+        counts.engine_generate_s = rollout.engine.generate_s
+        counts.engine_load_s = rollout.engine.load_s
+        counts.engine_loads = float(rollout.engine.loads)
+        counts.trainer_wait_s = rollout.wait_s
+        counts.queued_items = float(rollout.queued)
     return experience
 
 
@@ -156,13 +173,18 @@ def _score(run: Run, finished: list[PausedGroup]) -> Experience:
 
 @watched("3. off-policy selection")
 def select_off_policy(run: Run, fresh: Experience | None, step: int) -> Experience | None:
-    """3. Off-policy selection: with ``rollout_lag``, the groups scored that many steps ago
-    train now; with ``replay_fraction``, groups drawn from the replay buffer join them (and the
-    chosen ones enter the buffer)."""
+    """3. Off-policy selection: with ``max_staleness``, groups sampled too long ago are
+    dropped (counted); with ``rollout_lag``, the groups scored that many steps ago train now;
+    with ``replay_fraction``, groups drawn from the replay buffer join them (and the chosen ones
+    enter the buffer)."""
     if fresh is None:
         return None
     algo, state = run.cfg.algorithm, run.state
     chosen = fresh.groups
+    if algo.max_staleness:
+        stale = stale_groups(chosen, version=state.version, max_staleness=algo.max_staleness)
+        chosen = [group for group, old in zip(chosen, stale) if not old]
+        fresh.counts.dropped_groups = float(sum(stale))
     if algo.rollout_lag:
         state.lag_queue.append(fresh.groups)
         chosen = state.lag_queue.pop(0) if len(state.lag_queue) > algo.rollout_lag else []
@@ -188,7 +210,7 @@ def old_logprobs(
     chosen, counts = share_from_engine_rank(
         None if experience is None else (experience.groups, experience.counts), context
     )
-    metrics = rollout_metrics(counts, context)
+    metrics = rollout_metrics(counts, context, asynchronous=bool(algo.max_staleness))
     # a mini-batch without a group on any replica (filtered groups, partial rollouts that
     # did not finish) is skipped; one empty on some replicas only still trains on the others
     parts = split_groups(chosen, algo.optimizer_steps_per_rollout)

@@ -31,7 +31,7 @@ from bapo_megatron.rollout.registry import build_engine
 from bapo_megatron.trainer.checkpoint import complete_checkpoints, load_checkpoint
 from bapo_megatron.trainer.checkpoint_integrity import newest_verified_checkpoint
 from bapo_megatron.trainer.replicas import holds_engine
-from bapo_megatron.trainer.state import TrainerState, run_identity
+from bapo_megatron.trainer.state import StreamProgress, TrainerState, run_identity
 from bapo_megatron.trainer.tracking import MetricsLogger, PhaseTimer
 from bapo_megatron.trainer.warmup import run_warmup
 from bapo_megatron.weights.convert import load_hf_weights
@@ -69,6 +69,8 @@ class Run:
     """Records this rank's phase; reports which rank is behind when a step stalls."""
     engines: EngineLink | None = None
     """The links to the engine ranks of a disaggregated run (None: colocated engines)."""
+    stream: StreamProgress | None = None
+    """Asynchronous training's admission count and last pushed version (None: synchronous)."""
 
     @property
     def checkpoints(self) -> Path:
@@ -112,7 +114,7 @@ def push_policy(run: Run, version: int) -> None:
     else:
         push_weights_to_engines(
             run.actor,
-            run.engine,
+            run.engines.stream or run.engine,
             run.engines.weights,
             version=version,
             bucket_bytes=run.bucket_bytes,
@@ -254,6 +256,8 @@ def _build_run(
         engines=engines,
     )
     push_policy(run, state.version)
+    if algo.max_staleness:
+        run.stream = StreamProgress(next_item=state.step, pushed_version=state.version)
     return run
 
 

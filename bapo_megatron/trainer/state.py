@@ -94,6 +94,20 @@ class TrainerState:
         self.carry, self.lag_queue = carry, lag_queue
 
 
+@dataclass
+class StreamProgress:
+    """Asynchronous training's bookkeeping between rollout steps. Not checkpointed: a resumed
+    run pushes its version to the engines and admits again from its step (what was in flight
+    when it stopped is generated anew), so every prompt trains once or is dropped."""
+
+    next_item: int
+    """The next rollout item to admit (items below it were sent to the engines)."""
+    pushed_version: int
+    """The newest policy version sent to the engines."""
+    sent_bytes: int = 0
+    """Weight bytes this rank had broadcast when the last step's metrics were taken."""
+
+
 IDENTITY_FIELDS = (
     "train.seed",
     "actor.seed",

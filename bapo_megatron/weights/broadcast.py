@@ -35,6 +35,8 @@ class StageBroadcast:
 
     messenger: GroupMessenger
     stage: int
+    sent_bytes: int = 0
+    """Bytes this export rank has broadcast so far (the weight-update metrics)."""
 
     def send(
         self,
@@ -69,6 +71,7 @@ class StageBroadcast:
         self.messenger.broadcast_object(
             {"end": True, "version": int(version), "tensors": count}, SENDER
         )
+        self.sent_bytes += sent
         return sent
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -49,6 +49,10 @@ class EmbeddedEngine:
         self._pause = threading.Event()
         self._released = False
         self._kept_buffers: dict[str, torch.Tensor] = {}
+        self.token_boundary: Callable[[], None] | None = None
+        """Called before each decoding step of a call (in the generating thread): an
+        asynchronous engine rank loads new weights there, between two tokens, so the tokens
+        after it carry the new version while the KV cache of the earlier ones stays."""
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, *, version: int = 0, **kwargs) -> EmbeddedEngine:
@@ -131,6 +135,8 @@ class EmbeddedEngine:
         cache = transformers.DynamicCache()
         step_ids = input_ids
         for _ in range(budget):
+            if self.token_boundary is not None:
+                self.token_boundary()
             if self._abort.is_set() or self._pause.is_set():
                 break
             positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
