@@ -22,7 +22,7 @@ import pytest
 
 from bapo_megatron.config import Config, ModelConfig
 from bapo_megatron.config.loading import load_config
-from bapo_megatron.distributed.layout import Accelerator, validate_layout
+from bapo_megatron.distributed.layout import Accelerator, split_world, validate_layout
 from tests.helpers.published_configs import config_path, skip_unless_supported
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -78,6 +78,36 @@ def architecture(name: str) -> ModelConfig:
     return ModelConfig.from_hf_config(path, params_dtype="bfloat16")
 
 
+# The disaggregated, asynchronous variants and the colocated recipe each one varies: only the
+# fields of ASYNC_FIELDS may differ from it, so the trainer side is the recipe checked above.
+ASYNC_RECIPES = {
+    "qwen2.5-7b/train_async.yaml": "qwen2.5-7b/train.yaml",
+    "deepseek-r1-distill-qwen-7b/train_async.yaml": "deepseek-r1-distill-qwen-7b/train.yaml",
+    "qwen2.5-32b/train_async.yaml": "qwen2.5-32b/train.yaml",
+    "qwen3-32b/train_async.yaml": "qwen3-32b/train.yaml",
+}
+ASYNC_FIELDS = {
+    "rollout.placement",
+    "rollout.engine_ranks",
+    "rollout.gpu_memory_utilization",  # the engine's GPUs are its own
+    "rollout.inflight_update",
+    "rollout.sync_interval",
+    "algorithm.max_staleness",
+    "algorithm.optimizer_steps_per_rollout",  # versions per rollout step, against max_staleness
+    "train.output_dir",
+}
+# The world sizes their launch comments give: trainer nodes x 8 ranks + engine nodes' ranks.
+ASYNC_WORLDS = {
+    "qwen2.5-7b/train_async.yaml": 16 + 4,
+    "deepseek-r1-distill-qwen-7b/train_async.yaml": 16 + 8,
+    "qwen2.5-32b/train_async.yaml": 32 + 2,
+    "qwen3-32b/train_async.yaml": 32 + 2,
+}
+ASYNC_RECIPE_PARAMS = [
+    pytest.param(name, marks=skip_unless_supported(GPU_RECIPES[colocated]["hf_config"]), id=name)
+    for name, colocated in sorted(ASYNC_RECIPES.items())
+]
+
 CPU_RECIPES = ("tiny_cpu/train.yaml",)
 NOT_TRAINING = ("loss.yaml",)  # the loss demo's config: a loss section only
 
@@ -101,7 +131,7 @@ def _launch_world(text: str) -> tuple[int, int]:
 
 def test_every_example_is_checked_here():
     # A new example must be added to one of the tables above, so that it is checked.
-    assert sorted([*GPU_RECIPES, *CPU_RECIPES, *NOT_TRAINING]) == _all_examples()
+    assert sorted([*GPU_RECIPES, *ASYNC_RECIPES, *CPU_RECIPES, *NOT_TRAINING]) == _all_examples()
 
 
 @pytest.mark.parametrize("name", _all_examples())
@@ -187,6 +217,71 @@ def test_commented_fp8_line_validates_where_fp8_runs(name):
         validate_layout(model, cfg.parallel, nodes * gpus_per_node, a100)
 
 
+def _launch_variable(text: str, name: str) -> int:
+    """The one value the launch comment gives the variable ``name`` (it may appear on several
+    lines: the torchrun and the Slurm command)."""
+    values = set(re.findall(rf"^#.*\b{name}=(\d+)", text, re.MULTILINE))
+    assert len(values) == 1, f"the launch comment must give {name}= one value, got {values}"
+    return int(values.pop())
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """A nested dict's leaves by dotted name."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+@pytest.mark.parametrize("name", ASYNC_RECIPE_PARAMS)
+def test_async_recipe_is_its_colocated_recipe_with_engine_nodes(name):
+    colocated = ASYNC_RECIPES[name]
+    text = (EXAMPLES / name).read_text()
+    assert "NOT RUN" in text, "a recipe that was never run must say so"
+    cfg = load_config(EXAMPLES / name)
+    cfg.check_training()
+    base = load_config(EXAMPLES / colocated)
+    ours, theirs = _flat(dataclasses.asdict(cfg)), _flat(dataclasses.asdict(base))
+    changed = {key for key in ours if ours[key] != theirs[key]}
+    assert changed <= ASYNC_FIELDS, sorted(changed - ASYNC_FIELDS)
+    assert cfg.rollout.placement == "disaggregated"
+    assert 1 <= cfg.algorithm.max_staleness <= 2
+    assert cfg.rollout.engine == base.rollout.engine
+    assert cfg.train.output_dir != base.train.output_dir, "a run of its own, in a folder of its own"
+
+    # The world of the launch comment: trainer nodes first, then the engine nodes.
+    nodes = _launch_variable(text, "NNODES")
+    gpus_per_node = _launch_variable(text, "GPUS_PER_NODE")
+    engine_nodes = _launch_variable(text, "ENGINE_NODES")
+    engines_per_node = _launch_variable(text, "ENGINE_RANKS_PER_NODE")
+    assert re.search(rf"^#.*sbatch --nodes={nodes}\b", text, re.MULTILINE)
+    trainer_world = (nodes - engine_nodes) * gpus_per_node
+    world = trainer_world + engine_nodes * engines_per_node
+    assert world == ASYNC_WORLDS[name]
+    split = split_world(cfg.parallel, cfg.rollout, world)
+    # The engine ranks are exactly the engine nodes' ranks: no node mixes the two roles.
+    assert split.engine_count == engine_nodes * engines_per_node
+    node_of_rank = [n for n in range(nodes - engine_nodes) for _ in range(gpus_per_node)]
+    node_of_rank += [n for n in range(nodes - engine_nodes, nodes) for _ in range(engines_per_node)]
+    for rank, node in enumerate(node_of_rank):
+        assert split.is_engine(rank) == (node >= nodes - engine_nodes), rank
+
+    # The trainer's layout over its ranks, as the colocated recipe's over its world.
+    model = architecture(colocated)
+    dp = validate_layout(model, cfg.parallel, trainer_world, H100_WITH_TE)
+    assert dp == split.data_parallel_size == cfg.rollout.engine_ranks
+    assert trainer_world == GPU_RECIPES[colocated]["world"]
+    steps = cfg.algorithm.optimizer_steps_per_rollout
+    assert (cfg.rollout.prompts_per_step // dp) % steps == 0
+
+    # Each engine node holds its engine replicas' GPUs.
+    assert engines_per_node * cfg.rollout.engine_tensor_parallel_size <= gpus_per_node
+    assert 0 < cfg.rollout.gpu_memory_utilization < 1
+
+
 @pytest.mark.parametrize(
     "text,field",
     [
@@ -215,12 +310,19 @@ def test_launch_script_is_valid_bash_and_executable(script):
     assert script.stat().st_mode & stat.S_IXUSR
 
 
+LAUNCH_VARIABLES = (
+    "NNODES",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GPUS_PER_NODE",
+    "ENGINE_NODES",
+    "ENGINE_RANKS_PER_NODE",
+)
+
+
 def _dry_run(args: list[str], env: dict[str, str], cwd: Path = REPO_ROOT) -> str:
-    base = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE")
-    }
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     done = subprocess.run(
         args,
         env={**base, "BAPO_DRY_RUN": "1", **env},
@@ -244,6 +346,8 @@ def test_torchrun_script_passes_shape_and_overrides():
     )
     assert shlex.split(out) == [
         "torchrun",
+        "--rdzv-backend",
+        "static",
         "--nnodes",
         "2",
         "--nproc-per-node",
@@ -268,7 +372,60 @@ def test_torchrun_script_without_config_prints_usage():
     assert done.returncode == 2 and "usage:" in done.stdout
 
 
-def test_slurm_script_starts_one_torchrun_per_node(tmp_path):
+def _nproc(command: str) -> int:
+    words = shlex.split(command)
+    return int(words[words.index("--nproc-per-node") + 1])
+
+
+def test_torchrun_script_starts_engine_ranks_on_the_last_nodes():
+    # The 32B async recipe's shape: 4 trainer nodes x 8 ranks, 2 engine nodes x 1 rank.
+    shape = {"NNODES": "6", "ENGINE_NODES": "2", "ENGINE_RANKS_PER_NODE": "1"}
+    recipe = "examples/qwen2.5-32b/train_async.yaml"
+    counts = [
+        _nproc(_dry_run([str(SCRIPTS[0]), recipe], {**shape, "NODE_RANK": str(node)}))
+        for node in range(6)
+    ]
+    assert counts == [8, 8, 8, 8, 1, 1]
+    # without ENGINE_RANKS_PER_NODE, engine nodes start GPUS_PER_NODE ranks like the others
+    out = _dry_run(
+        [str(SCRIPTS[0]), recipe], {"NNODES": "3", "ENGINE_NODES": "1", "NODE_RANK": "2"}
+    )
+    assert _nproc(out) == 8
+
+
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2 must lie in 0 .. NNODES-1 = 1"),
+        ({"NNODES": "2", "ENGINE_NODES": "2"}, "ENGINE_NODES=2 must leave at least one"),
+    ],
+)
+def test_torchrun_script_refuses_a_shape_that_does_not_fit(env, message):
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    done = subprocess.run(
+        [str(SCRIPTS[0]), "examples/qwen2.5-7b/train_async.yaml"],
+        env={**base, "BAPO_DRY_RUN": "1", **env},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    "recipe,engines,ranks_per_node",
+    [
+        ("qwen2.5-32b/train.yaml", {}, [8, 8, 8]),
+        # engine nodes pass through sbatch's and srun's environment to every node's script
+        (
+            "qwen2.5-32b/train_async.yaml",
+            {"ENGINE_NODES": "1", "ENGINE_RANKS_PER_NODE": "1"},
+            [8, 8, 1],
+        ),
+    ],
+)
+def test_slurm_script_starts_one_torchrun_per_node(tmp_path, recipe, engines, ranks_per_node):
     # Stand-ins for srun (runs its command once per node with that node's SLURM_NODEID) and
     # scontrol (expands the node list).
     (tmp_path / "srun").write_text(
@@ -285,16 +442,18 @@ def test_slurm_script_starts_one_torchrun_per_node(tmp_path):
         "SLURM_JOB_NUM_NODES": "3",
         "SLURM_JOB_NODELIST": "gpu-[a-c]",
         "SLURM_JOB_ID": "77",
+        **engines,
     }
     out = _dry_run(
-        ["bash", str(SCRIPTS[1]), "examples/qwen2.5-32b/train.yaml", "train.steps=2"],
+        ["bash", str(SCRIPTS[1]), f"examples/{recipe}", "train.steps=2"],
         env,
         cwd=tmp_path,
     )
     commands = [shlex.split(line) for line in out.splitlines() if line.startswith("torchrun")]
     assert [c[c.index("--node-rank") + 1] for c in commands] == ["0", "1", "2"]
+    assert [int(c[c.index("--nproc-per-node") + 1]) for c in commands] == ranks_per_node
     for command in commands:
         assert command[command.index("--nnodes") + 1] == "3"
         assert command[command.index("--master-addr") + 1] == "gpu-a"
         assert command[command.index("--master-port") + 1] == "20077"
-        assert command[-3:] == ["--config", "examples/qwen2.5-32b/train.yaml", "train.steps=2"]
+        assert command[-3:] == ["--config", f"examples/{recipe}", "train.steps=2"]
