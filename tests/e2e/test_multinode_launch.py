@@ -1,15 +1,15 @@
 """The launch scripts of a disaggregated run, run for real on this machine:
-synchronous run in one process with the same seeds:
 
-- ``examples/tiny_cpu/torchrun_async.sh`` (one torchrun, 1 trainer + 1 engine process);
+- ``examples/tiny_cpu/torchrun_async.sh`` (one torchrun, 1 trainer + 1 engine process), at its
+  own eta (2: one rollout step ahead), checked by its admission and staleness metrics;
 - ``examples/launch/torchrun_multinode.sh`` started twice, as on two nodes: two torchrun agents
   meeting in a static rendezvous on 127.0.0.1, node 0 with one trainer process and node 1 (the
-  engine node, ``ENGINE_NODES=1``) with one engine process.
+  engine node, ``ENGINE_NODES=1``) with one engine process; synchronous
+  (``algorithm.max_staleness=0``, :data:`STALENESS`), so its metrics must be bitwise those of the
+  colocated run in one process with the same seeds.
 
-The asynchronous script runs at its own eta (2: one rollout step ahead), checked by its
-staleness and admission metrics; the two-agent run is synchronous (``algorithm.max_staleness=0``,
-:data:`STALENESS`), so its metrics must be bitwise the one-process run's. Every process the test starts, and everything below it, is
-killed when the test ends, however it ends."""
+Every process the test starts, and everything below it, is killed when the test ends, however
+it ends."""
 
 from __future__ import annotations
 
