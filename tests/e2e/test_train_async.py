@@ -76,6 +76,30 @@ def test_no_trained_token_is_older_than_eta(tmp_path, warm_start, eta):
     assert [r["policy_version"] for r in rollouts] == list(range(1, steps + 1))
 
 
+def test_two_replicas_each_with_its_engine_rank_resuming_samples_from_their_prefix(
+    tmp_path, warm_start
+):
+    # data-parallel trainer of 2 ranks, engine ranks 2 and 3; an update in flight pauses the
+    # samples and resumes them from their prefix under the new weights
+    overrides = [
+        "train.steps=4",
+        "rollout.engine_ranks=2",
+        "rollout.inflight_update=resume",
+        "rollout.prompts_per_step=8",
+    ]
+    ranks = start_ranks(training_command(tmp_path, *warm_start[0], *asynchronous(2), *overrides), 4)
+    outputs = finish(ranks, 900)
+    assert [r.returncode for r in ranks] == [0] * 4, "\n".join(o[-4000:] for o in outputs)
+    assert all("engine stopped by its trainer" in o for o in outputs[2:])
+    records = read_metrics(tmp_path)
+    rollouts = rollout_records(records)
+    assert [r["rollout_step"] for r in rollouts] == [1, 2, 3, 4]
+    for record in rollouts:  # both replicas' groups, summed
+        assert record["rollout/finished_groups"] + record["async/dropped_groups"] == 8
+    assert rollouts[0]["async/queued_items"] == 3  # per replica: this step's and 2 ahead
+    assert max(r["staleness/max"] for r in records if "staleness/max" in r) <= 2
+
+
 def test_sigkill_resumes_with_every_step_trained_once(tmp_path, warm_start):
     overrides = ["train.steps=6", "checkpoint.interval=2", *asynchronous(2)]
     command = training_command(tmp_path, *warm_start[0], *overrides)
