@@ -154,3 +154,12 @@ def test_bad_arguments_are_refused(correction, cap, shape, message):
     mask = torch.zeros(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match=message):
         importance_weights(correction, torch.zeros(shape), torch.zeros(2, 3), mask, cap)
+
+
+@pytest.mark.parametrize("correction", WEIGHTED_CORRECTIONS)
+def test_a_rank_without_sequences_adds_zeros(correction):
+    # a mini-batch can be empty on one data-parallel rank and not on the others
+    empty = torch.zeros(0, 5)
+    got = importance_weights(correction, empty, empty, torch.zeros(0, 5, dtype=torch.bool), 2.0)
+    assert got.weights.shape == (0, 5)
+    assert all(float(v) == 0.0 for v in vars(got.statistics).values())
