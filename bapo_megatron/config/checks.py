@@ -19,11 +19,7 @@ def check_training(cfg: Config) -> None:
             "for rollout.engine_tensor_parallel_size > 1 start a vLLM server and "
             "use rollout.engine=vllm-server"
         )
-    if cfg.loss.truncated_is_cap is not None and cfg.algorithm.old_logprobs != "recompute":
-        raise ValueError(
-            "loss.truncated_is_cap needs algorithm.old_logprobs=recompute (the "
-            "weight is exp(recomputed - behaviour))"
-        )
+    _check_off_policy_correction(cfg)
     _check_schedule(cfg)
     _check_placement(cfg)
     _check_asynchronous(cfg)
@@ -67,6 +63,44 @@ def _check_asynchronous(cfg: Config) -> None:
             f"rollout.inflight_update=continue loads weights between two tokens, which only "
             f"the embedded engine offers; rollout.engine={rollout.engine!r} takes "
             "rollout.inflight_update=resume"
+        )
+
+
+def _check_off_policy_correction(cfg: Config) -> None:
+    """That a weighted correction has what its weight is made of: proximal log-probs recomputed
+    by the actor (compared with the behaviour ones) and a cap."""
+    chosen, cap = cfg.algorithm.off_policy_correction, cfg.loss.truncated_is_cap
+    if chosen is None:  # configs without the field: the cap alone means token-truncate
+        if cap is not None and cfg.algorithm.old_logprobs != "recompute":
+            raise ValueError(
+                "loss.truncated_is_cap needs algorithm.old_logprobs=recompute (the "
+                "weight is exp(recomputed - behaviour))"
+            )
+        return
+    if chosen == "none":
+        if cap is not None:
+            raise ValueError(
+                f"loss.truncated_is_cap={cap} caps an importance weight, but "
+                "algorithm.off_policy_correction=none puts none on the loss (choose a correction "
+                "or set loss.truncated_is_cap=null)"
+            )
+        return
+    if cfg.algorithm.old_logprobs != "recompute":
+        raise ValueError(
+            f"algorithm.off_policy_correction={chosen} needs algorithm.old_logprobs=recompute, "
+            f"got {cfg.algorithm.old_logprobs!r}: its weight compares the actor's recomputed "
+            "(proximal) log-probs with the engine's behaviour ones"
+        )
+    if cap is None:
+        raise ValueError(
+            f"algorithm.off_policy_correction={chosen} needs loss.truncated_is_cap, the cap of "
+            "its weight (e.g. 2.0)"
+        )
+    if chosen == "sequence-mask" and cap < 1:
+        raise ValueError(
+            f"algorithm.off_policy_correction=sequence-mask keeps the sequences whose weight "
+            f"lies in [1/C, C] with C = loss.truncated_is_cap={cap}: below 1 that range is "
+            "empty and every sequence would be masked (use a cap >= 1)"
         )
 
 

@@ -195,8 +195,9 @@ class LossConfig:
     `seq-mean-token-mean`: mean over sequences of each sequence's token mean;
     `seq-mean-token-sum`: mean over sequences of each sequence's token sum."""
     truncated_is_cap: float | None = None
-    """Cap of the truncated importance weight exp(recomputed - behaviour) multiplied into the loss
-    when the ratio is taken against recomputed log-probs; None: no weight."""
+    """Cap C of the off-policy correction's importance weight (``algorithm.off_policy_correction``;
+    set alone, it means `token-truncate`: min(exp(recomputed - behaviour), C) multiplies the
+    loss); None: no weight."""
 
     def __post_init__(self) -> None:
         if self.aggregation not in AGGREGATIONS:

@@ -4,7 +4,7 @@ logging) and the root :class:`Config` that holds every section."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from bapo_megatron.config.actor import ActorConfig, OptimizerConfig
 from bapo_megatron.config.checks import check_training
@@ -73,6 +73,7 @@ class RewardConfig:
 
 
 OldLogprobs = Literal["engine", "recompute"]
+OffPolicyCorrection = Literal["none", "token-truncate", "sequence-truncate", "sequence-mask"]
 
 
 @dataclass(kw_only=True)
@@ -85,8 +86,18 @@ class AlgorithmConfig:
     """Drop groups whose rewards are all equal (no signal under group normalisation)."""
     old_logprobs: OldLogprobs = "engine"
     """Denominator of the ratio: `engine` (behaviour log-probs the engine reported) or
-    `recompute` (the actor's log-probs at the start of the rollout step; with
-    ``loss.truncated_is_cap`` the capped exp(recomputed - behaviour) weights the loss)."""
+    `recompute` (the actor's log-probs at the start of the rollout step, the proximal policy;
+    ``off_policy_correction`` then weights the loss)."""
+    off_policy_correction: OffPolicyCorrection | None = None
+    """Importance weight w multiplying each response token's advantage in the loss and the clip
+    search, from d_t = recomputed - behaviour log-prob of token t, its sequence's sum D over the
+    response tokens, and the cap C = ``loss.truncated_is_cap`` (the weighted corrections need
+    ``old_logprobs=recompute`` and the cap): `none`: no weight; `token-truncate`: w_t =
+    min(exp(d_t), C) (the decoupled objective's truncated behaviour weight); `sequence-truncate`:
+    min(exp(D), C) on every token of the sequence; `sequence-mask`: 1 on the sequence if
+    1/C <= exp(D) <= C, else 0 (rejection of sequences too far off-policy either way; C >= 1).
+    None: `token-truncate` when ``loss.truncated_is_cap`` is set, else `none` (configs written
+    before this field). Reported as ``off_policy/*`` every rollout step."""
     optimizer_steps_per_rollout: int = 1
     """Mini-batches each rollout batch is split into, one optimizer step each: the last one is
     trained with data that many - 1 policy versions stale."""
@@ -119,6 +130,12 @@ class AlgorithmConfig:
         if self.old_logprobs not in ("engine", "recompute"):
             raise ValueError(
                 f"{prefix}.old_logprobs must be 'engine' or 'recompute', got {self.old_logprobs!r}"
+            )
+        if self.off_policy_correction not in (None, *get_args(OffPolicyCorrection)):
+            raise ValueError(
+                f"{prefix}.off_policy_correction must be one of "
+                f"{list(get_args(OffPolicyCorrection))} or null, "
+                f"got {self.off_policy_correction!r}"
             )
         for name in (
             "optimizer_steps_per_rollout",
@@ -275,3 +292,12 @@ class Config:
         (the rules that span sections, :func:`bapo_megatron.config.checks.check_training`; each
         section checks itself when built)."""
         check_training(self)
+
+    def resolved_off_policy_correction(self) -> OffPolicyCorrection:
+        """``algorithm.off_policy_correction``, or when it is unset the correction that
+        ``loss.truncated_is_cap`` alone has always meant (`token-truncate` if set, else
+        `none`)."""
+        chosen = self.algorithm.off_policy_correction
+        if chosen is not None:
+            return chosen
+        return "none" if self.loss.truncated_is_cap is None else "token-truncate"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bapo_megatron.algo.importance_weights import WeightStatistics
 from bapo_megatron.distributed.collectives import max_over, sum_over
 from bapo_megatron.distributed.context import ParallelContext
 
@@ -94,20 +95,23 @@ def _asynchronous_metrics(totals: dict[str, float], replicas: int) -> dict[str, 
     }
 
 
+WEIGHT_FIELDS = tuple(f.name for f in dataclasses.fields(WeightStatistics))
+"""The importance-weight sums :class:`LogprobGap` adds up."""
+
+
 @dataclass
 class LogprobGap:
-    """One replica's engine/actor log-prob gap and truncated importance weights of a step,
+    """One replica's engine/actor log-prob gap and off-policy correction weights of a step,
     accumulated over the mini-batches whose old log-probs were recomputed."""
 
     gap_sum: float = 0.0
     """Sum of |actor - engine| log-prob over the tokens sampled with the current weights."""
     gap_max: float = 0.0
     gap_tokens: float = 0.0
-    weighted: bool = False
-    """Whether truncated importance weights were computed (``loss.truncated_is_cap``)."""
-    is_sum: float = 0.0
-    is_capped: float = 0.0
-    is_tokens: float = 0.0
+    correction: str | None = None
+    """The off-policy correction whose weights were added (None: no weight)."""
+    weights: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Sums of the :class:`WeightStatistics` fields over the mini-batches."""
 
     def add_gap(self, gap: torch.Tensor, tokens: torch.Tensor) -> None:
         """Add the gaps ``gap`` of the ``tokens`` (a mask) sampled with the current weights."""
@@ -115,14 +119,11 @@ class LogprobGap:
         self.gap_max = max(self.gap_max, float(gap.abs().max()) if gap.numel() else 0.0)
         self.gap_tokens += float(tokens.sum())
 
-    def add_weights(
-        self, weights: torch.Tensor, capped: torch.Tensor, tokens: torch.Tensor
-    ) -> None:
-        """Add the truncated importance ``weights``' sum, the capped count and the tokens."""
-        self.weighted = True
-        self.is_sum += float(weights)
-        self.is_capped += float(capped)
-        self.is_tokens += float(tokens)
+    def add_weights(self, correction: str, statistics: WeightStatistics) -> None:
+        """Add one mini-batch's importance-weight ``statistics`` under ``correction``."""
+        self.correction = correction
+        for name in WEIGHT_FIELDS:
+            self.weights[name] = self.weights.get(name, 0.0) + float(getattr(statistics, name))
 
     def metrics(self, context: ParallelContext) -> dict[str, float]:
         """The gap (and importance-weight) metrics over every replica."""
@@ -130,12 +131,24 @@ class LogprobGap:
         total, tokens = sum_over([self.gap_sum, self.gap_tokens], group, device)
         (largest,) = max_over([self.gap_max], group, device)
         out = {}
-        if self.weighted:
-            weighted, capped, count = sum_over(
-                [self.is_sum, self.is_capped, self.is_tokens], group, device
+        if self.correction is not None:
+            sums = dict(
+                zip(
+                    WEIGHT_FIELDS,
+                    sum_over([self.weights[name] for name in WEIGHT_FIELDS], group, device),
+                )
             )
-            out["is_weights/mean"] = weighted / max(count, 1.0)
-            out["is_weights/capped_fraction"] = capped / max(count, 1.0)
+            count = max(sums["tokens"], 1.0)
+            if self.correction == "token-truncate":  # the names this correction always had
+                out["is_weights/mean"] = sums["weight_sum"] / count
+                out["is_weights/capped_fraction"] = sums["clipped_tokens"] / count
+            out["off_policy/weight_mean"] = sums["weight_sum"] / count
+            out["off_policy/clipped_token_share"] = sums["clipped_tokens"] / count
+            out["off_policy/clipped_sequence_share"] = sums["clipped_sequences"] / max(
+                sums["sequences"], 1.0
+            )
+            out["off_policy/masked_sequences"] = sums["masked_sequences"]
+            out["off_policy/sequences"] = sums["sequences"]
         out["logprob_diff/tokens"] = tokens
         if tokens:
             out["logprob_diff/mean_abs"] = total / tokens

@@ -14,6 +14,7 @@ import torch
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.actor.logprobs import compute_logprobs
 from bapo_megatron.algo.advantages import grpo_advantages, informative_groups
+from bapo_megatron.algo.importance_weights import importance_weights
 from bapo_megatron.data.experience import Group, prompts_at, split_groups, to_policy_batch
 from bapo_megatron.data.task import encode_prompt
 from bapo_megatron.disaggregated.stream_server import ItemStats
@@ -237,8 +238,8 @@ def old_logprobs(
 
 
 def recompute(run: Run, batch: PolicyBatch, current: torch.Tensor, gap: LogprobGap) -> PolicyBatch:
-    """``batch`` with the actor's log-probs as old log-probs (``recompute``; with
-    ``loss.truncated_is_cap``, capped importance weights) or unchanged (``engine``). The
+    """``batch`` with the actor's log-probs as old log-probs (``recompute``; with an off-policy
+    correction, its importance weights, added to ``gap``) or unchanged (``engine``). The
     actor/engine gap is added to ``gap`` either way, over the tokens sampled with the actor's
     current weights (``current``): on older tokens it would also hold the policy's own drift
     since they were sampled."""
@@ -257,11 +258,13 @@ def recompute(run: Run, batch: PolicyBatch, current: torch.Tensor, gap: LogprobG
     if cfg.algorithm.old_logprobs == "engine":
         return batch
     weights = None
-    if cfg.loss.truncated_is_cap is not None:
-        cap = cfg.loss.truncated_is_cap
-        uncapped = torch.exp(recomputed - batch.old_logprobs)
-        weights = torch.where(mask, uncapped.clamp(max=cap), 0.0)
-        gap.add_weights(weights.sum(), (uncapped[mask] > cap).sum(), mask.sum())
+    correction = cfg.resolved_off_policy_correction()
+    if correction != "none":
+        corrected = importance_weights(
+            correction, recomputed, batch.old_logprobs, mask, cfg.loss.truncated_is_cap
+        )
+        weights = corrected.weights
+        gap.add_weights(correction, corrected.statistics)
     return dataclasses.replace(
         batch, old_logprobs=torch.where(mask, recomputed, 0.0), is_weights=weights
     )

@@ -236,6 +236,80 @@ def test_one_sample_per_prompt_is_refused_for_training_only():
     load_config(None, TRAINABLE + ["rollout.samples_per_prompt=2"]).check_training()
 
 
+RECOMPUTE = ["algorithm.old_logprobs=recompute"]
+
+
+@pytest.mark.parametrize(
+    "overrides, correction",
+    [
+        ([], "none"),
+        (RECOMPUTE, "none"),
+        # configs written before algorithm.off_policy_correction: the cap alone is token-truncate
+        (RECOMPUTE + ["loss.truncated_is_cap=2.0"], "token-truncate"),
+        (RECOMPUTE + ["algorithm.off_policy_correction=none"], "none"),
+        *(
+            (
+                RECOMPUTE + [f"algorithm.off_policy_correction={name}", "loss.truncated_is_cap=2"],
+                name,
+            )
+            for name in ("token-truncate", "sequence-truncate", "sequence-mask")
+        ),
+        (
+            RECOMPUTE
+            + ["algorithm.off_policy_correction=sequence-mask", "loss.truncated_is_cap=1"],
+            "sequence-mask",
+        ),
+    ],
+)
+def test_the_off_policy_correction_trains_as_named(overrides, correction):
+    cfg = load_config(None, TRAINABLE + overrides)
+    cfg.check_training()
+    assert cfg.resolved_off_policy_correction() == correction
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["algorithm.off_policy_correction=sequence-truncate", "loss.truncated_is_cap=2"],
+            "algorithm.off_policy_correction=sequence-truncate needs "
+            "algorithm.old_logprobs=recompute, got 'engine'",
+        ),
+        (
+            ["loss.truncated_is_cap=2"],
+            "loss.truncated_is_cap needs algorithm.old_logprobs=recompute",
+        ),
+        (
+            RECOMPUTE + ["algorithm.off_policy_correction=token-truncate"],
+            "algorithm.off_policy_correction=token-truncate needs loss.truncated_is_cap",
+        ),
+        (
+            RECOMPUTE + ["algorithm.off_policy_correction=none", "loss.truncated_is_cap=2"],
+            "loss.truncated_is_cap=2.0 caps an importance weight, but "
+            "algorithm.off_policy_correction=none puts none on the loss",
+        ),
+        (
+            RECOMPUTE
+            + ["algorithm.off_policy_correction=sequence-mask", "loss.truncated_is_cap=0.5"],
+            "algorithm.off_policy_correction=sequence-mask keeps the sequences whose weight lies "
+            "in [1/C, C] with C = loss.truncated_is_cap=0.5",
+        ),
+    ],
+)
+def test_an_off_policy_correction_without_its_parts_is_refused(overrides, message):
+    cfg = load_config(None, TRAINABLE + overrides)
+    with pytest.raises(ValueError) as raised:
+        cfg.check_training()
+    assert str(raised.value).startswith(message)
+
+
+def test_an_unknown_off_policy_correction_is_refused_with_the_choices():
+    with pytest.raises(ValueError) as raised:
+        load_config(None, ["algorithm.off_policy_correction=sequence-clip"])
+    assert "algorithm.off_policy_correction" in str(raised.value)
+    assert "sequence-clip" in str(raised.value)
+
+
 @pytest.mark.parametrize(
     "text,key,lines",
     [
