@@ -9,6 +9,7 @@ from pathlib import Path
 
 from bapo_megatron.config import Config
 from bapo_megatron.data.task import load_task
+from bapo_megatron.disaggregated.engine_gpus import pin_this_process
 from bapo_megatron.disaggregated.server import TRAINER, serve
 from bapo_megatron.disaggregated.stream_server import StreamServer
 from bapo_megatron.disaggregated.world import Role, request_link, result_link, stage_broadcast
@@ -24,6 +25,7 @@ def run_engine_rank(cfg: Config, role: Role) -> None:
     index = role.split.engine_index(role.rank)
     engine, failure = None, None
     try:
+        pin_this_process(cfg.rollout.engine, cfg.rollout.engine_tensor_parallel_size)
         task = load_task(cfg)
         engine = build_engine(
             cfg.rollout,
