@@ -86,9 +86,12 @@ def check_server_answers(base_url: str, *, server: str, timeout: float = STARTUP
     try:
         status, answer = transport("GET", "/health", None)
     except ServerUnreachable as error:
-        raise RuntimeError(f"{error} (checked at startup)") from error
+        raise RuntimeError(
+            f"{server} at {base_url} does not answer GET /health (checked at startup, "
+            f"waiting {timeout:g} s at most): {error}"
+        ) from error
     if status != 200:
         raise RuntimeError(
-            f"{server} at {base_url}: GET /health answered {status}: {answer!r:.200} "
-            "(checked at startup)"
+            f"{server} at {base_url} does not answer GET /health with 200 (checked at "
+            f"startup): {status}: {answer!r:.200}"
         )

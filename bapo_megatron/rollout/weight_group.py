@@ -148,7 +148,9 @@ class ServerWeightGroup:
                 self._build(_backend_for(named_tensors))
             return self._send(named_tensors, fields)
         except BaseException:
-            self._drop()
+            # not destroyed: shutting a group down waits for the broadcast still pending on
+            # the other thread; it ends at its timeout (or when the peer's connection closes)
+            self.group = self.group_name = self._store = None
             raise
 
     def _build(self, backend: str) -> None:
@@ -221,14 +223,11 @@ class ServerWeightGroup:
                     f"{str(error)[:500]}"
                 ) from error
 
-    def _drop(self) -> None:
+    def close(self) -> None:
+        """Destroy the group (after a completed update: nothing is pending on it)."""
         if self.group is not None:
             leave_weight_group(self.group)
         self.group = self.group_name = self._store = None
-
-    def close(self) -> None:
-        """Destroy the group."""
-        self._drop()
 
 
 def _backend_for(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
