@@ -11,6 +11,8 @@ EngineKind = Literal["embedded", "vllm", "vllm-server", "sglang", "sglang-server
 ENGINE_KINDS: tuple[str, ...] = ("embedded", "vllm", "vllm-server", "sglang", "sglang-server")
 Placement = Literal["colocated", "disaggregated"]
 PLACEMENTS: tuple[str, ...] = ("colocated", "disaggregated")
+WeightTransport = Literal["process-group", "same-host"]
+WEIGHT_TRANSPORTS: tuple[str, ...] = ("process-group", "same-host")
 InflightUpdate = Literal["continue", "resume"]
 INFLIGHT_UPDATES: tuple[str, ...] = ("continue", "resume")
 
@@ -42,6 +44,16 @@ class RolloutConfig:
     server_urls: tuple[str, ...] = ()
     """Base URLs of the rollout servers (`vllm-server`, `sglang-server`), one per data-parallel
     rank, or one shared by all."""
+    weight_transport: WeightTransport = "process-group"
+    """How the trainer's weights reach a server engine (`vllm-server`, `sglang-server`).
+    `process-group`: the server's workers join a process group with the trainer rank that holds
+    its client and every update is broadcast to them (gloo for CPU tensors, NCCL for CUDA ones;
+    SGLang's `/init_weights_update_group` and `/update_weights_from_distributed`, vLLM through
+    this project's worker extension); the server needs only to reach the trainer's host.
+    `same-host`: the vLLM server reloads a safetensors folder its client writes under
+    ``train.output_dir`` (same host or a shared filesystem), the SGLang server takes CUDA IPC
+    handles (same host). In-process engines take the tensors directly and disaggregated engine
+    ranks over their own process group, so only `process-group` applies to them."""
     engine_tensor_parallel_size: int = 1
     """Tensor parallelism inside an in-process vLLM/SGLang engine (GPUs it spans)."""
     gpu_memory_utilization: float = 0.5
@@ -132,3 +144,14 @@ class RolloutConfig:
             )
         if self.engine.endswith("-server") and not self.server_urls:
             raise ValueError(f"{prefix}.engine={self.engine!r} needs {prefix}.server_urls")
+        if self.weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(
+                f"{prefix}.weight_transport must be one of {list(WEIGHT_TRANSPORTS)}, "
+                f"got {self.weight_transport!r}"
+            )
+        if self.weight_transport == "same-host" and not self.engine.endswith("-server"):
+            raise ValueError(
+                f"{prefix}.weight_transport=same-host applies to server engines (vllm-server, "
+                f"sglang-server); {prefix}.engine={self.engine!r} takes the tensors directly "
+                f"(set {prefix}.weight_transport=process-group)"
+            )

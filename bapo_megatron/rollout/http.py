@@ -73,3 +73,25 @@ def answers_health(transport: Transport) -> bool:
     except OSError:
         return False
     return status == 200
+
+
+STARTUP_CHECK_S = 30.0
+"""How long a server client waits at startup for ``GET /health`` before refusing the URL."""
+
+
+def check_server_answers(base_url: str, *, server: str, timeout: float = STARTUP_CHECK_S) -> None:
+    """``RuntimeError`` naming ``server`` and ``base_url`` unless ``GET /health`` answers 200
+    within ``timeout`` seconds (a refused connection fails at once)."""
+    transport = http_transport(base_url, timeout=timeout, server=server)
+    try:
+        status, answer = transport("GET", "/health", None)
+    except ServerUnreachable as error:
+        raise RuntimeError(
+            f"{server} at {base_url} does not answer GET /health (checked at startup, "
+            f"waiting {timeout:g} s at most): {error}"
+        ) from error
+    if status != 200:
+        raise RuntimeError(
+            f"{server} at {base_url} does not answer GET /health with 200 (checked at "
+            f"startup): {status}: {answer!r:.200}"
+        )

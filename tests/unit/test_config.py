@@ -352,3 +352,37 @@ def test_a_merged_key_written_again_is_not_a_duplicate(tmp_path):
     path.write_text("loss:\n  clip:\n    <<: {target: 0.3, c_high_max: 2.5}\n    target: 0.35\n")
     clip = load_config(path).loss.clip
     assert (clip.target, clip.c_high_max) == (0.35, 2.5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["rollout.weight_transport=folder"],
+            r"^rollout\.weight_transport: expected one of \['process-group', 'same-host'\], "
+            r"got 'folder'",
+        ),
+        (
+            ["rollout.weight_transport=same-host"],
+            r"^rollout\.weight_transport=same-host applies to server engines .*"
+            r"rollout\.engine='embedded'",
+        ),
+    ],
+)
+def test_bad_weight_transports_are_refused_naming_the_field(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, overrides)
+
+
+def test_server_engines_take_either_weight_transport():
+    for transport in ("process-group", "same-host"):
+        cfg = load_config(
+            None,
+            [
+                "rollout.engine=vllm-server",
+                "rollout.server_urls=[http://a:1]",
+                f"rollout.weight_transport={transport}",
+            ],
+        )
+        assert cfg.rollout.weight_transport == transport
+    assert load_config(None, []).rollout.weight_transport == "process-group"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from bapo_megatron.rollout.http import check_server_answers
 from bapo_megatron.rollout.sglang.engine import SGLangEngine
 from bapo_megatron.rollout.sglang.server_client import SGLangServerClient
 
@@ -33,13 +34,17 @@ def start_in_process(setup: EngineSetup) -> RolloutEngine:
 
 
 def connect_server(setup: EngineSetup) -> RolloutEngine:
-    """A client of the replica's SGLang server (no weights yet: version -1)."""
+    """A client of the replica's SGLang server (no weights yet: version -1; refused within a
+    bounded time when the URL does not answer), sending weights by
+    ``rollout.weight_transport``."""
 
     rollout = setup.rollout
+    check_server_answers(setup.url, server="SGLang server")
     return SGLangServerClient(
         setup.url,
         setup.model,
         tp_size=rollout.engine_tensor_parallel_size,
         timeout=setup.http_timeout,
         bucket_bytes=rollout.weight_bucket_mib * 2**20,
+        weight_transport=rollout.weight_transport,
     )

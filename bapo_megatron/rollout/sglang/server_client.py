@@ -18,18 +18,28 @@ Routes used (JSON bodies as SGLang's ``io_struct`` request dataclasses define th
 ``POST /update_weights_from_tensor`` ``serialized_named_tensors`` (one per TP rank),
                                      ``load_format``, ``flush_cache``, ``weight_version``
 ``POST /begin_weight_update``, ``/end_weight_update`` (newer servers only)
+``POST /init_weights_update_group``  ``master_address``, ``master_port``, ``rank_offset``,
+                                     ``world_size``, ``group_name``, ``backend``
+``POST /update_weights_from_distributed`` ``names``, ``dtypes``, ``shapes``, ``group_name``,
+                                     ``flush_cache``, ``weight_version``
 ``POST /flush_cache``, ``/release_memory_occupation``, ``/resume_memory_occupation``
 ``GET /health``
 ==================================== =====================================================
 
-``update_weights_from_tensor`` fits a server on the trainer's host: SGLang's serializer passes
-CUDA tensors as IPC handles, so only metadata crosses HTTP. (SGLang's routes for other hosts,
-``update_weights_from_disk`` and the NCCL group of ``update_weights_from_distributed``, are not
-used by this project.)
+Two weight routes (``weight_transport``). ``"same-host"``: ``update_weights_from_tensor`` in
+buckets; SGLang's serializer passes CUDA tensors as IPC handles, so only metadata crosses HTTP
+and the server must share the trainer's host. ``"process-group"``: the server's tensor-parallel
+workers join a process group with this process (``/init_weights_update_group``, on the first
+update and after a failed one; :mod:`bapo_megatron.rollout.weight_group`), and each update is
+ONE ``/update_weights_from_distributed`` naming every tensor while this process broadcasts them:
+SGLang receives everything a call names before it loads any of it, so one call per update leaves
+the server on its previous weights when the broadcast is cut off part-way (several calls would
+leave it with the first calls' tensors).
 """
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -52,6 +62,7 @@ from bapo_megatron.rollout.sglang.engine import (
     load_in_buckets,
     parse_generate_response,
 )
+from bapo_megatron.rollout.weight_group import ServerWeightGroup
 
 Serializer = Callable[[list[tuple[str, torch.Tensor]]], str]
 """Turns named tensors into the string SGLang's ``update_weights_from_tensor`` route expects."""
@@ -86,9 +97,11 @@ class SGLangServerClient(ResubmittingEngine):
 
     ``transport`` defaults to :func:`~bapo_megatron.rollout.http.http_transport` on ``base_url``
     (giving up after ``timeout`` seconds); ``tp_size`` is the server's tensor-parallel size (one
-    tensor payload per rank); ``serialize`` defaults to :func:`sglang_serializer`. ``version``,
-    ``bucket_bytes`` and ``weight_update_session`` are as for
-    :class:`~bapo_megatron.rollout.sglang.engine.SGLangEngine`.
+    tensor payload per rank, or one group member per rank); ``serialize`` defaults to
+    :func:`sglang_serializer`. ``version``, ``bucket_bytes`` and ``weight_update_session`` are
+    as for :class:`~bapo_megatron.rollout.sglang.engine.SGLangEngine` (the same-host route).
+    ``weight_transport`` picks the weight route (module docstring); ``timeout`` also bounds
+    joining the process group and each of its broadcasts.
     """
 
     engine_name = "SGLang"
@@ -105,8 +118,13 @@ class SGLangServerClient(ResubmittingEngine):
         timeout: float = 3600.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         weight_update_session: bool = False,
+        weight_transport: str = "same-host",
     ) -> None:
         super().__init__(model, version=version)
+        if weight_transport not in ("same-host", "process-group"):
+            raise ValueError(
+                f"weight_transport must be 'same-host' or 'process-group', got {weight_transport!r}"
+            )
         self.base_url = base_url
         self.transport = transport or http_transport(
             base_url, timeout=timeout, server="SGLang server"
@@ -115,6 +133,17 @@ class SGLangServerClient(ResubmittingEngine):
         self.serialize = serialize or sglang_serializer
         self.bucket_bytes = bucket_bytes
         self.weight_update_session = weight_update_session
+        self.weight_group: ServerWeightGroup | None = None
+        """The process-group route's group (``weight_transport="process-group"``)."""
+        if weight_transport == "process-group":
+            self.weight_group = ServerWeightGroup(
+                server=f"SGLang at {base_url}",
+                base_url=base_url,
+                server_ranks=tp_size,
+                join=self._join_group,
+                receive=self._receive_update,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         return call(
@@ -150,8 +179,15 @@ class SGLangServerClient(ResubmittingEngine):
     # -------------------------------------------------------------- weights and memory
 
     def _load_weights(self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: int) -> None:
-        """``/update_weights_from_tensor`` in buckets (checked while they stream), then one
-        ``/flush_cache`` (which SGLang refuses with 400 while requests run)."""
+        """Same host: ``/update_weights_from_tensor`` in buckets (checked while they stream).
+        Process group: every tensor checked, then one ``/update_weights_from_distributed``.
+        Then one ``/flush_cache`` (which SGLang refuses with 400 while requests run)."""
+        if self.weight_group is not None:
+            received = list(tensors)  # every check passes before anything is sent
+            if received:
+                self.weight_group.update(received, weight_version=str(version))
+            self._post("/flush_cache")
+            return
         session = None
         if self.weight_update_session:
             session = (
@@ -171,6 +207,18 @@ class SGLangServerClient(ResubmittingEngine):
         )
         check_update_result(
             self._post("/update_weights_from_tensor", body), "update_weights_from_tensor"
+        )
+
+    def _join_group(self, request: dict[str, Any]) -> None:
+        check_update_result(
+            self._post("/init_weights_update_group", request), "init_weights_update_group"
+        )
+
+    def _receive_update(self, request: dict[str, Any]) -> None:
+        # the cache is flushed once, after the call (see _load_weights)
+        check_update_result(
+            self._post("/update_weights_from_distributed", {**request, "flush_cache": False}),
+            "update_weights_from_distributed",
         )
 
     def _release(self) -> None:

