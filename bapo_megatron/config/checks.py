@@ -109,12 +109,6 @@ def _check_placement(cfg: Config) -> None:
     rollout = cfg.rollout
     if rollout.placement != "disaggregated":
         return
-    if rollout.engine.endswith("-server"):
-        raise ValueError(
-            f"rollout.placement=disaggregated runs in-process engines on rollout.engine_ranks; "
-            f"rollout.engine={rollout.engine!r} is a server client (use placement=colocated "
-            "for a separately started server)"
-        )
     if rollout.release_memory_during_training:
         raise ValueError(
             "rollout.release_memory_during_training frees a colocated engine's memory for the "

@@ -70,10 +70,14 @@ class RolloutConfig:
     """`colocated`: each model replica's engine runs on its first rank, between training phases
     (the synchronous main job); `disaggregated`: the last ``engine_ranks`` ranks of the torchrun
     world run one in-process engine replica each and nothing else, the first ranks train, and
-    requests and weights travel over process groups between the two (docs/async-design.md)."""
+    requests and weights travel over process groups between the two (docs/async-design.md); with
+    server engines (`vllm-server`, `sglang-server`) the servers are the engines and have no
+    rank (``engine_ranks`` 0), which lets them generate while the trainer learns
+    (``algorithm.max_staleness``)."""
     engine_ranks: int = 0
-    """Ranks of the torchrun world that run an engine replica (disaggregated placement: at
-    least 1, one per data-parallel replica of the trainer; colocated: 0)."""
+    """Ranks of the torchrun world that run an engine replica (disaggregated placement with an
+    in-process engine: at least 1, one per data-parallel replica of the trainer; colocated, or
+    server engines: 0)."""
     timeout_s: float | None = None
     """Seconds one generation call may take: past it the engine is aborted and the run stops
     with an error naming the engine (None: no limit). Server clients also give up on a request
@@ -131,10 +135,17 @@ class RolloutConfig:
                 f"{prefix}.inflight_update must be one of {list(INFLIGHT_UPDATES)}, "
                 f"got {self.inflight_update!r}"
             )
-        if self.placement == "disaggregated" and self.engine_ranks < 1:
+        servers = self.engine.endswith("-server")
+        if self.placement == "disaggregated" and not servers and self.engine_ranks < 1:
             raise ValueError(
                 f"{prefix}.placement=disaggregated needs {prefix}.engine_ranks >= 1 (the ranks "
                 f"that run an engine replica), got {self.engine_ranks}"
+            )
+        if self.placement == "disaggregated" and servers and self.engine_ranks:
+            raise ValueError(
+                f"{prefix}.engine={self.engine!r}: the engines are the servers at "
+                f"{prefix}.server_urls, which have no rank in the torchrun world (set "
+                f"{prefix}.engine_ranks=0, got {self.engine_ranks})"
             )
         if self.placement == "colocated" and self.engine_ranks:
             raise ValueError(

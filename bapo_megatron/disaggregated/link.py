@@ -29,6 +29,10 @@ class EngineLink:
     stream: StreamingEngine | None = None
     """Asynchronous training (``algorithm.max_staleness`` >= 1): the replica's streaming client
     on its first rank, in place of ``engine``."""
+    local: bool = False
+    """The engines are servers driven from a thread of the trainer's ranks
+    (:mod:`~bapo_megatron.disaggregated.local_link`): weights take the colocated export route
+    into ``stream``."""
 
     @property
     def sent_bytes(self) -> int:

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, args.overrides)
         preflight(cfg)
-        if cfg.rollout.placement == "disaggregated":
+        if cfg.rollout.placement == "disaggregated" and cfg.rollout.engine_ranks:
             run_disaggregated(cfg)
         else:
             context = ParallelContext.initialize(cfg.parallel)

@@ -20,6 +20,8 @@ from bapo_megatron.config import Config
 from bapo_megatron.data.experience import ReplayBuffer
 from bapo_megatron.data.task import Task, load_task
 from bapo_megatron.disaggregated.link import EngineLink
+from bapo_megatron.disaggregated.local_link import serve_in_thread
+from bapo_megatron.disaggregated.server import IDLE_LIMIT
 from bapo_megatron.distributed.collectives import barrier, on_every_rank
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.distributed.layout import validate_layout
@@ -86,6 +88,8 @@ class Run:
         if self.rewards is not None:
             self.rewards.close()
         self.watchdog.close()
+        if self.engines is not None and self.engines.local:
+            self.engines.close()  # the stream server's thread and its server client
         if self.lock is not None:
             self.lock.release()
 
@@ -109,8 +113,9 @@ def push_policy(run: Run, version: int) -> None:
     """The actor's weights into the engines as policy ``version`` (collective over the trainer
     world): colocated engines through :func:`push_weights`, engine ranks of their own through
     :func:`push_weights_to_engines`."""
-    if run.engines is None:
-        push_weights(run.actor, run.engine, version=version, bucket_bytes=run.bucket_bytes)
+    if run.engines is None or run.engines.local:
+        engine = run.engine if run.engines is None else run.engines.stream
+        push_weights(run.actor, engine, version=version, bucket_bytes=run.bucket_bytes)
     else:
         push_weights_to_engines(
             run.actor,
@@ -163,7 +168,7 @@ def _build_run(
             f"rollout.prompts_per_step ({rollout.prompts_per_step}) must be a multiple of "
             f"the data-parallel size ({context.dp_size})"
         )
-    if rollout.placement == "disaggregated" and engines is None:
+    if rollout.placement == "disaggregated" and rollout.engine_ranks and engines is None:
         raise ValueError(
             "rollout.placement=disaggregated needs engine ranks: start the run with "
             "python -m bapo_megatron.train under torchrun (rollout.engine_ranks of its ranks "
@@ -187,6 +192,24 @@ def _build_run(
             work_dir=output,
             pad_token_id=task.pad_token_id,
         )
+    if holds_engine(context) and algo.max_staleness and engines is None:
+        # servers as the engines of asynchronous training: driven from a thread of this rank
+        timeout = datetime.timedelta(seconds=rollout.timeout_s or IDLE_LIMIT.total_seconds())
+        engines = EngineLink(
+            engine=None,
+            weights=None,
+            stream=serve_in_thread(
+                engine,
+                inflight_update=rollout.inflight_update,
+                timeout=timeout,
+                name=f"rollout engine {rollout.engine!r} of data-parallel replica "
+                f"{context.dp_rank}",
+            ),
+            local=True,
+        )
+        engine = None
+    elif algo.max_staleness and engines is None:
+        engines = EngineLink(engine=None, weights=None, local=True)
     if holds_engine(context):
         rewards = RewardPool(
             cfg.reward.name,

@@ -30,10 +30,6 @@ def test_bad_placement_settings_name_the_field(overrides, message):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (
-            ["rollout.engine=vllm-server", "rollout.server_urls=[http://a:1]"],
-            r"rollout\.engine='vllm-server' is a server client",
-        ),
         (["rollout.release_memory_during_training=true"], "release_memory_during_training"),
     ],
 )
@@ -41,6 +37,20 @@ def test_what_a_disaggregated_run_cannot_do_is_refused(overrides, message):
     cfg = load_config(None, [*TRAINABLE, *SPLIT, *overrides])
     with pytest.raises(ValueError, match=message):
         cfg.check_training()
+
+
+def test_servers_are_engines_without_ranks():
+    servers = ["rollout.engine=vllm-server", "rollout.server_urls=[http://a:1]"]
+    with pytest.raises(ValueError, match=r"servers at rollout\.server_urls, which have no rank"):
+        load_config(None, [*TRAINABLE, *SPLIT, *servers])
+    asynchronous = [
+        *TRAINABLE,
+        *servers,
+        "rollout.placement=disaggregated",
+        "algorithm.max_staleness=1",
+        "rollout.inflight_update=resume",
+    ]
+    load_config(None, asynchronous).check_training()
 
 
 def test_a_disaggregated_config_trains():

@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 
+from bapo_megatron.disaggregated.local_link import serve_in_thread
 from bapo_megatron.disaggregated.stream_client import StreamingEngine
 from bapo_megatron.disaggregated.stream_server import StreamServer
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
@@ -196,3 +197,25 @@ def test_an_item_is_admitted_once():
         streamed.client.take(0)
     finally:
         streamed.close()
+
+
+def test_a_server_engine_is_driven_from_a_thread_of_the_trainer_rank():
+    # servers have no rank: the same stream server runs in a thread, over in-process links
+    engine = EmbeddedEngine(MODEL)  # stands in for a server client: any engine of the protocol
+    client = serve_in_thread(engine, inflight_update="resume", timeout=TIMEOUT, name=NAME)
+    try:
+        client.update_weights(random_weights(1).items(), version=1)
+        client.submit(0, PROMPTS, PARAMS)
+        samples, stats = client.take(0)
+        expected = local_samples(random_weights(1), PROMPTS, PARAMS)
+        assert [(s.token_ids, s.logprobs) for s in samples] == [
+            (s.token_ids, s.logprobs) for s in expected
+        ]
+        assert stats.loads == 1 and client.weights.sent_bytes > 0
+        client.update_weights(random_weights(2).items(), version=2)
+        client.submit(1, PROMPTS, PARAMS)
+        samples, _ = client.take(1)
+        assert all(s.versions == [2] * len(s.token_ids) for s in samples)
+    finally:
+        client.close(WAIT_S)
+    assert not client._receiver.is_alive()
