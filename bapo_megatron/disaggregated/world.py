@@ -135,7 +135,35 @@ def stage_broadcast(role: Role, parallel: ParallelConfig, stage: int) -> StageBr
     names = [f"trainer rank {sender} (pipeline stage {stage})"] + [
         f"engine rank {split.engine_rank(i)}" for i in range(split.engine_count)
     ]
-    messenger = GroupMessenger(
-        group, names=names, timeout=role.timeout, what=f"weights of pipeline stage {stage}"
+    what = f"weights of pipeline stage {stage}"
+    messenger = GroupMessenger(group, names=names, timeout=role.timeout, what=what)
+    backend = weight_backend(role, stage)
+    if backend == "gloo":
+        return StageBroadcast(messenger, stage)
+    # NCCL between GPUs for the buffers (written to torch's documented constructor, never run
+    # here: this project has no GPU); the headers stay on the gloo group
+    data_group = dist.ProcessGroupNCCL(
+        dist.PrefixStore(f"bapo/weights/stage{stage}/nccl", role.store),
+        rank,
+        split.engine_count + 1,
     )
-    return StageBroadcast(messenger, stage)
+    data = GroupMessenger(data_group, names=names, timeout=role.timeout, what=what)
+    return StageBroadcast(messenger, stage, data=data, device="cuda")
+
+
+def weight_backend(role: Role, stage: int) -> str:
+    """The backend of stage ``stage``'s weight buffers, chosen by its sender (NCCL when it has
+    a GPU, else gloo) and read by every engine from the store, so that all members agree; an
+    engine without a GPU in a run whose sender has one is refused naming both."""
+    key = f"bapo/weights/stage{stage}/backend"
+    if not role.is_engine:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        role.store.set(key, backend)
+        return backend
+    backend = role.store.get(key).decode()
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError(
+            f"pipeline stage {stage} sends its weights over NCCL (its export rank has a GPU), "
+            f"but engine rank {role.rank} has no GPU"
+        )
+    return backend

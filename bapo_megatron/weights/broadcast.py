@@ -37,6 +37,12 @@ class StageBroadcast:
     stage: int
     sent_bytes: int = 0
     """Bytes this export rank has broadcast so far (the weight-update metrics)."""
+    data: GroupMessenger | None = None
+    """A second group of the same members for the flat buffers (NCCL between GPUs), the
+    headers staying on ``messenger`` (gloo: pickled objects travel as CPU bytes); None: the
+    buffers go over ``messenger`` too."""
+    device: str = "cpu"
+    """Where the flat buffers live while they travel (``cuda`` with an NCCL ``data`` group)."""
 
     def send(
         self,
@@ -78,8 +84,8 @@ class StageBroadcast:
         dtype = bucket[0][1].dtype
         header = {"end": False, "dtype": dtype, "tensors": [(n, tuple(t.shape)) for n, t in bucket]}
         self.messenger.broadcast_object(header, SENDER)
-        flat = torch.cat([t.reshape(-1) for _, t in bucket]).contiguous()
-        self.messenger.broadcast_tensor(flat, SENDER)
+        flat = torch.cat([t.reshape(-1).to(self.device) for _, t in bucket]).contiguous()
+        (self.data or self.messenger).broadcast_tensor(flat, SENDER)
         return flat.numel() * flat.element_size()
 
     def receive(self) -> tuple[list[tuple[str, torch.Tensor]], int]:
@@ -101,8 +107,10 @@ class StageBroadcast:
 
     def _receive_bucket(self, header: dict) -> Iterator[tuple[str, torch.Tensor]]:
         shapes = [shape for _, shape in header["tensors"]]
-        flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=header["dtype"])
-        self.messenger.broadcast_tensor(flat, SENDER)
+        flat = torch.empty(
+            sum(math.prod(s) for s in shapes), dtype=header["dtype"], device=self.device
+        )
+        (self.data or self.messenger).broadcast_tensor(flat, SENDER)
         offset = 0
         for (name, shape), numel in zip(header["tensors"], map(math.prod, shapes)):
             yield name, flat[offset : offset + numel].view(shape)

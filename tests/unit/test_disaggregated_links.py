@@ -8,12 +8,14 @@ from __future__ import annotations
 import datetime
 import threading
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from bapo_megatron.disaggregated.client import RemoteEngine
 from bapo_megatron.disaggregated.server import serve
+from bapo_megatron.disaggregated.world import weight_backend
 from bapo_megatron.distributed.messages import GroupMessenger, PeerLost, gloo_group
 from bapo_megatron.rollout.checksum import checksum
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
@@ -201,3 +203,30 @@ def test_only_replica_zero_sends_tensors():
             lambda: received.append(requests[1].recv(0)),
         )
     assert received == [("update_weights", 1, False)]
+
+
+def test_buffers_on_a_group_of_their_own_arrive_as_on_one_group():
+    # the NCCL layout (headers on gloo, buffers on a second group), with gloo for both here
+    headers, buffers = messengers("stage", 3), messengers("stage-data", 3)
+    sender, *engines = (StageBroadcast(h, 0, data=b) for h, b in zip(headers, buffers))
+    weights = random_weights(3)
+    results = in_threads(
+        lambda: sender.send(weights.items(), version=2, bucket_bytes=4 * 64 * 64),
+        *(engine.receive for engine in engines),
+    )
+    for received, version in results[1:]:
+        assert version == 2 and [n for n, _ in received] == list(weights)
+        for name, tensor in received:
+            assert torch.equal(tensor, weights[name])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the sender chooses gloo without a GPU")
+def test_the_sender_chooses_the_buffers_backend_and_the_engines_follow():
+    store = torch.distributed.HashStore()
+    trainer = SimpleNamespace(is_engine=False, store=store, rank=0)
+    engine = SimpleNamespace(is_engine=True, store=store, rank=2)
+    assert weight_backend(trainer, 1) == "gloo"  # no GPU on this machine
+    assert weight_backend(engine, 1) == "gloo"
+    store.set("bapo/weights/stage0/backend", "nccl")  # a sender with a GPU
+    with pytest.raises(ValueError, match=r"stage 0 .* over NCCL .* engine rank 2 has no GPU"):
+        weight_backend(engine, 0)
