@@ -14,11 +14,12 @@ import torch
 from bapo_megatron.disaggregated.local_link import serve_in_thread
 from bapo_megatron.disaggregated.stream_client import StreamingEngine
 from bapo_megatron.disaggregated.stream_server import StreamServer
+from bapo_megatron.distributed.messages import PeerLost
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from bapo_megatron.rollout.guard import EngineFailure
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.weights.broadcast import StageBroadcast
-from tests.unit.test_disaggregated_links import TIMEOUT, messengers
+from tests.unit.test_disaggregated_links import TIMEOUT, CutStage, in_threads, messengers
 from tests.unit.test_rollout_engines import MODEL, PROMPTS, random_weights
 
 PARAMS = SamplingParams(n=2, max_new_tokens=6, seed=5)  # no stop token: every sample has 6
@@ -219,3 +220,23 @@ def test_a_server_engine_is_driven_from_a_thread_of_the_trainer_rank():
     finally:
         client.close(WAIT_S)
     assert not client._receiver.is_alive()
+
+
+def test_a_broadcast_cut_off_part_way_stops_the_engine_on_its_previous_version():
+    requests, results = messengers("requests", 2), messengers("results", 2)
+    engine = EmbeddedEngine(MODEL)
+    engine.update_weights(random_weights(1).items(), version=1)
+    before = {name: p.clone() for name, p in engine.model.named_parameters()}
+    name, tensor = next(iter(random_weights(2).items()))
+    server = StreamServer(
+        engine,
+        requests[1],
+        results[1],
+        [StageBroadcast(CutStage(name, tensor), 0)],
+        inflight_update="continue",
+    )
+    with pytest.raises(PeerLost, match="trainer rank 0"):
+        in_threads(lambda: requests[0].send(("update_weights", 2), 1), server.serve)
+    assert engine.version == 1
+    for key, parameter in engine.model.named_parameters():
+        assert torch.equal(parameter, before[key]), key
