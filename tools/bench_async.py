@@ -4,7 +4,9 @@ Every mode trains the tiny CPU example (examples/tiny_cpu/train.yaml) from one s
 (its supervised warm-up and one RL step, built once, loaded with ``train.load_checkpoint``) on
 the same data, seeds and settings, with one optimizer step per rollout step
 (``algorithm.optimizer_steps_per_rollout=1``, so eta = k lets the engine run k rollout steps
-ahead), and the same two cores:
+ahead), and the same two cores. The defaults (16 prompts x 8 samples, micro-batches of 128, 100 rollout
+steps) make generation and training cost about the same in the colocated run (``time/rollout``
+against the rest of the step); the JSON reports that balance (``colocated_rollout_over_train``).
 
 - ``colocated``: one process, 2 threads (``OMP_NUM_THREADS=2``): the synchronous loop, generation
   and training alternating on both cores. One process and not two (TP2 or DP2): a colocated
@@ -36,7 +38,7 @@ Targets (issue 16): eta >= 1 at >= 1.5x the colocated steps per minute; median s
 1.15x max(rollout time, train time) of the step; weight update < 5% of the step. The last line
 printed is one JSON object with every figure, the ratios and the targets.
 
-Usage: python3 tools/bench_async.py [--steps 16] [--modes colocated,eta0,eta1,eta2,eta4]
+Usage: python3 tools/bench_async.py [--steps 100] [--modes colocated,eta0,eta1,eta2,eta4]
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -63,12 +66,12 @@ DEFAULT_MODES = "colocated,colocated-1t,eta0,eta1,eta2,eta4"
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated, from {MODES}")
-    parser.add_argument("--steps", type=int, default=16, help="rollout steps per mode")
-    parser.add_argument("--skip", type=int, default=3, help="rollout steps before steady state")
-    parser.add_argument("--prompts", type=int, default=32, help="rollout.prompts_per_step")
+    parser.add_argument("--steps", type=int, default=100, help="rollout steps per mode")
+    parser.add_argument("--skip", type=int, default=5, help="rollout steps before steady state")
+    parser.add_argument("--prompts", type=int, default=16, help="rollout.prompts_per_step")
     parser.add_argument("--samples", type=int, default=8, help="rollout.samples_per_prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--micro-batch-size", type=int, default=64)
+    parser.add_argument("--micro-batch-size", type=int, default=128)
     parser.add_argument("--warmup-steps", type=int, default=150, help="of the shared warm start")
     parser.add_argument("--data-size", type=int, default=4000, help="data.synthetic_size")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per mode")
@@ -159,20 +162,31 @@ def train_command(overrides: list[str], processes: int) -> list[str]:
 
 
 def build_warm_start(args: argparse.Namespace, folder: Path) -> Path:
-    """The tiny example after its warm-up and one RL step (one process, 2 threads): a trainer
-    checkpoint every mode starts from."""
+    """The tiny example after its warm-up and one RL step of its own settings (one process,
+    2 threads): a trainer checkpoint every mode starts from. A start already in ``folder`` from
+    the same warm-up (``--keep`` of an earlier call) is reused."""
+    checkpoint = folder / "checkpoints" / "step_00000001"
+    key = {"warmup_steps": args.warmup_steps, "data_size": args.data_size}
+    key_file = folder / "warm_start.json"
+    if checkpoint.is_dir() and key_file.is_file() and json.loads(key_file.read_text()) == key:
+        return checkpoint
     overrides = [
-        *run_settings(args),
+        f"data.synthetic_size={args.data_size}",
         f"warmup.steps={args.warmup_steps}",
         "train.steps=1",
+        "checkpoint.interval=0",
+        "logging.console=false",
         f"train.output_dir={folder}",
     ]
     run(train_command(overrides, 1), 2, folder, args.timeout, "the warm start")
-    return folder / "checkpoints" / "step_00000001"
+    key_file.write_text(json.dumps(key) + "\n")
+    return checkpoint
 
 
 def run_mode(mode: str, args: argparse.Namespace, start: Path, folder: Path) -> dict:
-    """Train ``mode`` from ``start`` into ``folder``; its figures (:func:`steady_state`)."""
+    """Train ``mode`` from ``start`` into ``folder`` (emptied first: a run left there would be
+    resumed); its figures (:func:`steady_state`)."""
+    shutil.rmtree(folder, ignore_errors=True)
     overrides = [
         *run_settings(args),
         "warmup.steps=0",
@@ -305,7 +319,7 @@ def main(argv: list[str]) -> None:
             report[mode] = run_mode(mode, args, start, work / mode)
             print(summary_line(mode, report[mode], targets(report)[mode]), flush=True)
     colocated = report.get("colocated")
-    balance = colocated["rollout_s_mean"] / colocated["time_train_s_mean"] if colocated else None
+    balance = colocated["rollout_s_mean"] / colocated["train_s_mean"] if colocated else None
     config = {k: v for k, v in vars(args).items() if k != "keep"}
     print(f"benchmark took {time.monotonic() - began:.0f} s", flush=True)
     print(
