@@ -4,9 +4,10 @@ Every mode trains the tiny CPU example (examples/tiny_cpu/train.yaml) from one s
 (its supervised warm-up and one RL step, built once, loaded with ``train.load_checkpoint``) on
 the same data, seeds and settings, with one optimizer step per rollout step
 (``algorithm.optimizer_steps_per_rollout=1``, so eta = k lets the engine run k rollout steps
-ahead), and the same two cores. The defaults (16 prompts x 8 samples, micro-batches of 128, 100 rollout
-steps) make generation and training cost about the same in the colocated run (``time/rollout``
-against the rest of the step); the JSON reports that balance (``colocated_rollout_over_train``).
+ahead), and the same two cores. The defaults (16 prompts x 8 samples, micro-batches of 128,
+100 rollout steps) make generation and training cost about the same in the colocated run
+(``time/rollout`` against the rest of the step; the JSON reports the balance as
+``colocated_rollout_over_train``).
 
 - ``colocated``: one process, 2 threads (``OMP_NUM_THREADS=2``): the synchronous loop, generation
   and training alternating on both cores. One process and not two (TP2 or DP2): a colocated
