@@ -12,8 +12,10 @@ task, on the CPU, all from one shared warm-up, then a markdown report
    staleness and seed. (The folder, not ``data.synthetic_task`` plus ``train.load_checkpoint``,
    because the trainer's task loader only generates `walk` rows.)
 2. Each run is its own ``python -m bapo_megatron.train`` process (``OMP_NUM_THREADS=1``), up to
-   ``--jobs`` at a time, in ``<out>/runs/<staleness>/<method>/seed<k>``. A finished run leaves
-   ``run.json`` and is not run again, so an interrupted sweep continues where it stopped.
+   ``--jobs`` processes at a time, in ``<out>/runs/<staleness>/<method>/seed<k>``; an `async<k>`
+   run is two processes under torchrun (a trainer and an engine rank) and counts twice. A
+   finished run leaves ``run.json`` and is not run again, so an interrupted sweep continues
+   where it stopped.
 3. The report reads the runs' TensorBoard logs (``<out>/report.md``, plots in ``<out>/plots``).
 
 Every setting is fixed in :class:`SweepSettings` before any run starts and written into
@@ -25,8 +27,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,7 +45,12 @@ from bapo_megatron.data.synthetic_task import synthetic_rows, walk_tokenizer
 from bapo_megatron.data.task import Task
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.repro.sweep_report import write_report
-from bapo_megatron.repro.sweep_settings import METHODS, SweepSettings, staleness_overrides
+from bapo_megatron.repro.sweep_settings import (
+    METHODS,
+    SweepSettings,
+    processes,
+    staleness_overrides,
+)
 from bapo_megatron.trainer.warmup import run_warmup
 from bapo_megatron.weights.convert import write_hf_folder
 
@@ -181,7 +190,40 @@ def run_environment() -> dict[str, str]:
 
 
 def training_command(config: Path, run: RunSpec) -> list[str]:
-    return [sys.executable, "-m", "bapo_megatron.train", "--config", str(config), *run.overrides]
+    """The run's command: one process, or torchrun with a process per rank (async runs)."""
+    count = processes(run.staleness)
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={count}"]
+    return [
+        sys.executable,
+        *(launcher if count > 1 else []),
+        "-m",
+        "bapo_megatron.train",
+        "--config",
+        str(config),
+        *run.overrides,
+    ]
+
+
+class ProcessSlots:
+    """At most ``total`` training processes at a time: a run holds as many slots as it starts
+    processes (capped at ``total``, so a run never waits for more than there are)."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self._free = total, total
+        self._changed = threading.Condition()
+
+    def acquire(self, count: int) -> int:
+        """Wait for ``count`` free slots (at most ``total``) and take them; returns the number."""
+        count = min(count, self.total)
+        with self._changed:
+            self._changed.wait_for(lambda: self._free >= count)
+            self._free -= count
+        return count
+
+    def release(self, count: int) -> None:
+        with self._changed:
+            self._free += count
+            self._changed.notify_all()
 
 
 def execute(config: Path, run: RunSpec, timeout_s: float | None = None) -> dict:
@@ -193,16 +235,19 @@ def execute(config: Path, run: RunSpec, timeout_s: float | None = None) -> dict:
     command = training_command(config, run)
     began = time.monotonic()
     with open(run.output_dir / "train.log", "w") as log:
+        # a session of its own: on timeout, the ranks torchrun started are ended with it
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=run_environment(),
+            start_new_session=True,
+        )
         try:
-            code = subprocess.run(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=run_environment(),
-                timeout=timeout_s,
-                check=False,
-            ).returncode
+            code = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
             code = "timeout"
     record = {
         "name": run.name,
@@ -230,9 +275,14 @@ def run_sweep(settings: SweepSettings, out: str | Path, *, progress=print) -> Pa
     config = base_config(settings, start, out / "base.yaml")
     runs = plan_runs(settings, out)
     records = []
+    slots = ProcessSlots(settings.jobs)
 
     def one(run: RunSpec) -> dict:
-        record = execute(config, run)
+        taken = slots.acquire(processes(run.staleness))
+        try:
+            record = execute(config, run)
+        finally:
+            slots.release(taken)
         records.append(record)
         returncode = record["returncode"]
         status = "ok" if returncode == 0 else "FAILED (" + str(returncode) + ")"

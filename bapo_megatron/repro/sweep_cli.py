@@ -1,15 +1,17 @@
 """Run the staleness sweep on the CPU and write its markdown report.
 
-    # the full sweep: 5 methods x 6 staleness settings x 3 seeds, 2 runs at a time
+    # the full sweep: 5 methods x 9 staleness settings x 3 seeds, 2 processes at a time
     bapo-sweep --out runs/sweep
-    # the CI configuration: 2 methods x 1 staleness setting x 1 seed x 4 rollout steps
+    # the CI configuration: 2 methods x 2 staleness settings x 1 seed x 4 rollout steps
     bapo-sweep --minimal --out /tmp/sweep
     # a part of it (rerunning the same command later adds the rest; finished runs are kept)
     bapo-sweep --out runs/sweep --staleness reuse1 reuse4 --seeds 0
 
 Methods: grpo [0.8, 1.2], clip-higher [0.8, 1.28], fixed-0.6 [0.6, 1.2], bapo-paper,
 bapo-reference. Staleness: reuse<k> (k optimizer steps per rollout batch), lag<k> (train on the
-batch generated k rollout steps earlier), partial<b> (partial rollout, b tokens per round).
+batch generated k rollout steps earlier), partial<b> (partial rollout, b tokens per round),
+async<k> (the asynchronous pipeline at algorithm.max_staleness=k: a trainer and an engine
+process under torchrun, one optimizer step per rollout step, the engine k steps ahead).
 Output: ``<out>/report.md``, ``<out>/plots/<staleness>/``,
 ``<out>/runs/<staleness>/<method>/seed<k>``. The library code is :mod:`bapo_megatron.repro.sweep`;
 ``python tools/sweep.py`` is the same command.
@@ -30,9 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--minimal",
         action="store_true",
-        help="the tiny CI configuration (2 methods x 1 staleness x 1 seed x 4 steps)",
+        help="the tiny CI configuration (2 methods x 2 staleness settings x 1 seed x 4 steps)",
     )
-    parser.add_argument("--jobs", type=int, default=None, help="runs at a time (default 2)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="training processes at a time, an async run counting 2 (default 2)",
+    )
     parser.add_argument("--task", default=None, help="synthetic task: seek (default) or walk")
     parser.add_argument("--methods", nargs="+", default=None, help="subset of the methods")
     parser.add_argument(

@@ -38,6 +38,11 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def _largest(values) -> float:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return max(values) if values else float("nan")
+
+
 def summarize_run(output_dir: Path) -> dict[str, float]:
     """The table's numbers of one finished run (NaN where the run logged nothing)."""
     path = Path(output_dir) / "tensorboard" / "metrics.jsonl"
@@ -69,6 +74,10 @@ def summarize_run(output_dir: Path) -> dict[str, float]:
         "max_grad_norm": max(grad) if grad else float("nan"),  # the same with or without zeros
         "median_grad_norm": statistics.median(grad) if grad else float("nan"),
         "optimizer_steps": float(len(updates)),
+        # policy versions between a token's sampling and its update (reuse, lag, async alike)
+        "staleness_mean": _mean(r.get("staleness/mean") for r in updates),
+        "staleness_max": _largest(r.get("staleness/max") for r in updates),
+        "dropped_groups": float(sum(r.get("async/dropped_groups", 0.0) for r in rollouts)),
         "rollout_steps": float(len(rollouts)),
         # the task check: lengths and truncation in the first window, right after the warm-up
         "early_accuracy": _mean(r["reward/accuracy"] for r in early),
@@ -341,11 +350,17 @@ def write_report(settings, out: Path, runs, records: list[dict], config: Path) -
             empty = _mean(
                 s["updates_without_signal"] for runs in groups[staleness].values() for s in runs
             )
+            members_done = [s for runs in groups[staleness].values() for s in runs]
             lines += [
                 "",
                 (
                     f"Optimizer steps whose tokens all had advantage 0: {_fmt(100 * empty, 1)}% "
-                    "(left out of the rho and grad-norm statistics)."
+                    "(left out of the rho and grad-norm statistics). Staleness of the trained "
+                    "tokens (policy versions behind): mean "
+                    f"{_fmt(_mean(s['staleness_mean'] for s in members_done), 2)}, max "
+                    f"{_fmt(_largest(s['staleness_max'] for s in members_done), 0)}; groups "
+                    "dropped as older than eta: "
+                    f"{sum(s['dropped_groups'] for s in members_done):.0f}."
                 ),
             ]
         plot_groups = [

@@ -33,10 +33,23 @@ class SweepSettings:
     warmup_lr: float = 3e-3
     warmup_batch_size: int = 64
     methods: tuple[str, ...] = tuple(METHODS)
-    staleness: tuple[str, ...] = ("reuse1", "reuse4", "reuse8", "lag8", "lag16", "partial8")
+    staleness: tuple[str, ...] = (
+        "reuse1",
+        "reuse4",
+        "reuse8",
+        "lag8",
+        "lag16",
+        "partial8",
+        "async1",
+        "async2",
+        "async4",
+    )
     """`reuse<k>`: k optimizer steps (mini-batches) per rollout batch; `lag<k>`: train on the batch
     generated k rollout steps earlier (k extra rollout steps, so every run trains as often);
-    `partial<b>`: partial rollout, b tokens per round."""
+    `partial<b>`: partial rollout, b tokens per round; `async<k>`: the asynchronous pipeline at
+    ``algorithm.max_staleness`` = k, 1 trainer + 1 engine process under torchrun, one optimizer
+    step per rollout step (so the engine runs k rollout steps ahead; reuse1 is its synchronous
+    twin)."""
     seeds: tuple[int, ...] = (0, 1, 2)
     """``train.seed`` of each run (prompt order, sampling); the start is shared."""
     steps: int = 60
@@ -50,17 +63,18 @@ class SweepSettings:
     extra_overrides: tuple[str, ...] = ()
     """Further dotted overrides given to every run."""
     jobs: int = 2
-    """Runs at a time."""
+    """Training processes at a time (an `async<k>` run starts two)."""
 
     @classmethod
     def minimal(cls, **changes) -> SweepSettings:
-        """A tiny sweep for CI: 2 methods x 1 staleness x 1 seed x a few steps."""
+        """A tiny sweep for CI: 2 methods x 2 staleness settings (one of them asynchronous) x
+        1 seed x a few steps."""
         base = {
             "task_size": 200,
             "warmup_steps": 20,
             "warmup_batch_size": 16,
             "methods": ("grpo", "bapo-paper"),
-            "staleness": ("reuse4",),
+            "staleness": ("reuse4", "async1"),
             "seeds": (0,),
             "steps": 4,
             "prompts_per_step": 4,
@@ -86,25 +100,45 @@ class SweepSettings:
             raise ValueError(f"sweep: jobs must be >= 1, got {self.jobs}")
 
 
+STALENESS_KINDS = ("reuse", "lag", "partial", "async")
+
+
+def _parse(name: str) -> tuple[str, int]:
+    """(kind, value) of staleness setting ``name``; ValueError for anything else."""
+    for kind in STALENESS_KINDS:
+        digits = name[len(kind) :]
+        if name.startswith(kind) and digits.isdigit() and int(digits) > 0:
+            return kind, int(digits)
+    raise ValueError(
+        f"sweep: staleness setting {name!r} is not reuse<k>, lag<k>, partial<b> or async<k>"
+    )
+
+
+def processes(name: str) -> int:
+    """Processes a run of staleness setting ``name`` starts (async: a trainer and an engine)."""
+    return 2 if _parse(name)[0] == "async" else 1
+
+
 def staleness_overrides(name: str, settings: SweepSettings) -> list[str]:
     """Dotted overrides of staleness setting ``name`` (see :attr:`SweepSettings.staleness`)."""
-    for prefix in ("reuse", "lag", "partial"):
-        if (
-            name.startswith(prefix)
-            and name[len(prefix) :].isdigit()
-            and int(name[len(prefix) :]) > 0
-        ):
-            value = int(name[len(prefix) :])
-            break
-    else:
-        raise ValueError(f"sweep: staleness setting {name!r} is not reuse<k>, lag<k> or partial<b>")
-    if prefix == "reuse":
+    kind, value = _parse(name)
+    if kind == "reuse":
         if settings.prompts_per_step % value:
             raise ValueError(
                 f"sweep: {name} needs prompts_per_step ({settings.prompts_per_step}) "
                 f"to be a multiple of {value}"
             )
         return [f"algorithm.optimizer_steps_per_rollout={value}", f"train.steps={settings.steps}"]
-    if prefix == "lag":
+    if kind == "lag":
         return [f"algorithm.rollout_lag={value}", f"train.steps={settings.steps + value}"]
+    if kind == "async":
+        # m = 1: eta counts versions and the engines run floor(eta / m) rollout steps ahead
+        # (bapo_megatron/trainer/admission.py), so eta = 1 really generates ahead
+        return [
+            "rollout.placement=disaggregated",
+            "rollout.engine_ranks=1",
+            f"algorithm.max_staleness={value}",
+            "algorithm.optimizer_steps_per_rollout=1",
+            f"train.steps={settings.steps}",
+        ]
     return [f"rollout.partial_tokens_per_round={value}", f"train.steps={settings.steps}"]

@@ -4,16 +4,24 @@ the report with a table row per run, the plots), and the sweep's plan."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
-from bapo_megatron.repro.sweep import METHODS, SweepSettings, plan_runs, staleness_overrides
+from bapo_megatron.repro.sweep import (
+    METHODS,
+    ProcessSlots,
+    SweepSettings,
+    plan_runs,
+    staleness_overrides,
+    training_command,
+)
 
 
 def test_plan_covers_the_grid(tmp_path):
     settings = SweepSettings()
     runs = plan_runs(settings, tmp_path)
-    assert len(runs) == 5 * 6 * 3
+    assert len(runs) == 5 * 9 * 3
     assert len({run.output_dir for run in runs}) == len(runs)
     lag = next(r for r in runs if r.staleness == "lag16")
     assert (
@@ -23,10 +31,40 @@ def test_plan_covers_the_grid(tmp_path):
     fixed = next(r for r in runs if r.method == "fixed-0.6")
     assert fixed.overrides[:3] == list(METHODS["fixed-0.6"])
     assert staleness_overrides("partial8", settings)[0] == "rollout.partial_tokens_per_round=8"
+    # the asynchronous pipeline: one trainer and one engine rank under torchrun, m = 1 so that
+    # eta = k generates k rollout steps ahead
+    async2 = next(r for r in runs if r.staleness == "async2")
+    assert {
+        "rollout.placement=disaggregated",
+        "rollout.engine_ranks=1",
+        "algorithm.max_staleness=2",
+        "algorithm.optimizer_steps_per_rollout=1",
+        f"train.steps={settings.steps}",
+    } <= set(async2.overrides)
+    command = training_command(tmp_path / "base.yaml", async2)
+    assert command[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    assert "torch.distributed.run" not in training_command(tmp_path / "base.yaml", lag)
     with pytest.raises(ValueError):
         SweepSettings(staleness=("stale3",))
     with pytest.raises(ValueError):
         SweepSettings(methods=("ppo",))
+    with pytest.raises(ValueError):
+        SweepSettings(staleness=("async0",))
+
+
+def test_process_slots_hold_a_two_process_run_alone():
+    slots = ProcessSlots(2)
+    assert slots.acquire(1) == 1
+    # an async run waits until the single-process run gives its slot back
+    waiting = threading.Thread(target=slots.acquire, args=(2,))
+    waiting.start()
+    waiting.join(0.2)
+    assert waiting.is_alive()
+    slots.release(1)
+    waiting.join(60)
+    assert not waiting.is_alive() and slots._free == 0
+    slots.release(2)
+    assert ProcessSlots(1).acquire(2) == 1  # capped: never waits for more slots than exist
 
 
 def test_minimal_sweep_end_to_end(tmp_path):
@@ -48,10 +86,22 @@ def test_minimal_sweep_end_to_end(tmp_path):
         "grad_norm",
         "overview",
     ):
-        png = tmp_path / "plots" / "reuse4" / f"{name}.png"
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
-        assert f"plots/reuse4/{name}.png" in text
+        for staleness in settings.staleness:
+            png = tmp_path / "plots" / staleness / f"{name}.png"
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+            assert f"plots/{staleness}/{name}.png" in text
     assert "The sweep took" in text
+    # the async1 runs went through the asynchronous pipeline, within their bound
+    assert "async1" in settings.staleness
+    for run in (r for r in runs if r.staleness == "async1"):
+        records = [
+            json.loads(line)
+            for line in (run.output_dir / "tensorboard" / "metrics.jsonl").read_text().splitlines()
+        ]
+        assert all(r["async/dropped_groups"] == 0 for r in records if "reward/mean" in r)
+        updates = [r for r in records if "staleness/max" in r]
+        assert len(updates) == settings.steps and all(r["staleness/max"] <= 1 for r in updates)
+    assert "Staleness of the trained tokens" in text
     # a second call reuses the start and the finished runs: only the report is written again
     kept = {
         path: path.stat().st_mtime_ns

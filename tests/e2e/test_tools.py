@@ -182,3 +182,27 @@ def test_convert_checkpoint_names_the_damaged_file_in_one_line(tmp_path):
         f"{shard} is truncated: 1000 bytes" in last
     ), done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_async_benchmark_smoke():
+    report = benchmark_report("bench_async.py", "--quick", "--modes", "colocated,eta1")
+    assert report["benchmark"] == "async" and set(report["modes"]) == {"colocated", "eta1"}
+    cfg, colocated, eta1 = report["config"], report["modes"]["colocated"], report["modes"]["eta1"]
+    assert (colocated["processes"], colocated["threads"]) == (1, 2)  # equal cores: 2 each
+    assert (eta1["processes"], eta1["threads"]) == (2, 1)
+    for figures in (colocated, eta1):
+        assert figures["steady_steps"] == cfg["steps"] - cfg["skip"]
+        rate = 60 * figures["steady_steps"] / figures["steady_wall_s"]
+        assert abs(figures["steps_per_minute"] - rate) <= 1e-6 * rate
+        for share in ("trainer_idle_share", "engine_idle_share", "weight_update_share"):
+            assert 0 <= figures[share] <= 1, share
+        assert figures["step_over_bound_max"] >= figures["step_over_bound_median"] > 0
+    assert colocated["staleness_max"] == 0  # synchronous: every token from the current policy
+    assert 0 <= eta1["staleness_max"] <= 1 and eta1["dropped_groups"] == 0
+    assert eta1["queued_items_mean"] > 1  # the engine was given the next step's item ahead
+    assert 0 <= eta1["engine_weight_load_share"] <= 1
+    targets = report["targets"]
+    assert targets["colocated"]["steps_per_minute_vs_colocated"] == 1.0
+    assert "async_at_least_1_5x" not in targets["colocated"]
+    assert isinstance(targets["eta1"]["async_at_least_1_5x"], bool)
+    assert report["colocated_rollout_over_train"] > 0
