@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -53,33 +53,35 @@ class GroupMessenger:
 
     def send(self, obj: Any, dst: int) -> None:
         """Send the pickled ``obj`` to group rank ``dst``."""
-        payload = _to_bytes(obj)
-        self._wait(self.group.send([_length(payload)], dst, 0), dst, "sending to")
-        self._wait(self.group.send([payload], dst, 0), dst, "sending to")
+        frame, rest = _frames(obj)
+        self._wait(self.group.send([frame], dst, 0), dst, "sending to")
+        if rest is not None:
+            self._wait(self.group.send([rest], dst, 0), dst, "sending to")
 
     def recv(self, src: int, *, timeout: datetime.timedelta | None = None) -> Any:
         """The next object group rank ``src`` sends, waiting at most ``timeout`` (default: the
         messenger's) for it to begin."""
-        length = torch.zeros(1, dtype=torch.int64)
-        self._wait(self.group.recv([length], src, 0), src, "waiting for", timeout)
-        payload = torch.empty(int(length), dtype=torch.uint8)
-        self._wait(self.group.recv([payload], src, 0), src, "receiving from")
-        return pickle.loads(payload.numpy().tobytes())
+        frame = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        self._wait(self.group.recv([frame], src, 0), src, "waiting for", timeout)
+
+        def receive_rest(rest: torch.Tensor) -> None:
+            self._wait(self.group.recv([rest], src, 0), src, "receiving from")
+
+        return _unframe(frame, receive_rest)
 
     # -------------------------------------------------------------- collectives
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
         """``obj`` of group rank ``root`` on every rank (others pass None)."""
         if self.rank == root:
-            payload = _to_bytes(obj)
-            self.broadcast_tensor(_length(payload), root)
-            self.broadcast_tensor(payload, root)
+            frame, rest = _frames(obj)
+            self.broadcast_tensor(frame, root)
+            if rest is not None:
+                self.broadcast_tensor(rest, root)
             return obj
-        length = torch.zeros(1, dtype=torch.int64)
-        self.broadcast_tensor(length, root)
-        payload = torch.empty(int(length), dtype=torch.uint8)
-        self.broadcast_tensor(payload, root)
-        return pickle.loads(payload.numpy().tobytes())
+        frame = torch.empty(FRAME_BYTES, dtype=torch.uint8)
+        self.broadcast_tensor(frame, root)
+        return _unframe(frame, lambda rest: self.broadcast_tensor(rest, root))
 
     def broadcast_tensor(self, tensor: torch.Tensor, root: int) -> None:
         """Group rank ``root``'s ``tensor`` into every rank's ``tensor`` (same shape and dtype)."""
@@ -116,12 +118,34 @@ class GroupMessenger:
             raise PeerLost(f"{self.what}: {doing} {who}: {cause}") from error
 
 
-def _to_bytes(obj: Any) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+FRAME_BYTES = 4096
+"""Size of an object's first transfer: its pickled length (8 bytes) and the first bytes of the
+pickle. Headers, requests and small answers fit in it, so they cost one wait on the group instead
+of two; a longer pickle follows in a second transfer of exactly the remaining bytes."""
+_HEAD = FRAME_BYTES - 8
 
 
-def _length(payload: torch.Tensor) -> torch.Tensor:
-    return torch.tensor([payload.numel()], dtype=torch.int64)
+def _frames(obj: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``obj`` pickled, as its first frame and the rest (None when it fits in the frame)."""
+    payload = pickle.dumps(obj)
+    frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+    frame[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+    head = payload[:_HEAD]
+    if head:
+        frame[8 : 8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    rest = payload[_HEAD:]
+    return frame, torch.frombuffer(bytearray(rest), dtype=torch.uint8) if rest else None
+
+
+def _unframe(frame: torch.Tensor, receive_rest: Callable[[torch.Tensor], None]) -> Any:
+    """The object whose first frame is ``frame``; ``receive_rest`` fills the remaining bytes."""
+    length = int(frame[:8].view(torch.int64)[0])
+    payload = frame[8 : 8 + min(length, _HEAD)].numpy().tobytes()
+    if length > _HEAD:
+        rest = torch.empty(length - _HEAD, dtype=torch.uint8)
+        receive_rest(rest)
+        payload += rest.numpy().tobytes()
+    return pickle.loads(payload)
 
 
 def gloo_group(

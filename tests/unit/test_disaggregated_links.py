@@ -6,6 +6,7 @@ stand-in for the stage's messenger."""
 from __future__ import annotations
 
 import datetime
+import pickle
 import threading
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ import torch
 from bapo_megatron.disaggregated.client import RemoteEngine
 from bapo_megatron.disaggregated.server import serve
 from bapo_megatron.disaggregated.world import weight_backend
-from bapo_megatron.distributed.messages import GroupMessenger, PeerLost, gloo_group
+from bapo_megatron.distributed.messages import FRAME_BYTES, GroupMessenger, PeerLost, gloo_group
 from bapo_megatron.rollout.checksum import checksum
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from bapo_megatron.rollout.guard import EngineFailure, GuardedEngine
@@ -66,6 +67,31 @@ def test_objects_travel_both_ways_and_a_silent_peer_is_named():
     assert got == sent
     with pytest.raises(PeerLost, match=r"pair: waiting for member 0: no answer within 0\.2 s"):
         b.recv(0, timeout=datetime.timedelta(seconds=0.2))
+
+
+def pickled_to(size: int) -> bytes:
+    """A bytes object whose pickle is exactly ``size`` bytes long."""
+    obj = b""
+    while len(pickle.dumps(obj)) < size:
+        obj += b"x"
+    assert len(pickle.dumps(obj)) == size
+    return obj
+
+
+@pytest.mark.parametrize("size", [FRAME_BYTES - 9, FRAME_BYTES - 8, FRAME_BYTES - 7, 50_000])
+def test_objects_either_side_of_the_first_frame_arrive_whole(size):
+    obj = pickled_to(size)
+    a, b = messengers("pair", 2)
+    _, got = in_threads(lambda: a.send(obj, 1), lambda: b.recv(0))
+    three = messengers("three", 3)
+    results = in_threads(
+        lambda: three[0].broadcast_object(obj, 0),
+        *(lambda m=m: m.broadcast_object(None, 0) for m in three[1:]),
+    )
+    assert got == obj and results == [obj] * 3
+    # the messenger stays in step: the next object after it arrives too
+    _, after = in_threads(lambda: a.send({"next": 1}, 1), lambda: b.recv(0))
+    assert after == {"next": 1}
 
 
 def test_a_stage_reaches_every_engine_in_bounded_buckets_in_the_wire_dtype():
