@@ -58,7 +58,7 @@ def assert_each_step_trained_once(records: list[dict], steps: int) -> None:
         assert record["rollout/finished_groups"] + record["async/dropped_groups"] == PROMPTS
 
 
-@pytest.mark.parametrize("eta", [1, 2, 4])
+@pytest.mark.parametrize("eta", [1, 4])  # eta 2: the two-replica and SIGKILL runs below
 def test_no_trained_token_is_older_than_eta(tmp_path, warm_start, eta):
     steps = 5
     records = run(tmp_path, warm_start, f"train.steps={steps}", *asynchronous(eta))
@@ -112,7 +112,9 @@ def test_sigkill_resumes_with_every_step_trained_once(tmp_path, warm_start):
     outputs = finish(resumed, 900)
     assert [r.returncode for r in resumed] == [0, 0], "\n".join(o[-4000:] for o in outputs)
     assert "resumed from" in outputs[0]
-    assert_each_step_trained_once(read_metrics(tmp_path), 6)
+    records = read_metrics(tmp_path)
+    assert_each_step_trained_once(records, 6)
+    assert max(r["staleness/max"] for r in records if "staleness/max" in r) <= 2
 
 
 def wait_for_rollout_step(output_dir: Path, ranks, step: int) -> None:
