@@ -73,6 +73,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=8, help="rollout.samples_per_prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--micro-batch-size", type=int, default=128)
+    parser.add_argument(
+        "--sync-interval",
+        type=int,
+        default=1,
+        help="rollout.sync_interval of the asynchronous modes (capped at their eta)",
+    )
     parser.add_argument("--warmup-steps", type=int, default=150, help="of the shared warm start")
     parser.add_argument("--data-size", type=int, default=4000, help="data.synthetic_size")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per mode")
@@ -204,6 +210,9 @@ def run_mode(mode: str, args: argparse.Namespace, start: Path, folder: Path) -> 
             "rollout.engine_ranks=1",
             f"algorithm.max_staleness={int(mode[3:])}",
         ]
+        eta = int(mode[3:])
+        if eta:  # at most eta, so that the engines always keep one rollout step of lookahead
+            overrides.append(f"rollout.sync_interval={min(args.sync_interval, eta)}")
     wall = run(train_command(overrides, processes), threads, folder, args.timeout, f"mode {mode}")
     asynchronous = mode.startswith("eta") and mode != "eta0"
     figures = steady_state(folder, args.skip, asynchronous=asynchronous)
