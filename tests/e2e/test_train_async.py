@@ -1,7 +1,8 @@
 """Asynchronous training (``algorithm.max_staleness`` = eta >= 1) of the tiny run with one
 trainer rank and one engine rank, started as torchrun would: the staleness bound on every
 update, admission ahead of the trainer, resumption after SIGKILL with every rollout step
-trained once, and the two ways one side can die, each bounded in time."""
+trained once, and the two ways one side can die (also for the synchronous disaggregated loop,
+eta 0), each bounded in time and each at a point the test makes certain."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from tests.e2e.test_train_disaggregated import finish, first_rollout_step  # noqa: E402
+from tests.e2e.test_train_disaggregated import finish  # noqa: E402
+from tests.helpers.fault_rewards import HANG_FILE  # noqa: E402
 from tests.helpers.train_runs import (  # noqa: E402
     read_metrics,
     rollout_records,
@@ -101,53 +103,79 @@ def test_two_replicas_each_with_its_engine_rank_resuming_samples_from_their_pref
 
 
 def test_sigkill_resumes_with_every_step_trained_once(tmp_path, warm_start):
-    overrides = ["train.steps=6", "checkpoint.interval=2", *asynchronous(2)]
-    command = training_command(tmp_path, *warm_start[0], *overrides)
-    ranks = start_ranks(command, 2)
-    wait_for_rollout_step(tmp_path, ranks, 3)
-    ranks[0].send_signal(signal.SIGKILL)
-    finish(ranks, 300)
-    assert ranks[1].returncode not in (0, None)  # the engine rank did not outlive its trainer
-    resumed = start_ranks(command, 2)
+    # 1. two steps and their checkpoint; 2. the resumed run is killed (SIGKILL) while it is
+    # certainly inside rollout step 3 (its rewards hang until then) with items 3-5 admitted to
+    # the engine; 3. the next resume redoes step 3 and finishes: every step logged once
+    hang = tmp_path / "hang"
+    overrides = [*warm_start[0], "checkpoint.interval=2", *HELD, *asynchronous(2)]
+    told = {HANG_FILE: str(hang)}
+    first = start_ranks(training_command(tmp_path, *overrides, "train.steps=2"), 2, told)
+    outputs = finish(first, 900)
+    assert [r.returncode for r in first] == [0, 0], "\n".join(o[-4000:] for o in outputs)
+    command = training_command(tmp_path, *overrides, "train.steps=6")
+    hang.touch()
+    killed = start_ranks(command, 2, told)
+    wait_for_file(tmp_path / "hang.reached", killed)
+    killed[0].send_signal(signal.SIGKILL)
+    outputs = finish(killed, 300)
+    # the engine rank did not outlive its trainer: it stopped by itself, naming it
+    assert killed[1].returncode not in (0, None, -signal.SIGKILL), outputs[1][-3000:]
+    assert "PeerLost" in outputs[1] and "trainer rank 0" in outputs[1], outputs[1][-3000:]
+    hang.unlink()
+    resumed = start_ranks(command, 2, told)
     outputs = finish(resumed, 900)
     assert [r.returncode for r in resumed] == [0, 0], "\n".join(o[-4000:] for o in outputs)
-    assert "resumed from" in outputs[0]
+    assert "resumed from" in outputs[0] and "step_00000002" in outputs[0]
     records = read_metrics(tmp_path)
     assert_each_step_trained_once(records, 6)
     assert max(r["staleness/max"] for r in records if "staleness/max" in r) <= 2
 
 
-def wait_for_rollout_step(output_dir: Path, ranks, step: int) -> None:
-    """Wait until rollout step ``step`` is logged (its checkpoint, if any, is written after)."""
-    first_rollout_step(output_dir, ranks)
+def wait_for_file(path: Path, ranks) -> None:
+    """Wait until ``path`` exists (the ranks all still running)."""
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        done = [r["rollout_step"] for r in rollout_records(read_metrics(output_dir))]
-        if done and max(done) >= step:
-            return
+    while not path.exists():
         assert all(rank.poll() is None for rank in ranks), finish(ranks, 10)
-        time.sleep(0.5)
-    finish(ranks, 1)
-    pytest.fail(f"the run did not reach rollout step {step} within 600 s")
+        if time.monotonic() > deadline:
+            finish(ranks, 1)
+            pytest.fail(f"{path.name} did not appear within 600 s")
+        time.sleep(0.2)
 
 
-def test_killed_engine_rank_stops_the_trainer_naming_it(tmp_path, warm_start):
-    ranks = start_ranks(
-        training_command(tmp_path, *warm_start[0], "train.steps=40", *asynchronous(1)), 2
-    )
-    first_rollout_step(tmp_path, ranks)
+HELD = [
+    "reward.name=tests.helpers.fault_rewards:hangs_while_told",
+    "reward.timeout_s=3600",
+    "reward.batch_timeout_s=3600",
+]
+
+
+def held_in_first_step(tmp_path: Path, warm_start, eta: int) -> tuple[list, Path]:
+    """A disaggregated run (synchronous at eta 0) whose trainer is certainly inside its first
+    rollout step (its rewards wait until the returned file is removed), its engine rank
+    serving."""
+    hang = tmp_path / "hang"
+    hang.touch()
+    command = training_command(tmp_path, *warm_start[0], "train.steps=4", *HELD, *asynchronous(1))
+    ranks = start_ranks(command, 2, {HANG_FILE: str(hang)})
+    wait_for_file(tmp_path / "hang.reached", ranks)
+    return ranks, hang
+
+
+@pytest.mark.parametrize("eta", [0, 1])
+def test_killed_engine_rank_stops_the_trainer_naming_it(tmp_path, warm_start, eta):
+    ranks, hang = held_in_first_step(tmp_path, warm_start, eta)
     ranks[1].send_signal(signal.SIGKILL)
+    ranks[1].wait(60)
+    hang.unlink()  # the trainer goes on, and meets the dead engine rank
     outputs = finish(ranks, 300)
-    assert ranks[0].returncode not in (0, None)
+    assert ranks[0].returncode not in (0, None, -signal.SIGKILL)
     assert "EngineFailure" in outputs[0] and "engine rank 1" in outputs[0], outputs[0][-3000:]
 
 
-def test_killed_trainer_ends_the_engine_rank(tmp_path, warm_start):
-    ranks = start_ranks(
-        training_command(tmp_path, *warm_start[0], "train.steps=40", *asynchronous(1)), 2
-    )
-    first_rollout_step(tmp_path, ranks)
+@pytest.mark.parametrize("eta", [0, 1])
+def test_killed_trainer_ends_the_engine_rank(tmp_path, warm_start, eta):
+    ranks, _ = held_in_first_step(tmp_path, warm_start, eta)
     ranks[0].send_signal(signal.SIGKILL)
     outputs = finish(ranks, 300)
-    assert ranks[1].returncode not in (0, None)
+    assert ranks[1].returncode not in (0, None, -signal.SIGKILL)  # ended by itself
     assert "PeerLost" in outputs[1] and "trainer rank 0" in outputs[1], outputs[1][-3000:]

@@ -1,6 +1,7 @@
 """Rewards that misbehave on purpose, for the fault-injection tests (named as
 ``tests.helpers.fault_rewards:<function>`` in ``reward.name``). Each is deterministic: whether it
-misbehaves depends only on the response text (CRC-32, the same in every process)."""
+misbehaves depends only on the response text (CRC-32, the same in every process), or on a file
+the test creates before the run starts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import signal
 import time
 import zlib
+from pathlib import Path
 
 from bapo_megatron.rewards.exact_match import exact_match_reward
 
@@ -35,4 +37,22 @@ def freezes_rank_1(response: str, truth: str) -> float:
     as a frozen node would), at its first check."""
     if os.environ.get("RANK") == "1":
         os.kill(os.getppid(), signal.SIGSTOP)
+    return exact_match_reward(response, truth)
+
+
+HANG_FILE = "BAPO_TEST_HANG_FILE"
+"""Environment variable naming the file :func:`hangs_while_told` looks for."""
+
+
+def hangs_while_told(response: str, truth: str) -> float:
+    """While the file named by ``$BAPO_TEST_HANG_FILE`` exists, marks that it was reached
+    (``<file>.reached``) and waits (up to an hour) until the file is gone: the trainer is then
+    certainly in the middle of a rollout step, waiting for its rewards, until the test lets it
+    go on. Otherwise an exact-match reward."""
+    told = os.environ.get(HANG_FILE)
+    if told and Path(told).exists():
+        Path(told + ".reached").touch()
+        deadline = time.monotonic() + 3600
+        while Path(told).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     return exact_match_reward(response, truth)

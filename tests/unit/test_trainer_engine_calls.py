@@ -37,7 +37,7 @@ class _Engine:
 def _run(engine, context, release: bool = True):
     cfg = SimpleNamespace(
         rollout=SimpleNamespace(release_memory_during_training=release),
-        algorithm=SimpleNamespace(epochs=1),
+        algorithm=SimpleNamespace(epochs=1, max_staleness=0),
     )
     return SimpleNamespace(
         cfg=cfg,
