@@ -98,29 +98,31 @@ def trainer_rank(parallel: ParallelConfig, split: WorldSplit, *, replica: int, s
 
 def request_link(role: Role, parallel: ParallelConfig, replica: int) -> GroupMessenger:
     """The request link of replica ``replica`` (its first trainer rank and its engine)."""
-    trainer = trainer_rank(parallel, role.split, replica=replica, stage=0)
-    engine = role.split.engine_rank(replica)
-    group = gloo_group(role.store, f"bapo/requests/{replica}", int(role.is_engine), 2, role.timeout)
-    return GroupMessenger(
-        group,
-        names=[f"trainer rank {trainer}", f"engine rank {engine} (engine replica {replica})"],
-        timeout=role.timeout,
-        what=f"rollout requests of data-parallel replica {replica}",
-    )
+    return _replica_link(role, parallel, replica, "requests")
 
 
 def result_link(role: Role, parallel: ParallelConfig, replica: int) -> GroupMessenger:
     """The result link of replica ``replica`` in asynchronous training: the engine's answers
     (finished rollout items), the opposite direction of :func:`request_link`, so that each
     group is used by one thread at each end."""
+    return _replica_link(role, parallel, replica, "results")
+
+
+def _replica_link(
+    role: Role, parallel: ParallelConfig, replica: int, carries: str
+) -> GroupMessenger:
+    """A two-member group of replica ``replica``'s first trainer rank (group rank 0) and its
+    engine (group rank 1), one per kind of traffic (``carries``)."""
     trainer = trainer_rank(parallel, role.split, replica=replica, stage=0)
     engine = role.split.engine_rank(replica)
-    group = gloo_group(role.store, f"bapo/results/{replica}", int(role.is_engine), 2, role.timeout)
+    group = gloo_group(
+        role.store, f"bapo/{carries}/{replica}", int(role.is_engine), 2, role.timeout
+    )
     return GroupMessenger(
         group,
         names=[f"trainer rank {trainer}", f"engine rank {engine} (engine replica {replica})"],
         timeout=role.timeout,
-        what=f"rollout results of data-parallel replica {replica}",
+        what=f"rollout {carries} of data-parallel replica {replica}",
     )
 
 

@@ -8,12 +8,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from bapo_megatron.data.experience import prompts_at
 from bapo_megatron.data.prompts import PromptRow
-from bapo_megatron.data.task import encode_prompt
 from bapo_megatron.distributed.collectives import sum_over
 from bapo_megatron.trainer.admission import admission_limit
-from bapo_megatron.trainer.phases import Rollout, seed
+from bapo_megatron.trainer.phases import Rollout, encoded_prompts, replica_rows, seed
 from bapo_megatron.trainer.setup import Run, push_policy, watched
 
 
@@ -53,10 +51,7 @@ def _admit(run: Run, step: int) -> None:
     while progress.next_item <= limit:
         item = progress.next_item
         if client is not None:
-            prompts = [
-                encode_prompt(run.task, row, cfg.data.system_prompt, run.sampling.max_new_tokens)
-                for row in _item_rows(run, step, item)
-            ]
+            prompts = encoded_prompts(run, _item_rows(run, step, item))
             item_seed = seed(cfg.train.seed, item, run.context.dp_rank)
             client.submit(item, prompts, dataclasses.replace(run.sampling, seed=item_seed))
         progress.next_item += 1
@@ -66,16 +61,7 @@ def _item_rows(run: Run, step: int, item: int) -> list[PromptRow]:
     """This replica's prompt rows of item ``item`` seen from rollout step ``step``: the data
     position advances by ``prompts_per_step`` per step, as in the synchronous loop, so the
     items are the synchronous steps' prompts."""
-    cfg = run.cfg
-    position = run.state.position + (item - step) * cfg.rollout.prompts_per_step
-    indices = prompts_at(
-        position + run.context.dp_rank * run.per_replica,
-        run.per_replica,
-        len(run.task.rows),
-        cfg.train.seed,
-        cfg.data.shuffle,
-    )
-    return [run.task.rows[i] for i in indices]
+    return replica_rows(run, run.state.position + (item - step) * run.cfg.rollout.prompts_per_step)
 
 
 @watched("6. weight sync (asynchronous)")

@@ -16,6 +16,7 @@ from bapo_megatron.actor.logprobs import compute_logprobs
 from bapo_megatron.algo.advantages import grpo_advantages, informative_groups
 from bapo_megatron.algo.importance_weights import importance_weights
 from bapo_megatron.data.experience import Group, prompts_at, split_groups, to_policy_batch
+from bapo_megatron.data.prompts import PromptRow
 from bapo_megatron.data.task import encode_prompt
 from bapo_megatron.disaggregated.stream_server import ItemStats
 from bapo_megatron.distributed.collectives import sum_over
@@ -65,21 +66,36 @@ def generate(run: Run, step: int) -> Rollout | None:
     rollout = None
     if run.engine is not None:
         with run.timer.phase("rollout"):
-            indices = prompts_at(
-                state.position + context.dp_rank * run.per_replica,
-                run.per_replica,
-                len(run.task.rows),
-                cfg.train.seed,
-                cfg.data.shuffle,
-            )
             finished, state.carry, generated = _generate(
                 run,
-                [run.task.rows[i] for i in indices],
+                replica_rows(run, state.position),
                 seed=seed(cfg.train.seed, step, context.dp_rank),
             )
         rollout = Rollout(finished, generated)
     state.position += cfg.rollout.prompts_per_step
     return rollout
+
+
+def replica_rows(run: Run, position: int) -> list[PromptRow]:
+    """This replica's prompt rows of the rollout step whose prompts start at data position
+    ``position`` (over all replicas)."""
+    cfg = run.cfg
+    indices = prompts_at(
+        position + run.context.dp_rank * run.per_replica,
+        run.per_replica,
+        len(run.task.rows),
+        cfg.train.seed,
+        cfg.data.shuffle,
+    )
+    return [run.task.rows[i] for i in indices]
+
+
+def encoded_prompts(run: Run, rows: list[PromptRow]) -> list[list[int]]:
+    """The token ids of ``rows``' prompts, as the engines take them."""
+    max_new_tokens = run.sampling.max_new_tokens
+    return [
+        encode_prompt(run.task, row, run.cfg.data.system_prompt, max_new_tokens) for row in rows
+    ]
 
 
 def _generate(run: Run, rows, *, seed: int) -> tuple[list[PausedGroup], list[PausedGroup], int]:
@@ -94,12 +110,8 @@ def _generate(run: Run, rows, *, seed: int) -> tuple[list[PausedGroup], list[Pau
         engine.continue_generation(
             paused, dataclasses.replace(sampling, seed=seed + 1), round_tokens=budget
         )
-    prompts = [
-        encode_prompt(run.task, row, run.cfg.data.system_prompt, sampling.max_new_tokens)
-        for row in rows
-    ]
     samples = engine.generate(
-        prompts, dataclasses.replace(sampling, seed=seed), round_tokens=budget
+        encoded_prompts(run, rows), dataclasses.replace(sampling, seed=seed), round_tokens=budget
     )
     n = sampling.n
     groups = list(carry) + [(row, samples[i * n : (i + 1) * n]) for i, row in enumerate(rows)]
