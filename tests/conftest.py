@@ -1,8 +1,16 @@
-"""Fixtures shared by the test files."""
+"""Fixtures shared by the test files, and the device the suite runs on."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# The suite is a CPU suite on every machine: on a GPU node it must test the same code paths
+# (gloo, the CPU patches) as on a laptop and CI, not skip them. `parallel.device: auto` follows
+# this variable, in this process and in every process the tests start. The GPU paths are
+# exercised by tools/gpu_check.py (its CPU mode is a test here).
+os.environ["BAPO_DEVICE"] = "cpu"
 
 
 @pytest.fixture

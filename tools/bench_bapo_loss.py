@@ -26,6 +26,7 @@ reduction, c reduced steps + 1 times, and b and c chose the same bounds.
 
 Usage (from the checkout, whose tests/ it imports):
     PYTHONPATH=. python3 tools/bench_bapo_loss.py [--sizes 64K,1M,8M] [--repeats 5] [--threads N]
+        [--device cuda]
 """
 
 from __future__ import annotations
@@ -85,7 +86,14 @@ def parse_shape(size: str) -> tuple[int, int]:
     return max(1, total // tokens), tokens
 
 
-def make_data(batch: int, tokens: int, seed: int):
+def synchronize() -> None:
+    """Wait for queued GPU work, so that a clock reading covers it (nothing to wait for on the
+    CPU)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def make_data(batch: int, tokens: int, seed: int, device: str = "cpu"):
     """Off-policy GRPO-like batch: 30% of sequences have A > 0 (so rho starts low), response
     lengths uniform in [tokens/4, tokens] (the rest is padding), token-level advantages (the
     sequence's value copied to its tokens), and stale behaviour log-probs: the current policy
@@ -100,8 +108,8 @@ def make_data(batch: int, tokens: int, seed: int):
     logp_old = -torch.empty(batch, tokens).exponential_(1.0, generator=g)
     drift = torch.randn(batch, tokens, generator=g).abs()
     drift = torch.where(advantages > 0, 0.8 * drift, -0.3 * drift)
-    logp_new = (logp_old + drift).requires_grad_(True)
-    return logp_new, logp_old, advantages, mask
+    logp_new = (logp_old + drift).to(device).requires_grad_(True)
+    return logp_new, logp_old.to(device), advantages.to(device), mask.to(device)
 
 
 def build_variants(data, cfg: ClipSearchConfig):
@@ -140,18 +148,24 @@ def build_variants(data, cfg: ClipSearchConfig):
 
     def parts(reduce):
         """Variant b written out stage by stage (what bapo_loss does), with a clock per stage."""
+        synchronize()
         marks = [time.perf_counter()]
         ratio, log_ratio = importance_ratio(logp_new, logp_old)
+        synchronize()
         marks.append(time.perf_counter())
         with torch.no_grad():
             stats, _ = contribution_stats(ratio, log_ratio, adv, mask, plan)
+            synchronize()
             marks.append(time.perf_counter())
             decision = choose_bounds(reduce(stats), plan)
+        synchronize()
         marks.append(time.perf_counter())
         per_token = clipped_surrogate(ratio, adv, decision.c_low, decision.c_high, cfg.dual_clip)
         loss = aggregate(per_token, mask, AGGREGATION, norm)
+        synchronize()
         marks.append(time.perf_counter())
         loss.backward()
+        synchronize()
         marks.append(time.perf_counter())
         return [(t1 - t0) * 1e3 for t0, t1 in itertools.pairwise(marks)]
 
@@ -168,9 +182,11 @@ def time_once(forward, logp_new: torch.Tensor):
     """(ms of forward + backward, reduce calls, (steps, c_low, c_high) or Nones)."""
     reduce = CountingReduce()
     logp_new.grad = None
+    synchronize()
     start = time.perf_counter()
     loss, info = forward(reduce)
     loss.backward()
+    synchronize()
     ms = (time.perf_counter() - start) * 1e3
     if info is None:
         return ms, reduce.calls, (None, None, None)
@@ -182,7 +198,7 @@ def time_once(forward, logp_new: torch.Tensor):
 
 def bench_size(size: str, args, cfg: ClipSearchConfig) -> dict:
     batch, tokens = parse_shape(size)
-    data = make_data(batch, tokens, args.seed)
+    data = make_data(batch, tokens, args.seed, args.device)
     variants, parts = build_variants(data, cfg)
     times = {v: [] for v in [*VARIANTS, "b parts"]}
     part_times, calls, decisions = [], {}, {}
@@ -240,6 +256,7 @@ def main() -> None:
     parser.add_argument("--preset", default="paper", help="clip preset of variants b and c")
     parser.add_argument("--stat", choices=("min", "median"), default="min", help="for the ratios")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the tensors' device)")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -255,6 +272,7 @@ def main() -> None:
     )
     print(header + "\n" + "-" * len(header))
     report = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
         "threads": threads,
         "preset": args.preset,

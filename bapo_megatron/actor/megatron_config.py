@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from bapo_megatron.config import ModelConfig, ParallelConfig
+from bapo_megatron.distributed.device import uses_cuda
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -39,16 +40,16 @@ def to_transformer_config(
     (``kv_channels``, which Qwen3 sets apart from hidden / heads). Dropout is off: the policy's
     log-probs must not depend on which pass computed them.
 
-    ``use_cpu_initialization`` (default: when no CUDA GPU is visible) makes every rank build the
-    full weight on the CPU and keep its slice; on CPU it is the only way. ``initialize=False``
-    leaves the weights as allocated, for callers that overwrite every parameter right after the
-    build. (Not through ``perform_initialization=False``: Megatron sets the tensor-parallel
-    attributes of its weights, which grad-norm and optimizer code read, only in the init
-    functions that flag skips; a no-op init method keeps them.) The fp8 fields of
-    ``parallel`` are passed through unchanged (Megatron hands them to Transformer Engine).
+    ``use_cpu_initialization`` (default: when ``parallel.device`` resolves to the CPU) makes
+    every rank build the full weight on the CPU and keep its slice; on CPU it is the only way.
+    ``initialize=False`` leaves the weights as allocated, for callers that overwrite every
+    parameter right after the build. (Not through ``perform_initialization=False``: Megatron
+    sets the tensor-parallel attributes of its weights, which grad-norm and optimizer code read,
+    only in the init functions that flag skips; a no-op init method keeps them.) The fp8 fields
+    of ``parallel`` are passed through unchanged (Megatron hands them to Transformer Engine).
     """
     if use_cpu_initialization is None:
-        use_cpu_initialization = not torch.cuda.is_available()
+        use_cpu_initialization = not uses_cuda(parallel.device)
     dtype = _DTYPES[model.params_dtype]
     return TransformerConfig(
         # architecture
@@ -93,7 +94,7 @@ def to_transformer_config(
         # both are the same peer, and gloo (CPU) matches same-tag messages in posting order, so
         # the interleaved schedule received gradients as activations. Unbatched p2p posts them
         # in an order both peers agree on. NCCL (GPU) keeps Megatron's batched default.
-        batch_p2p_comm=torch.cuda.is_available(),
+        batch_p2p_comm=uses_cuda(parallel.device),
         # FP8 through Transformer Engine (validate_layout refuses it where it cannot run)
         fp8=parallel.fp8,
         fp8_recipe=parallel.fp8_recipe,

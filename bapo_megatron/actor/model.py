@@ -30,20 +30,22 @@ from bapo_megatron.actor.megatron_config import to_transformer_config
 from bapo_megatron.actor.rope import install_rope_frequencies
 from bapo_megatron.config import ModelConfig, ParallelConfig
 from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.distributed.device import uses_cuda
 from bapo_megatron.distributed.layout import validate_layout
 
 DEFAULT_SEED = 1234
 
 
-def uses_transformer_engine() -> bool:
-    """Whether models are built from Transformer Engine layers (TE installed and CUDA visible)."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+def uses_transformer_engine(device: str = "auto") -> bool:
+    """Whether models are built from Transformer Engine layers: TE is installed and the run's
+    ``parallel.device`` setting ``device`` resolves to CUDA."""
+    return uses_cuda(device) and importlib.util.find_spec("transformer_engine") is not None
 
 
-def layer_spec(model: ModelConfig) -> ModuleSpec:
+def layer_spec(model: ModelConfig, device: str = "auto") -> ModuleSpec:
     """Megatron's decoder-layer spec for ``model``'s family on this machine: with a q/k RMSNorm
     module per attention layer for Qwen3 (``qk_layernorm``), an identity otherwise."""
-    if uses_transformer_engine():
+    if uses_transformer_engine(device):
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
     return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model.qk_layernorm)
 
@@ -81,7 +83,7 @@ def build_model(
     config = to_transformer_config(model, parallel, initialize=initialize)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed + 100 * context.pp_rank)
-    spec = layer_spec(model)
+    spec = layer_spec(model, context.device.type)
     stages = [None] if context.vpp_size is None else list(range(context.vpp_size))
     chunks = [
         GPTModel(

@@ -8,6 +8,7 @@ from typing import Literal
 Fp8Format = Literal["e4m3", "hybrid"]
 Fp8Recipe = Literal["delayed", "tensorwise", "mxfp8", "blockwise"]
 Fp8AmaxAlgo = Literal["most_recent", "max"]
+DeviceChoice = Literal["auto", "cpu", "cuda"]
 
 
 @dataclass(kw_only=True)
@@ -18,6 +19,16 @@ class ParallelConfig:
     passed through unchanged to Megatron's ``TransformerConfig`` (they need Transformer Engine
     and an FP8-capable GPU)."""
 
+    device: DeviceChoice = "auto"
+    """Where the actor (and a colocated embedded engine) computes: `cuda` (NCCL, one GPU per
+    rank, the GPU of ``LOCAL_RANK``), `cpu` (gloo and the CPU runtime patches of
+    ``patches/README.md``), or `auto`: CUDA when torch sees a GPU, else the CPU, unless the
+    environment variable ``BAPO_DEVICE`` names one (test suites set it to run on the CPU of a GPU
+    machine)."""
+    deterministic: bool = False
+    """Use only deterministic kernels (``torch.use_deterministic_algorithms``, and the fixed
+    cuBLAS workspace it needs): on a GPU, two runs with the same seeds, and a run resumed from a
+    checkpoint, then compute bitwise the same. Slower; the CPU is deterministic without it."""
     tensor_model_parallel_size: int = 1
     """Ranks each layer's matrices are split over (heads, MLP columns, vocabulary)."""
     pipeline_model_parallel_size: int = 1

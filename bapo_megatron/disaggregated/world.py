@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from bapo_megatron.config import Config, ParallelConfig
+from bapo_megatron.distributed.device import uses_cuda
 from bapo_megatron.distributed.layout import WorldSplit, split_world
 from bapo_megatron.distributed.messages import GroupMessenger, gloo_group
 from bapo_megatron.weights.broadcast import StageBroadcast
@@ -76,7 +77,7 @@ def join_world(cfg: Config) -> Role:
     store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
     role = Role(split=split, rank=rank, store=store, timeout=timeout)
     if not role.is_engine:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if uses_cuda(cfg.parallel.device) else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(
@@ -139,7 +140,7 @@ def stage_broadcast(role: Role, parallel: ParallelConfig, stage: int) -> StageBr
     ]
     what = f"weights of pipeline stage {stage}"
     messenger = GroupMessenger(group, names=names, timeout=role.timeout, what=what)
-    backend = weight_backend(role, stage)
+    backend = weight_backend(role, stage, parallel.device)
     if backend == "gloo":
         return StageBroadcast(messenger, stage)
     # NCCL between GPUs for the buffers (written to torch's documented constructor, never run
@@ -153,17 +154,18 @@ def stage_broadcast(role: Role, parallel: ParallelConfig, stage: int) -> StageBr
     return StageBroadcast(messenger, stage, data=data, device="cuda")
 
 
-def weight_backend(role: Role, stage: int) -> str:
-    """The backend of stage ``stage``'s weight buffers, chosen by its sender (NCCL when it has
-    a GPU, else gloo) and read by every engine from the store, so that all members agree; an
-    engine without a GPU in a run whose sender has one is refused naming both."""
+def weight_backend(role: Role, stage: int, device: str = "auto") -> str:
+    """The backend of stage ``stage``'s weight buffers, chosen by its sender (NCCL when the run's
+    ``parallel.device`` setting ``device`` resolves to CUDA, else gloo) and read by every engine
+    from the store, so that all members agree; an engine whose ``device`` is not CUDA in a run
+    whose sender uses one is refused naming both."""
     key = f"bapo/weights/stage{stage}/backend"
     if not role.is_engine:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if uses_cuda(device) else "gloo"
         role.store.set(key, backend)
         return backend
     backend = role.store.get(key).decode()
-    if backend == "nccl" and not torch.cuda.is_available():
+    if backend == "nccl" and not uses_cuda(device):
         raise ValueError(
             f"pipeline stage {stage} sends its weights over NCCL (its export rank has a GPU), "
             f"but engine rank {role.rank} has no GPU"

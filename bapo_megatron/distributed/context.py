@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from bapo_megatron.config import ParallelConfig
+from bapo_megatron.distributed.device import uses_cuda
 from bapo_megatron.megatron_patches.cpu_runtime import apply_cpu_patches
 
 
@@ -76,8 +77,9 @@ class ParallelContext:
 
         If ``torch.distributed`` is not initialized yet, it is initialized here: from the
         ``torchrun`` environment (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``...) when present,
-        otherwise as a world of one process. The backend is NCCL when CUDA is available, else
-        gloo; on the CPU, the Megatron-Core CPU patches are applied first. Sizes that do not fit
+        otherwise as a world of one process. The backend is NCCL when ``config.device`` resolves
+        to CUDA (:mod:`bapo_megatron.distributed.device`), else gloo; on the CPU, the
+        Megatron-Core CPU patches are applied first. Sizes that do not fit
         the world raise ``ValueError`` (see
         :func:`bapo_megatron.distributed.layout.validate_layout` for the checks that also need
         the model). ``gloo_groups=False`` skips Megatron's extra gloo
@@ -88,7 +90,11 @@ class ParallelContext:
                 "model parallel is already initialized in this process; call "
                 "teardown() on the previous ParallelContext first"
             )
-        use_cuda = torch.cuda.is_available()
+        use_cuda = uses_cuda(config.device)
+        if config.deterministic:
+            # cuBLAS reads its workspace setting when CUDA starts; a value the user set wins
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
         if not use_cuda:
             apply_cpu_patches()
         if timeout is None:
@@ -166,3 +172,5 @@ class ParallelContext:
         parallel_state.destroy_model_parallel()
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+        if self.config.deterministic:
+            torch.use_deterministic_algorithms(False)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from bapo_megatron.config import ModelConfig, ParallelConfig, RolloutConfig
+from bapo_megatron.distributed.device import uses_cuda
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,10 +26,11 @@ class Accelerator:
     """The GPU computes in FP8 (compute capability 8.9 or newer: Ada, Hopper, Blackwell)."""
 
     @classmethod
-    def detect(cls) -> Accelerator:
-        """Probe the current process (does not import Transformer Engine)."""
+    def detect(cls, device: str = "auto") -> Accelerator:
+        """Probe the current process (does not import Transformer Engine) for a run whose
+        ``parallel.device`` is ``device``: a GPU the run does not use counts as none."""
         te = importlib.util.find_spec("transformer_engine") is not None
-        cuda = torch.cuda.is_available()
+        cuda = uses_cuda(device)
         fp8 = cuda and torch.cuda.get_device_capability() >= (8, 9)
         return cls(transformer_engine=te, cuda=cuda, fp8_gpu=fp8)
 
@@ -74,7 +76,7 @@ def validate_layout(
             "(parallel.pipeline_model_parallel_size, virtual_pipeline_model_parallel_size)"
         )
     if accelerator is None:
-        accelerator = Accelerator.detect()
+        accelerator = Accelerator.detect(parallel.device)
     if cp > 1 and not (accelerator.transformer_engine and accelerator.cuda):
         raise ValueError(
             f"parallel.context_parallel_size={cp} needs Transformer Engine on a CUDA GPU "

@@ -241,9 +241,9 @@ def apply_cpu_patches() -> tuple[str, ...]:
     """Install every CPU patch once per process and return the names applied so far.
 
     Raises ``RuntimeError`` when the installed megatron-core is not
-    :data:`SUPPORTED_MEGATRON_CORE` (the patched sites are specific to it) or when CUDA is
-    available (the patches replace CUDA entry points that a GPU run needs). Calling it again is
-    a no-op.
+    :data:`SUPPORTED_MEGATRON_CORE` (the patched sites are specific to it) or when this process
+    has already initialized CUDA (the patches replace CUDA entry points that its GPU work needs;
+    a CPU run on a machine with a GPU is fine). Calling it again is a no-op.
     """
 
     version = megatron.core.__version__
@@ -254,10 +254,10 @@ def apply_cpu_patches() -> tuple[str, ...]:
             f"but {version} is installed; install the pinned version (requirements.txt) or "
             "re-check every patched site against the new release"
         )
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         raise RuntimeError(
-            "apply_cpu_patches() is for CPU-only runs, but CUDA is available; the patches would "
-            "redirect CUDA allocations of a GPU run to the CPU"
+            "apply_cpu_patches() is for CPU runs, but this process has already initialized CUDA; "
+            "the patches would redirect the CUDA allocations of its GPU work to the CPU"
         )
     for name, patch in CPU_PATCHES.items():
         if name not in _APPLIED:

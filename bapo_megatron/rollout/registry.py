@@ -35,6 +35,9 @@ class EngineSetup:
     work_dir: Path
     """Where engines that take weights from disk (the vLLM server) get them."""
     pad_token_id: int
+    device: str = "cpu"
+    """Where an embedded engine computes: its rank's device (``cuda`` uses the rank's current
+    GPU). vLLM and SGLang choose their own GPUs (``bapo_megatron.rollout.gpus``)."""
 
     @property
     def http_timeout(self) -> float:
@@ -107,13 +110,14 @@ def build_engine(
     dp_rank: int,
     work_dir: Path,
     pad_token_id: int,
+    device: str = "cpu",
 ) -> RolloutEngine:
     """The engine of data-parallel replica ``dp_rank``, of the kind ``rollout.engine`` names.
     ``model_path`` is the HF folder the run started from (vLLM and SGLang load their first
     weights, and their tokenizer-free config, from it; the trainer pushes its own weights before
     the first rollout anyway). ``work_dir`` is where engines that take weights from disk (the
-    vLLM server) get them. The engine comes guarded: its failures name it, and generation has
-    ``rollout.timeout_s``."""
+    vLLM server) get them; ``device`` is where an embedded engine computes. The engine comes
+    guarded: its failures name it, and generation has ``rollout.timeout_s``."""
     kind = _KINDS.get(rollout.engine)
     if kind is None:
         raise ValueError(
@@ -139,6 +143,7 @@ def build_engine(
         dp_rank=dp_rank,
         work_dir=work_dir,
         pad_token_id=pad_token_id,
+        device=device,
     )
     try:
         engine = kind.builder(setup)

@@ -36,7 +36,9 @@ def capture() -> dict[str, Any]:
             for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items()
         },
     }
-    if torch.cuda.is_available():
+    # Only a process that computes on the GPU has a CUDA generator worth keeping (asking for it
+    # would initialize CUDA in a CPU run on a GPU machine).
+    if torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state()
     return states
 
@@ -57,5 +59,5 @@ def restore(states: dict[str, Any]) -> None:
         )
     )
     tensor_parallel.get_cuda_rng_tracker().set_states(dict(states["megatron_tracker"]))
-    if torch.cuda.is_available() and "cuda" in states:
+    if "cuda" in states and torch.cuda.is_initialized():
         torch.cuda.set_rng_state(states["cuda"])

@@ -191,6 +191,7 @@ def _build_run(
             dp_rank=context.dp_rank,
             work_dir=output,
             pad_token_id=task.pad_token_id,
+            device=str(context.device),
         )
     if holds_engine(context) and algo.max_staleness and engines is None:
         # servers as the engines of asynchronous training: driven from a thread of this rank

@@ -37,9 +37,6 @@ from tests.helpers import gloo_launch  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 120.0
 BATCH, SEQ = 2, 12
-needs_cpu = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU patches are for CPU-only runs"
-)
 
 
 def tiny_model(model_type: str = "llama", tied: bool = False) -> ModelConfig:
@@ -72,7 +69,6 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------ patches
 
 
-@needs_cpu
 def test_patches_apply_once_and_twice_is_harmless():
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.tensor_parallel import random as megatron_random
@@ -97,9 +93,9 @@ def test_wrong_megatron_version_is_refused(monkeypatch):
         cpu_patches.apply_cpu_patches()
 
 
-def test_refused_where_cuda_is_available(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(RuntimeError, match="for CPU-only runs"):
+def test_refused_in_a_process_that_already_uses_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="has already initialized CUDA"):
         cpu_patches.apply_cpu_patches()
 
 
@@ -112,7 +108,6 @@ def test_patch_table_lists_every_patch():
 # ------------------------------------------------------------------------ one process
 
 
-@needs_cpu
 def test_single_process_context_is_the_degenerate_layout(single_process):
     ctx = single_process
     assert (ctx.world_size, ctx.rank, ctx.device) == (1, 0, torch.device("cpu"))
@@ -123,7 +118,6 @@ def test_single_process_context_is_the_degenerate_layout(single_process):
         ParallelContext.initialize(ParallelConfig())
 
 
-@needs_cpu
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_tp1_forward_gives_logits_and_is_deterministic(single_process, variant):
     model_cfg = VARIANTS[variant]
@@ -151,7 +145,6 @@ def test_tp1_forward_gives_logits_and_is_deterministic(single_process, variant):
     )
 
 
-@needs_cpu
 def test_causal_attention(single_process):
     """A token's logits do not depend on later tokens (the patched default mask is causal)."""
     [model] = build_model(tiny_model(), ParallelConfig(), single_process)
@@ -163,7 +156,6 @@ def test_causal_attention(single_process):
     assert torch.equal(a[:, :-3], b[:, :-3]) and not torch.equal(a[:, -3:], b[:, -3:])
 
 
-@needs_cpu
 def test_build_without_init_keeps_megatrons_tensor_parallel_attributes(single_process):
     """Grad-norm and optimizer code read ``tensor_model_parallel`` / ``partition_dim`` from the
     weights; Megatron sets them in its init functions, so skipping the random draws must not
@@ -259,7 +251,6 @@ def launch(world_size: int, workdir: Path, reference: Path) -> list[dict]:
     )
 
 
-@needs_cpu
 @pytest.mark.multiprocess
 def test_tp2_with_split_tp1_weights_gives_tp1_logits_and_pp_stages(tmp_path, single_process):
     tokens, positions = batch()

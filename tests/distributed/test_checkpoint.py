@@ -47,7 +47,6 @@ from tests.helpers import gloo_launch
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 LAUNCH_TIMEOUT_S = 300.0
-needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU determinism and CPU patches")
 
 
 def _same(a: float, b: float) -> bool:
@@ -84,7 +83,6 @@ def assert_resumed_exactly(result: dict, trainer_state: dict, what: str) -> None
     assert _equal(result["trainer_state"], trainer_state)
 
 
-@needs_cpu
 @pytest.mark.parametrize(
     ("dtype", "distributed"),
     [("float32", False), ("float32", True), ("bfloat16", True)],
@@ -105,7 +103,6 @@ def test_resume_in_one_process_continues_exactly(context, tmp_path, dtype, distr
     assert result["folder"] == tmp_path / "run" / "step_00000002"
 
 
-@needs_cpu
 def test_checkpoint_of_an_untrained_actor_resumes(context, tmp_path):
     """Step 0, before the optimizer has any state: the load gives a fresh optimizer that steps
     exactly like the original's first step."""
@@ -118,7 +115,6 @@ def test_checkpoint_of_an_untrained_actor_resumes(context, tmp_path):
     assert _equal(parameters(resumed), parameters(actor))
 
 
-@needs_cpu
 def test_trainer_checkpoint_is_also_a_weights_checkpoint(context, tmp_path):
     actor = build(context, seed=5)
     train(actor, [0])
@@ -128,7 +124,6 @@ def test_trainer_checkpoint_is_also_a_weights_checkpoint(context, tmp_path):
     assert _equal(parameters(other), parameters(actor))
 
 
-@needs_cpu
 def test_keep_last_and_latest_checkpoint(context, tmp_path):
     assert latest_checkpoint(tmp_path / "missing") is None
     assert latest_checkpoint(tmp_path) is None
@@ -219,7 +214,6 @@ BROKEN = {  # name -> (what is done to a good checkpoint, what the error must sa
 }
 
 
-@needs_cpu
 def test_broken_or_foreign_checkpoints_are_refused(context, tmp_path):
     actor = build(context, seed=5)
     train(actor, [0])
@@ -246,7 +240,6 @@ def test_broken_or_foreign_checkpoints_are_refused(context, tmp_path):
         load_checkpoint(good, build(context, seed=5, optimizer=optimizer_config(lr=1e-3)))
 
 
-@needs_cpu
 @pytest.mark.multiprocess
 def test_resume_in_two_processes_continues_exactly(tmp_path):
     results = gloo_launch.launch(WORKER, 2, tmp_path, ["--workdir", tmp_path], LAUNCH_TIMEOUT_S)
@@ -270,7 +263,6 @@ class _CreatesFile:
         return open, (str(self.marker), "w")
 
 
-@needs_cpu
 def test_loading_never_unpickles_objects_from_the_checkpoint(context, tmp_path):
     """Issue 20: a per-rank file (of the current format or of format 1) or Megatron's
     ``.metadata`` whose unpickling would run code is refused, naming the file, and the code
@@ -328,7 +320,6 @@ def test_loading_never_unpickles_objects_from_the_checkpoint(context, tmp_path):
     assert not marker.exists()
 
 
-@needs_cpu
 def test_trainer_state_must_be_plain_data(context, tmp_path):
     actor = build(context, seed=5)
     with pytest.raises(

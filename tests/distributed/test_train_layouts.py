@@ -99,7 +99,6 @@ COMPARED = (
 # an update; 1% of the most a parameter can move in STEPS steps (about lr per step).
 PARAM_TOLERANCE = 0.01 * OPTIMIZER.lr * STEPS
 LAUNCH_TIMEOUT_S = 600.0
-needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo workers")
 
 
 def plan(granularity: str) -> SearchPlan:
@@ -246,7 +245,6 @@ def _assert_metrics_match(got: list[dict], want: list[dict], what: str) -> None:
         assert g["skipped"] == 0.0
 
 
-@needs_cpu
 @pytest.mark.multiprocess
 def test_layouts_match_the_single_process_run(tmp_path, single_process):
     context = single_process

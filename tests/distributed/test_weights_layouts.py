@@ -45,9 +45,6 @@ pytest.importorskip("megatron.core")
 WORKER = Path(__file__).with_name("weights_layouts_worker.py")
 LAUNCH_TIMEOUT_S = 300.0
 WORLD = 4
-needs_cpu = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU patches are for CPU-only runs"
-)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +62,6 @@ def launched(tmp_path_factory):
     return work, reference, results
 
 
-@needs_cpu
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_converted_checkpoint_gives_transformers_logits(launched, layout):
@@ -88,7 +84,6 @@ def test_converted_checkpoint_gives_transformers_logits(launched, layout):
             )
 
 
-@needs_cpu
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "tp2pp2"])
 def test_tp2_pp2_checkpoint_loads_at_other_layouts(launched, layout):
@@ -116,7 +111,6 @@ def check_stage_buckets(
     return names
 
 
-@needs_cpu
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("variant", MP_VARIANTS)
@@ -154,7 +148,6 @@ def test_live_export_at_tp2_pp2_equals_offline_conversion(launched, variant, tra
             assert torch.equal(tensor, original[name].to(torch.bfloat16)), (rank, name)
 
 
-@needs_cpu
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("variant", MP_VARIANTS)
 def test_push_weights_streams_every_stage_into_the_colocated_engine(launched, variant):
@@ -186,7 +179,6 @@ def test_push_weights_streams_every_stage_into_the_colocated_engine(launched, va
         assert tensor.dtype == torch.float32 and torch.equal(tensor, original[name]), name
 
 
-@needs_cpu
 @pytest.mark.multiprocess
 def test_full_shared_memory_falls_back_to_the_collective_or_is_refused(launched):
     _, reference, results = launched
@@ -206,7 +198,6 @@ def test_full_shared_memory_falls_back_to_the_collective_or_is_refused(launched)
         assert "No space left on device" in result["refused-shm-full", variant]
 
 
-@needs_cpu
 @pytest.mark.multiprocess
 def test_reused_shared_memory_buffer_is_refilled_bucket_after_bucket(launched):
     _, reference, results = launched
@@ -225,7 +216,6 @@ def test_reused_shared_memory_buffer_is_refilled_bucket_after_bucket(launched):
         assert all(torch.equal(exported[name], original[name]) for name in original)
 
 
-@needs_cpu
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("variant", MP_VARIANTS)
 def test_live_export_with_virtual_stages(launched, variant):
@@ -243,7 +233,6 @@ def test_live_export_with_virtual_stages(launched, variant):
     assert all(torch.equal(exported[name], original[name]) for name in original)
 
 
-@needs_cpu
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", ["tp2pp2", "tp1pp1"])
 def test_megatron_to_hf_from_tp2_pp2_is_bitwise_and_loads_in_transformers(launched, layout):

@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 pytest.importorskip("megatron.core")
 
@@ -26,7 +25,6 @@ from tests.helpers.train_runs import (  # noqa: E402
     training_command,
 )
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs")
 STEPS = ["train.steps=2"]
 
 

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
 pytest.importorskip("megatron.core")
 
@@ -37,7 +36,6 @@ from tests.helpers.train_runs import (  # noqa: E402
 
 pytestmark = [
     pytest.mark.multiprocess,
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs"),
 ]
 ASYNC_SCRIPT = REPO_ROOT / "examples" / "tiny_cpu" / "torchrun_async.sh"
 MULTINODE_SCRIPT = REPO_ROOT / "examples" / "launch" / "torchrun_multinode.sh"

@@ -8,13 +8,10 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 pytest.importorskip("megatron.core")
 
 from tests.helpers.train_runs import rollout_records, run_in_process, update_records  # noqa: E402
-
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs")
 
 # One rollout step of lag: step k trains the batch sampled at step k - 1, so from step 3 on the
 # proximal log-probs (recomputed by the actor) and the behaviour ones are two updates apart.

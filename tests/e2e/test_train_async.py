@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("megatron.core")
 
@@ -26,7 +25,6 @@ from tests.helpers.train_runs import (  # noqa: E402
 
 pytestmark = [
     pytest.mark.multiprocess,
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs"),
 ]
 PROMPTS = 4  # rollout.prompts_per_step of the FAST runs
 

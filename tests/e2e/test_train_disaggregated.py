@@ -9,7 +9,6 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-import torch
 
 pytest.importorskip("megatron.core")
 
@@ -24,7 +23,6 @@ from tests.helpers.train_runs import (  # noqa: E402
 
 pytestmark = [
     pytest.mark.multiprocess,
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs"),
 ]
 DISAGGREGATED = ["rollout.placement=disaggregated", "rollout.engine_ranks=1"]
 STEPS = ["train.steps=3"]

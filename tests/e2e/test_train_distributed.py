@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-import torch
 
 pytest.importorskip("megatron.core")
 
@@ -22,7 +21,6 @@ from tests.helpers.train_runs import (  # noqa: E402
 
 pytestmark = [
     pytest.mark.multiprocess,
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs"),
 ]
 SCRIPT = REPO_ROOT / "examples" / "tiny_cpu" / "torchrun_2proc.sh"
 STEPS = ["train.steps=3"]

@@ -16,8 +16,6 @@ from bapo_megatron.trainer.tracking import read_scalars  # noqa: E402
 from tests.helpers import hf_models  # noqa: E402
 from tests.helpers.train_runs import read_metrics, rollout_records, run_in_process, run_subprocess  # noqa: E402
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs")
-
 
 def optimizer_records(records):
     return [r for r in records if "loss" in r and "reward/mean" not in r]

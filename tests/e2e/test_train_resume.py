@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("megatron.core")
 
@@ -24,7 +23,6 @@ from tests.helpers.train_runs import (  # noqa: E402
     training_command,
 )
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs")
 # Values that must repeat exactly; times and throughput do not.
 COMPARED = (
     "reward/mean",

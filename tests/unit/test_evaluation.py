@@ -257,7 +257,6 @@ def test_known_answers_through_the_command_line(known_answers, tmp_path):
 
 
 def test_megatron_and_trainer_checkpoints_give_the_hf_report(known_answers, tmp_path, monkeypatch):
-    import torch
 
     from bapo_megatron.actor.actor import build_actor
     from bapo_megatron.config import ActorConfig, OptimizerConfig, ParallelConfig
@@ -269,8 +268,6 @@ def test_megatron_and_trainer_checkpoints_give_the_hf_report(known_answers, tmp_
     from bapo_megatron.weights.convert import hf_to_megatron, load_hf_weights
     from bapo_megatron.weights.hf_checkpoint import HFCheckpoint
 
-    if torch.cuda.is_available():
-        pytest.skip("the CPU patches are for CPU-only runs")
     hf, bench = known_answers
     context = ParallelContext.initialize(ParallelConfig())
     try:

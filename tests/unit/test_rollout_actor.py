@@ -41,7 +41,6 @@ FAMILIES = {
 }
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU run")
 @pytest.mark.parametrize("variant", list(FAMILIES))
 def test_engine_logprobs_equal_actor_logprobs_after_export(variant):
     model = ModelConfig(

@@ -42,9 +42,6 @@ MODEL = ModelConfig(
     vocab_size=96,
     max_position_embeddings=64,
 )
-needs_cpu = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU patches are for CPU-only runs"
-)
 
 
 def make_actor(context, micro_batch_size=2, temperature=0.9, **optimizer):
@@ -88,7 +85,6 @@ def float64_logprobs(logits, tokens, temperature):
     return torch.cat([zero, logp], 1), torch.cat([zero, entropy], 1)
 
 
-@needs_cpu
 def test_forward_only_logprobs_match_float64(context):
     actor = make_actor(context, micro_batch_size=2, temperature=0.7)
     batch = random_batch(1)
@@ -109,7 +105,6 @@ def test_forward_only_logprobs_match_float64(context):
     assert (logp[:, 0] == 0).all()
 
 
-@needs_cpu
 @pytest.mark.parametrize("preset", ["paper", "reference"])
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
 def test_step_granularity_matches_float64_reference(context, preset, aggregation):
@@ -160,7 +155,6 @@ def test_step_granularity_matches_float64_reference(context, preset, aggregation
     assert metrics["bapo/ratio_max"] == pytest.approx(float(r_resp.max()), rel=1e-5)
 
 
-@needs_cpu
 def test_micro_batch_split_does_not_change_the_step(context):
     """Granularity `step`, token-mean: micro-batches of 1, 2 or 5 sequences give the same step."""
     batch = random_batch(3, n=5)
@@ -189,7 +183,6 @@ def test_micro_batch_split_does_not_change_the_step(context):
         assert (params - first_params).abs().max() < 0.01 * 1e-3 * 2
 
 
-@needs_cpu
 def test_non_finite_gradient_skips_the_update_and_counts(context):
     actor = make_actor(context, lr=1e-2)
     batch = random_batch(4)
@@ -211,7 +204,6 @@ def test_non_finite_gradient_skips_the_update_and_counts(context):
     assert any(not torch.equal(p, b) for p, b in zip(params, before))
 
 
-@needs_cpu
 def test_gradient_clipping_and_learning_rate_schedule(context):
     actor = make_actor(
         context,
@@ -248,7 +240,6 @@ def test_gradient_clipping_and_learning_rate_schedule(context):
     assert lrs == pytest.approx(want, rel=1e-9, abs=1e-12)
 
 
-@needs_cpu
 def test_bad_batches_are_refused_by_field(context):
     actor = make_actor(context)
     batch = random_batch(6)
@@ -293,7 +284,6 @@ def test_split_microbatches_pads_to_equal_shapes():
         split_microbatches(batch, micro_batch_size=1, num_microbatches=2)
 
 
-@needs_cpu
 def test_bf16_parameters_train_with_fp32_main_weights(context):
     """Megatron's bf16 mode: bf16 parameters and activations, fp32 main weights in the optimizer;
     the step agrees with the fp32 model's at bf16 precision."""

@@ -42,10 +42,6 @@ from bapo_megatron.weights.name_maps import (  # noqa: E402
 )
 from tests.helpers import hf_models  # noqa: E402
 
-needs_cpu = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU patches are for CPU-only runs"
-)
-
 
 @pytest.fixture(scope="module")
 def hf_folders(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
@@ -187,7 +183,6 @@ def test_bucket_plan_keeps_order_and_bound():
 # ------------------------------------------------------------------------ conversion
 
 
-@needs_cpu
 @pytest.mark.parametrize("variant", list(hf_models.VARIANTS))
 def test_hf_to_megatron_gives_transformers_logits_and_round_trips_bitwise(
     variant, hf_folders, context, tmp_path
@@ -225,7 +220,6 @@ def test_hf_to_megatron_gives_transformers_logits_and_round_trips_bitwise(
     assert tokenizer("w5 w7")["input_ids"] == [5, 7]
 
 
-@needs_cpu
 def test_bfloat16_checkpoint_round_trips_bitwise_and_can_widen(tmp_path, context):
     source = tmp_path / "hf-bf16"
     hf_models.save_hf_folder(source, "qwen2-untied", seed=3, dtype=torch.bfloat16)
@@ -252,7 +246,6 @@ def test_bfloat16_checkpoint_round_trips_bitwise_and_can_widen(tmp_path, context
     assert json.loads((tmp_path / "wide" / "config.json").read_text())["dtype"] == "float32"
 
 
-@needs_cpu
 def test_live_export_at_tp1_is_bounded_versioned_and_converts_dtype(hf_folders, context, tmp_path):
     source, _ = hf_folders["llama-untied"]
     model, chunks = hf_to_megatron(source, tmp_path / "megatron", context)
@@ -292,7 +285,6 @@ def _with_transformer_engine_names(chunk: torch.nn.Module) -> None:
             fused.register_parameter("layer_norm_weight", norm._parameters.pop("weight"))
 
 
-@needs_cpu
 def test_transformer_engine_parameter_names_export_and_load_like_the_local_ones(
     hf_folders, context, tmp_path
 ):
@@ -427,7 +419,6 @@ def test_other_formats_and_scaled_rope_are_refused(hf_folders, tmp_path):
     assert read_model_config(folder).rope_theta == 2.5e5
 
 
-@needs_cpu
 def test_tied_checkpoint_with_a_different_lm_head_is_refused(hf_folders, tmp_path, context):
     folder = corrupt_copy(hf_folders["qwen2-tied"][0], tmp_path)
     shard = shard_of(folder, "model.norm.weight")
@@ -449,7 +440,6 @@ def test_tied_checkpoint_with_a_different_lm_head_is_refused(hf_folders, tmp_pat
 # ------------------------------------------------------------------------ staged outputs
 
 
-@needs_cpu
 def test_interrupted_conversion_leaves_nothing_that_looks_complete(
     hf_folders, tmp_path, context, monkeypatch
 ):
@@ -479,7 +469,6 @@ def test_interrupted_conversion_leaves_nothing_that_looks_complete(
 # ------------------------------------------------------------------------ command line
 
 
-@needs_cpu
 def test_command_line_converts_both_ways_and_reports_bad_input(hf_folders, tmp_path, capsys):
     import os
     import subprocess
@@ -538,7 +527,6 @@ def test_command_line_converts_both_ways_and_reports_bad_input(hf_folders, tmp_p
     assert cli.byte_size("512MiB") == 512 * 2**20 and cli.byte_size("2GB") == 2 * 10**9
 
 
-@needs_cpu
 def test_command_line_creates_the_missing_parent_folders_of_its_output(
     hf_folders, tmp_path, capsys
 ):

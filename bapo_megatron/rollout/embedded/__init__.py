@@ -1,4 +1,5 @@
-"""The embedded CPU engine (transformers' model, our sampler): the default rollout engine.
+"""The embedded engine (transformers' model, our sampler; on the CPU or the rank's GPU): the
+default rollout engine.
 
 The family's builder for :mod:`bapo_megatron.rollout.registry` lives here.
 """
@@ -20,4 +21,4 @@ FAMILY = "embedded"
 def start_in_process(setup: EngineSetup) -> RolloutEngine:
     """An embedded engine with random weights (the trainer pushes its own before rolling out)."""
 
-    return EmbeddedEngine(setup.model, pad_token_id=setup.pad_token_id)
+    return EmbeddedEngine(setup.model, pad_token_id=setup.pad_token_id, device=setup.device)

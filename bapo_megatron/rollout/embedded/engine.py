@@ -1,6 +1,6 @@
 """The embedded rollout engine: a transformers causal LM in the trainer's process, with a KV
 cache and this project's own sampling loop, which records each sampled token's behaviour
-log-prob and policy version. The default engine; it runs on the CPU.
+log-prob and policy version. The default engine; it runs on the CPU, or on its rank's GPU.
 
 All samples of a call decode together as one batch: prompts (with any tokens already generated,
 when continuing) are left-padded, and rows that finish keep decoding padding until every row
@@ -35,14 +35,23 @@ class EmbeddedEngine:
     """
 
     def __init__(
-        self, model: ModelConfig, *, dtype: torch.dtype | None = None, pad_token_id: int = 0
+        self,
+        model: ModelConfig,
+        *,
+        dtype: torch.dtype | None = None,
+        pad_token_id: int = 0,
+        device: str | torch.device = "cpu",
     ) -> None:
         hf_config = transformers.AutoConfig.for_model(**model.to_hf_config())
         self.model_config = model
         self.dtype = dtype or _DTYPES[model.params_dtype]
-        self.model = transformers.AutoModelForCausalLM.from_config(
-            hf_config, dtype=self.dtype
-        ).eval()
+        self.device = torch.device(device)
+        """Where the model and its KV cache live (a colocated engine shares its rank's GPU)."""
+        self.model = (
+            transformers.AutoModelForCausalLM.from_config(hf_config, dtype=self.dtype)
+            .to(self.device)
+            .eval()
+        )
         self.pad_token_id = pad_token_id
         self.version = -1
         self._abort = threading.Event()
@@ -103,12 +112,12 @@ class EmbeddedEngine:
             )
         check_ready(self._released, self.version)
         self._abort.clear()
-        generator = torch.Generator()
+        generator = torch.Generator(device=self.device)
         if params.seed is not None:
             generator.manual_seed(params.seed)
         else:
             generator.seed()
-        stop = torch.tensor(params.stop_token_ids, dtype=torch.long)
+        stop = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
         contexts = [s.prompt_token_ids + s.token_ids for s in samples]
         width = max(map(len, contexts))
         input_ids = torch.full((len(samples), width), self.pad_token_id, dtype=torch.long)
@@ -116,6 +125,7 @@ class EmbeddedEngine:
         for row, ids in enumerate(contexts):
             input_ids[row, width - len(ids) :] = torch.tensor(ids)
             attention[row, width - len(ids) :] = 1
+        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
         if any(len(s.token_ids) >= params.max_new_tokens for s in samples):
             raise ValueError("a sample to continue has already generated max_new_tokens tokens")
         # a response ends (`length`) at max_new_tokens or where the model's context ends
@@ -124,14 +134,15 @@ class EmbeddedEngine:
             [
                 min(params.max_new_tokens - len(s.token_ids), context_end - len(ids))
                 for s, ids in zip(samples, contexts)
-            ]
+            ],
+            device=self.device,
         )
         budget = (
             int(remaining.max())
             if round_tokens is None
             else min(round_tokens, int(remaining.max()))
         )
-        alive = torch.ones(len(samples), dtype=torch.bool)
+        alive = torch.ones(len(samples), dtype=torch.bool, device=self.device)
         cache = transformers.DynamicCache()
         step_ids = input_ids
         for _ in range(budget):
@@ -155,10 +166,12 @@ class EmbeddedEngine:
                 top_p=params.top_p,
                 generator=generator,
             )
+            # one transfer per token step (on a GPU, one synchronization instead of one per row)
+            token_list, logprob_list = tokens.tolist(), logprobs.tolist()
             for row in alive.nonzero().flatten().tolist():
                 sample = samples[row]
-                sample.token_ids.append(int(tokens[row]))
-                sample.logprobs.append(float(logprobs[row]))
+                sample.token_ids.append(token_list[row])
+                sample.logprobs.append(logprob_list[row])
                 sample.versions.append(self.version)
             remaining -= alive.long()
             stopped = alive & torch.isin(tokens, stop)
@@ -244,7 +257,7 @@ class EmbeddedEngine:
     def resume_memory(self) -> None:
         """Allocate uninitialized weights again; :meth:`update_weights` must follow."""
         if self._released:
-            self.model.to_empty(device="cpu")
+            self.model.to_empty(device=self.device)
             with torch.no_grad():
                 for name, kept in self._kept_buffers.items():
                     self.model.get_buffer(name).copy_(kept)

@@ -1,0 +1,158 @@
+"""The RL loop end to end on one device, as the device check runs it: the main job's
+configuration (``examples/tiny_cpu/train.yaml``) through ``python -m bapo_megatron.train`` on the
+device, with the embedded engine on the same device, checkpoints, TensorBoard, and a run killed
+with SIGKILL and resumed, whose metrics must equal the uninterrupted run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONFIG = REPO_ROOT / "examples" / "tiny_cpu" / "train.yaml"
+# Values a resumed run must repeat exactly; times and throughput do not.
+COMPARED = (
+    "reward/mean",
+    "rollout/generated_tokens",
+    "response_length/mean",
+    "loss",
+    "grad_norm",
+    "entropy",
+    "bapo/rho_after",
+    "bapo/c_low",
+    "bapo/c_high",
+    "lr",
+)
+# The ~0.5B model's layer shapes (Qwen2.5-0.5B) over the task's own 16-token vocabulary.
+SMALL_MODEL = (
+    "model.model_type=qwen2",
+    "model.num_layers=24",
+    "model.hidden_size=896",
+    "model.ffn_hidden_size=4864",
+    "model.num_attention_heads=14",
+    "model.num_query_groups=2",
+)
+
+
+def read_records(output: Path) -> list[dict]:
+    path = output / "tensorboard" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def comparable(records: list[dict]) -> list:
+    return [
+        (r["step"], {k: r[k] for k in COMPARED if k in r})
+        for r in records
+        if "warmup/cross_entropy" not in r
+    ]
+
+
+def train_command(output: Path, overrides: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "bapo_megatron.train", "--config", str(CONFIG),
+        f"train.output_dir={output}", "logging.console=false", *overrides,
+    ]
+
+
+def run_training(output: Path, overrides: list[str], env: dict, timeout: float) -> float:
+    """Run to the end; returns the wall time. ``RuntimeError`` with the log's tail on failure."""
+    began = time.monotonic()
+    log = output.parent / f"{output.name}.log"
+    with log.open("w") as sink:
+        proc = subprocess.run(
+            train_command(output, overrides), env=env, stdout=sink, stderr=subprocess.STDOUT,
+            timeout=timeout, cwd=REPO_ROOT, check=False,
+        )
+    if proc.returncode:
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"training exited with {proc.returncode}:\n{tail}")
+    return time.monotonic() - began
+
+
+def kill_when_checkpointed(
+    output: Path, overrides: list[str], env: dict, step: int, timeout: float
+) -> bool:
+    """Start the run and SIGKILL it once checkpoint ``step`` is complete; returns whether it was
+    killed (False: it finished first, which the comparison then covers anyway)."""
+    target = output / "checkpoints" / f"step_{step:08d}"
+    log = output.parent / f"{output.name}.killed.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            train_command(output, overrides), env=env, stdout=sink, stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while proc.poll() is None:
+                if target.is_dir() and time.monotonic() < deadline:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return True
+                if time.monotonic() > deadline:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    raise RuntimeError(f"no {target.name} within {timeout:.0f} s")
+                time.sleep(0.05)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return False
+
+
+def loop_check(work: Path, device: str, overrides: list[str], env: dict, timeout: float) -> dict:
+    """One run of the main job on ``device``: reward trajectory, log-prob gap, throughput."""
+    output = work / "run"
+    base = [f"parallel.device={device}", "logging.logprob_diff_interval=1", *overrides]
+    wall = run_training(output, base, env, timeout)
+    records = read_records(output)
+    rollouts = [r for r in records if "reward/mean" in r]
+    gaps = [r["logprob_diff/mean_abs"] for r in records if "logprob_diff/mean_abs" in r]
+    gaps_max = [r["logprob_diff/max_abs"] for r in records if "logprob_diff/max_abs" in r]
+    rewards = [r["reward/mean"] for r in rollouts]
+    first, last = rewards[: min(5, len(rewards))], rewards[-min(5, len(rewards)) :]
+    checkpoints = sorted(p.name for p in (output / "checkpoints").glob("step_*"))
+    events = list((output / "tensorboard").glob("events.out.tfevents.*"))
+    throughput = [r["throughput/tokens_per_s"] for r in rollouts if "throughput/tokens_per_s" in r]
+    return {
+        "status": "passed" if rollouts and checkpoints and events else "failed",
+        "overrides": base,
+        "wall_s": round(wall, 1),
+        "rollout_steps": len(rollouts),
+        "reward_first5": sum(first) / max(1, len(first)),
+        "reward_last5": sum(last) / max(1, len(last)),
+        "logprob_gap_mean_abs_worst_step": max(gaps) if gaps else None,
+        "logprob_gap_max_abs_worst_step": max(gaps_max) if gaps_max else None,
+        "generated_tokens_per_s_median": sorted(throughput)[len(throughput) // 2]
+        if throughput
+        else None,
+        "checkpoints": checkpoints,
+        "tensorboard_event_files": len(events),
+    }
+
+
+def resume_check(
+    work: Path, device: str, overrides: list[str], env: dict, kill_step: int, timeout: float
+) -> dict:
+    """Uninterrupted run vs the same run SIGKILLed after checkpoint ``kill_step`` and resumed."""
+    base = [f"parallel.device={device}", "parallel.deterministic=true", *overrides]
+    whole, broken = work / "whole", work / "killed"
+    run_training(whole, base, env, timeout)
+    killed = kill_when_checkpointed(broken, base, env, kill_step, timeout)
+    run_training(broken, base, env, timeout)
+    want, got = comparable(read_records(whole)), comparable(read_records(broken))
+    differ = [a[0] for a, b in zip(want, got) if a != b]
+    same = want == got and bool(want)
+    return {
+        "status": "passed" if same else "failed",
+        "killed_after_checkpoint": kill_step if killed else None,
+        "records": len(want),
+        "resumed_records": len(got),
+        "first_differing_steps": differ[:5],
+    }

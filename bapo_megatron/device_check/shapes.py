@@ -1,0 +1,104 @@
+"""The models and batches the device check trains: named sizes, each with a CPU-sized variant so
+that the same command runs in CI, and the shared starting point (an HF folder written once) that
+lets a GPU run and a CPU reference start from the same weights."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from bapo_megatron.actor.batch import PolicyBatch
+from bapo_megatron.config import ModelConfig
+
+# Qwen2.5-0.5B's published shapes (24 layers, hidden 896, 14 heads in 2 query groups, MLP 4864,
+# q/k/v bias, tied embeddings, vocabulary 151936): 494M parameters.
+QWEN25_05B = dict(
+    model_type="qwen2",
+    num_layers=24,
+    hidden_size=896,
+    ffn_hidden_size=4864,
+    num_attention_heads=14,
+    num_query_groups=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    rope_theta=1000000.0,
+    max_position_embeddings=2048,
+)
+# The main job's model (examples/tiny_cpu/train.yaml) with a vocabulary the random batches use.
+TINY = dict(
+    model_type="llama",
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
+# What `small` shrinks to where only a CPU is at hand (CI): same family, 2 layers.
+SMALL_ON_CPU = dict(QWEN25_05B, num_layers=2, hidden_size=128, ffn_hidden_size=256,
+                    num_attention_heads=4, num_query_groups=2, vocab_size=1024)
+
+# Qwen3-8B's published layer shapes (hidden 4096, 32 heads of 128 in 8 query groups, MLP 12288,
+# q/k norms, untied, vocabulary 151936) with 4 of its 36 layers: the memory calibration's model.
+QWEN3_8B_4_LAYERS = dict(
+    model_type="qwen3",
+    num_layers=4,
+    hidden_size=4096,
+    ffn_hidden_size=12288,
+    num_attention_heads=32,
+    num_query_groups=8,
+    head_dim=128,
+    vocab_size=151936,
+    rope_theta=1000000.0,
+    max_position_embeddings=4096,
+)
+
+SIZES = {"tiny": TINY, "small": QWEN25_05B, "qwen3-8b-4l": QWEN3_8B_4_LAYERS}
+"""Sizes by name; `small` is the ~0.5B model of the GPU check."""
+
+
+def model_config(size: str, *, cpu_sized: bool, dtype: str = "float32") -> ModelConfig:
+    """The model of ``size``; ``cpu_sized`` replaces every size but `tiny` by a 2-layer Qwen2."""
+    fields = SMALL_ON_CPU if (cpu_sized and size != "tiny") else SIZES[size]
+    return ModelConfig(**fields, params_dtype=dtype)
+
+
+def write_start_folder(model: ModelConfig, folder: Path, seed: int) -> Path:
+    """An HF folder (config.json + safetensors, bfloat16 weights) with random weights drawn by
+    transformers from ``seed``: bfloat16 so that a bfloat16 GPU actor and a float32 CPU actor
+    load exactly the same numbers."""
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if (folder / "config.json").exists():
+        return folder
+    torch.manual_seed(seed)
+    hf_config = transformers.AutoConfig.for_model(**model.to_hf_config())
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    hf.to(torch.bfloat16).save_pretrained(folder.with_suffix(".partial"))
+    folder.rmdir()
+    folder.with_suffix(".partial").rename(folder)
+    return folder
+
+
+def random_batch(
+    vocab_size: int, *, sequences: int, length: int, seed: int, spread: float = 0.3
+) -> PolicyBatch:
+    """Off-policy training data: random tokens, responses after a prompt of 1/4 of the length,
+    old log-probs around a typical value for the vocabulary so that ratios spread around 1, and
+    advantages of both signs (a share of sequences negative, as in RL of reasoning models)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (sequences, length), generator=g)
+    mask = torch.zeros(sequences, length, dtype=torch.bool)
+    for row in range(sequences):
+        start = length // 4
+        end = int(torch.randint(start + length // 4, length + 1, (), generator=g))
+        mask[row, start:end] = True
+    old = torch.where(
+        mask, -math.log(vocab_size) + spread * torch.randn(sequences, length, generator=g), 0.0
+    )
+    advantages = torch.randn(sequences, generator=g)
+    return PolicyBatch(tokens=tokens, response_mask=mask, old_logprobs=old, advantages=advantages)
