@@ -130,6 +130,19 @@ def _numba_available() -> bool:
     return True
 
 
+def _bucket_sums(bucket: torch.Tensor, weights: torch.Tensor | None, size: int) -> torch.Tensor:
+    """Per-bucket sums of ``weights`` (counts when None): ``bincount``, except on a GPU in
+    deterministic mode, where CUDA's ``bincount`` has no deterministic kernel and
+    ``index_add_`` has one (float64 sums in a fixed order, so two runs agree bitwise)."""
+    if bucket.is_cuda and torch.are_deterministic_algorithms_enabled():
+        values = torch.ones_like(bucket) if weights is None else weights
+        flat = bucket.reshape(-1)
+        return torch.zeros(size, dtype=values.dtype, device=bucket.device).index_add_(
+            0, flat, values.reshape(-1)
+        )
+    return torch.bincount(bucket, weights=weights, minlength=size)
+
+
 def _torch_stats(ratio, log_ratio, advantages, mask, plan):
     layout = StatsLayout.of(plan)
     grids = plan.tensors(ratio.device)
@@ -150,9 +163,9 @@ def _torch_stats(ratio, log_ratio, advantages, mask, plan):
     weighted_ratio = weight * ratio.to(torch.float64)
     size = layout.row + 1
     channels = [
-        torch.bincount(bucket, weights=weighted_ratio, minlength=size)[: layout.row],
-        torch.bincount(bucket, weights=weight, minlength=size)[: layout.row],
-        torch.bincount(bucket, minlength=size)[: layout.row].to(torch.float64),
+        _bucket_sums(bucket, weighted_ratio, size)[: layout.row],
+        _bucket_sums(bucket, weight, size)[: layout.row],
+        _bucket_sums(bucket, None, size)[: layout.row].to(torch.float64),
     ]
     r64 = torch.where(mask, ratio, 0).to(torch.float64)
     kl = torch.where(mask, r64 - 1 - log_ratio.to(torch.float64), 0)

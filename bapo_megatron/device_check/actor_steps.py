@@ -71,10 +71,9 @@ def _sync(device: torch.device) -> None:
 
 
 def run_variant(args, variant: str, context, model, start: Path, batch) -> dict:
-    from bapo_megatron.actor.actor import build_actor
     from bapo_megatron.actor.train_step import train_step
     from bapo_megatron.algo.search_plan import SearchPlan
-    from bapo_megatron.config import ActorConfig, ClipSearchConfig, LossConfig, OptimizerConfig
+    from bapo_megatron.config import ClipSearchConfig, LossConfig
     from bapo_megatron.weights.convert import load_hf_weights
     from bapo_megatron.weights.hf_checkpoint import HFCheckpoint
 
@@ -82,18 +81,7 @@ def run_variant(args, variant: str, context, model, start: Path, batch) -> dict:
     clip = ClipSearchConfig.from_preset(preset, granularity=granularity)
     loss = LossConfig(clip=clip, aggregation="token-mean")
     device = context.device
-    before = _allocated(device)
-    actor = build_actor(
-        model,
-        ActorConfig(micro_batch_size=args.micro_batch_size, temperature=1.0, seed=1),
-        OptimizerConfig(
-            lr=1e-5, weight_decay=0.0, clip_grad=1.0,
-            use_distributed_optimizer=args.distributed_optimizer,
-        ),
-        context,
-        initialize=start is None,
-    )
-    built = _allocated(device)
+    actor, marks = build_measured(args, model, context, initialize=start is None)
     if start is not None:
         with HFCheckpoint.open(start) as hf, torch.no_grad():
             load_hf_weights(actor.chunks, hf, context)
@@ -118,12 +106,40 @@ def run_variant(args, variant: str, context, model, start: Path, batch) -> dict:
         "parameters_sha256": parameter_digest(actor),
     }
     if args.memory and device.type == "cuda":
-        result["memory"] = measured_vs_planned(actor, model, context, batch, args, {
-            "before_build": before, "after_build": built, "before_step": step_base,
-            "after_steps": _allocated(device), "peak": torch.cuda.max_memory_allocated(),
-        })
+        marks.update(before_step=step_base, after_steps=_allocated(device),
+                     peak=torch.cuda.max_memory_allocated())
+        result["memory"] = measured_vs_planned(actor, model, context, batch, args, marks)
     del actor
     return result
+
+
+def build_measured(args, model, context, *, initialize: bool):
+    """:func:`~bapo_megatron.actor.actor.build_actor`'s three parts one by one, with the bytes
+    allocated after each (model weights, DDP gradient buffers, optimizer with its main copies)."""
+    from bapo_megatron.actor.actor import Actor
+    from bapo_megatron.actor.model import build_model
+    from bapo_megatron.actor.optimizer import build_optimizer, wrap_data_parallel
+    from bapo_megatron.config import ActorConfig, OptimizerConfig
+
+    actor_config = ActorConfig(micro_batch_size=args.micro_batch_size, temperature=1.0, seed=1)
+    optimizer_config = OptimizerConfig(
+        lr=1e-5, weight_decay=0.0, clip_grad=1.0,
+        use_distributed_optimizer=args.distributed_optimizer,
+    )
+    marks = {"before_build": _allocated(context.device)}
+    chunks = build_model(model, context.config, context, seed=actor_config.seed,
+                         initialize=initialize)
+    marks["after_model"] = _allocated(context.device)
+    wrapped = wrap_data_parallel(chunks, chunks[0].config, optimizer_config, context)
+    marks["after_ddp"] = _allocated(context.device)
+    optimizer, scheduler = build_optimizer(
+        wrapped, optimizer_config, chunks[0].config.params_dtype, context
+    )
+    marks["after_optimizer"] = _allocated(context.device)
+    actor = Actor(context=context, model_config=model, actor_config=actor_config,
+                  optimizer_config=optimizer_config, chunks=wrapped, optimizer=optimizer,
+                  scheduler=scheduler)
+    return actor, marks
 
 
 def measured_vs_planned(actor, model, context, batch, args, marks: dict[str, int]) -> dict:
@@ -142,16 +158,23 @@ def measured_vs_planned(actor, model, context, batch, args, marks: dict[str, int
         attention="unfused",
     )
     activations = stage_bytes(model, context.config, shape, 0, model.num_layers)
+    # Adam's moments appear at the first step; the main copies of bf16 weights with the
+    # optimizer: both are the planner's "optimizer".
     measured = {
-        "weights_and_gradients": marks["after_build"] - marks["before_build"],
-        "optimizer": marks["after_steps"] - marks["before_step"],
+        "weights": marks["after_model"] - marks["before_build"],
+        "gradients": marks["after_ddp"] - marks["after_model"],
+        "optimizer": marks["after_optimizer"] - marks["after_ddp"]
+        + marks["after_steps"] - marks["before_step"],
         "activations_peak": marks["peak"] - marks["after_steps"],
     }
     plan = {
-        "weights_and_gradients": planned.weights + planned.gradients,
+        "weights": planned.weights,
+        "gradients": planned.gradients,
         "optimizer": planned.optimizer,
         "activations_peak": activations,
     }
+    measured["total"] = sum(measured.values())
+    plan["total"] = sum(plan.values())
     return {
         "measured_bytes": measured,
         "planned_bytes": plan,

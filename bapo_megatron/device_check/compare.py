@@ -108,7 +108,8 @@ def headline(name: str, result: dict) -> str:
                                           r["sizes"].items()),
         "engine": lambda r: f"{r['tokens_per_s']:,.0f} tokens/s",
         "conversion": lambda r: f"logits max diff {r['logits_max_abs_diff_vs_transformers']:.2e}",
-        "speed": lambda r: f"actor/transformers {r['actor_over_transformers']:.2f}x",
+        "speed": lambda r: f"actor/transformers {r['actor_over_transformers']:.2f}x, MFU "
+        f"{r['actor_mfu'] or 0:.1%}, BAPO step/fixed clip {r['paper_step_over_fixed_clip']:.2f}x",
         "loop_tiny": lambda r: f"reward {r['reward_first5']:.3f} -> {r['reward_last5']:.3f}",
         "loop_small": lambda r: f"reward {r['reward_first5']:.3f} -> {r['reward_last5']:.3f}",
         "resume": lambda r: f"killed after {r['killed_after_checkpoint']}, "

@@ -194,13 +194,16 @@ def loop(checks: Checks, small: bool) -> dict:
                                   "rollout.samples_per_prompt=4", "rollout.max_new_tokens=16",
                                   "actor.micro_batch_size=16", "warmup.batch_size=16",
                                   "data.synthetic_size=200"]
-    dtype = ["model.params_dtype=bfloat16"] if checks.gpu else []
+    # Megatron's non-distributed optimizer cannot checkpoint bf16 models whose norm weights stay
+    # in float32 (the local layer spec): the trainer refuses it, so GPU runs shard the optimizer.
+    dtype = ["model.params_dtype=bfloat16", "optimizer.use_distributed_optimizer=true"] if \
+        checks.gpu else []
     if small:
         overrides = [*fast, *dtype, *(loop_runs.SMALL_MODEL if checks.gpu else ()),
-                     "warmup.steps=30", "train.steps=3", "checkpoint.interval=3",
+                     "warmup.steps=10", "train.steps=3", "checkpoint.interval=3",
                      "actor.micro_batch_size=32"]
     else:
-        overrides = [*fast, *dtype, f"train.steps={30 if checks.gpu else 4}",
+        overrides = [*fast, *dtype, f"train.steps={20 if checks.gpu else 4}",
                      "checkpoint.interval=10"]
     folder = checks.work / ("loop-small" if small else "loop-tiny")
     folder.mkdir()
@@ -211,7 +214,8 @@ def resume(checks: Checks) -> dict:
     fast = ["warmup.steps=20", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4",
             "rollout.max_new_tokens=16", "actor.micro_batch_size=16", "warmup.batch_size=16",
             "data.synthetic_size=200", "train.steps=6", "checkpoint.interval=2"]
-    dtype = ["model.params_dtype=bfloat16"] if checks.gpu else []
+    dtype = ["model.params_dtype=bfloat16", "optimizer.use_distributed_optimizer=true"] if \
+        checks.gpu else []
     folder = checks.work / "resume"
     folder.mkdir()
     return loop_runs.resume_check(folder, checks.args.device, [*fast, *dtype], checks.env,
@@ -224,15 +228,16 @@ def speed(checks: Checks) -> dict:
     start = write_start_folder(model_config(size, cpu_sized=not checks.gpu),
                                checks.work / f"start-{size}", seed=0)
     dtype = "bfloat16" if checks.gpu else "float32"
-    length = 512 if checks.gpu else 32
-    common = ["--start", str(start), "--sequences", "8", "--length", str(length),
-              "--micro-batch-size", "4", "--dtype", dtype, "--steps", "4"]
+    length = 1024 if checks.gpu else 32
+    common = ["--start", str(start), "--sequences", "16" if checks.gpu else "4", "--length",
+              str(length), "--micro-batch-size", "4", "--dtype", dtype, "--steps", "4"]
     ours = checks.python("bapo_megatron.device_check.actor_steps", "--device",
-                         checks.args.device, "--variants", "paper/microbatch", *common,
+                         checks.args.device, "--variants",
+                         "paper/microbatch,paper/step,grpo/microbatch", *common,
                          timeout=checks.args.check_timeout)
     theirs = model_check(checks, "hf-speed", *common)
-    variant = ours["variants"][0]
-    tokens_per_s = ours["tokens_per_step"] / min(variant["step_seconds"][1:])
+    fastest = {v["variant"]: min(v["step_seconds"][1:]) for v in ours["variants"]}
+    tokens_per_s = ours["tokens_per_step"] / fastest["paper/microbatch"]
     model = ours["model"]
     flops_per_token = 6 * dense_parameters(model) + 6 * model["num_layers"] * model[
         "hidden_size"] * length  # attention scores and values, forward + backward
@@ -242,6 +247,11 @@ def speed(checks: Checks) -> dict:
         "actor_tokens_per_s": tokens_per_s,
         "transformers_sdpa_tokens_per_s": theirs["tokens_per_s"],
         "actor_over_transformers": tokens_per_s / theirs["tokens_per_s"],
+        "step_seconds": fastest,
+        # what BAPO's search (and, at granularity step, its extra forward) adds to a fixed clip
+        "paper_microbatch_over_fixed_clip": fastest["paper/microbatch"]
+        / fastest["grpo/microbatch"],
+        "paper_step_over_fixed_clip": fastest["paper/step"] / fastest["grpo/microbatch"],
         "model_flops_per_token": flops_per_token,
         "actor_mfu": tokens_per_s * flops_per_token / peak if peak else None,
         "mfu_peak_flops": peak,
