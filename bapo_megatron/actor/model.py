@@ -104,7 +104,21 @@ def build_model(
     ]
     for chunk in chunks:
         install_rope_frequencies(chunk, model)
+        _parameters_to(chunk, config.params_dtype)
     return chunks
+
+
+def _parameters_to(chunk: GPTModel, dtype: torch.dtype) -> None:
+    """Give every parameter the model's dtype. The local layer spec's norms are torch modules
+    that create float32 weights whatever ``params_dtype`` says (Transformer Engine's norms take
+    it); a bf16 model with float32 parameters breaks both Megatron 0.16 optimizers' checkpoints:
+    the plain one cannot save them, and the distributed one numbers the optimizer state of a
+    parameter group holding both dtypes in another order than it stores it (float32 shards
+    first), so it saves one parameter's state under another's name, or fails an assertion.
+    Buffers (the rotary frequencies) keep their float32."""
+    for param in chunk.parameters():
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def global_parameter_name(chunk: GPTModel, local_name: str) -> str:

@@ -130,11 +130,13 @@ def _numba_available() -> bool:
     return True
 
 
-def _bucket_sums(bucket: torch.Tensor, weights: torch.Tensor | None, size: int) -> torch.Tensor:
-    """Per-bucket sums of ``weights`` (counts when None): ``bincount``, except on a GPU in
-    deterministic mode, where CUDA's ``bincount`` has no deterministic kernel and
-    ``index_add_`` has one (float64 sums in a fixed order, so two runs agree bitwise)."""
-    if bucket.is_cuda and torch.are_deterministic_algorithms_enabled():
+def _bucket_sums(
+    bucket: torch.Tensor, weights: torch.Tensor | None, size: int, index_add: bool
+) -> torch.Tensor:
+    """Per-bucket sums of ``weights`` (counts when None): ``bincount``, or with ``index_add``
+    (a GPU in deterministic mode, where CUDA's ``bincount`` has no deterministic kernel and
+    ``index_add_`` has one) an ``index_add_`` into zeros."""
+    if index_add:
         values = torch.ones_like(bucket) if weights is None else weights
         flat = bucket.reshape(-1)
         return torch.zeros(size, dtype=values.dtype, device=bucket.device).index_add_(
@@ -162,10 +164,11 @@ def _torch_stats(ratio, log_ratio, advantages, mask, plan):
     weight = advantages.abs().to(torch.float64)
     weighted_ratio = weight * ratio.to(torch.float64)
     size = layout.row + 1
+    index_add = ratio.is_cuda and torch.are_deterministic_algorithms_enabled()
     channels = [
-        _bucket_sums(bucket, weighted_ratio, size)[: layout.row],
-        _bucket_sums(bucket, weight, size)[: layout.row],
-        _bucket_sums(bucket, None, size)[: layout.row].to(torch.float64),
+        _bucket_sums(bucket, weighted_ratio, size, index_add)[: layout.row],
+        _bucket_sums(bucket, weight, size, index_add)[: layout.row],
+        _bucket_sums(bucket, None, size, index_add)[: layout.row].to(torch.float64),
     ]
     r64 = torch.where(mask, ratio, 0).to(torch.float64)
     kl = torch.where(mask, r64 - 1 - log_ratio.to(torch.float64), 0)

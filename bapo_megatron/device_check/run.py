@@ -194,8 +194,7 @@ def loop(checks: Checks, small: bool) -> dict:
                                   "rollout.samples_per_prompt=4", "rollout.max_new_tokens=16",
                                   "actor.micro_batch_size=16", "warmup.batch_size=16",
                                   "data.synthetic_size=200"]
-    # Megatron's non-distributed optimizer cannot checkpoint bf16 models whose norm weights stay
-    # in float32 (the local layer spec): the trainer refuses it, so GPU runs shard the optimizer.
+    # bf16 with the distributed optimizer, as the GPU recipes run
     dtype = ["model.params_dtype=bfloat16", "optimizer.use_distributed_optimizer=true"] if \
         checks.gpu else []
     if small:

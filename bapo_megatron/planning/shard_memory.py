@@ -126,8 +126,8 @@ def actor_state_bytes(
             if param.requires_grad:
                 by_dtype.setdefault(param.dtype, []).append(param)
         for dtype, params in by_dtype.items():
-            # fp32 parameters (the local spec's norm weights, or a float32 model) are their own
-            # main copy; lower-precision ones get an fp32 one.
+            # fp32 parameters (a float32 model) are their own main copy; lower-precision ones
+            # get an fp32 one.
             per_element = ADAM_MOMENT_BYTES + (MAIN_PARAM_BYTES if dtype != torch.float32 else 0)
             for distributed in (True, False):
                 buffer = grad_buffer_layout(params, dp_size, distributed)

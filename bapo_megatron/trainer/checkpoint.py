@@ -36,10 +36,9 @@ Megatron's optimizer checkpoints assume fused Adams; the repairs torch's Adam ne
 distributed optimizer is saved in its ``dp_reshardable`` format (the default
 ``fully_sharded_model_space`` needs ``flattened_range``, which the torch_dist format dropped;
 ``fully_reshardable`` loses ``step``), and loading it copies into views of leaf parameters, so it
-runs under ``torch.no_grad()``. One case is refused: a bf16 model with float32 parameters (the
-local spec's norms, i.e. without Transformer Engine) and the non-distributed optimizer, whose
-``Float16OptimizerWithFloat16Params`` cannot build its sharded state dict; :func:`save_checkpoint`
-refuses before writing (the distributed optimizer checkpoints that model exactly).
+runs under ``torch.no_grad()``. A bf16 model holds only bf16 parameters
+(:func:`bapo_megatron.actor.model.build_model` casts the local spec's float32 norm weights):
+Megatron 0.16's optimizers cannot checkpoint a mix of the two.
 """
 
 from __future__ import annotations
@@ -53,7 +52,6 @@ from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
-from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
 from bapo_megatron.actor.actor import Actor
 from bapo_megatron.distributed.collectives import barrier, on_every_rank
@@ -166,19 +164,6 @@ def _check_can_save(step: int, actor: Actor, trainer_state: dict, keep_last: int
         raise TypeError(
             f"save_checkpoint: trainer_state must be a dict, got {type(trainer_state).__name__}"
         )
-    for inner in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
-        if isinstance(inner, Float16OptimizerWithFloat16Params) and any(
-            inner.fp32_from_fp32_groups
-        ):
-            # Its sharded_state_dict maps optimizer state to the bf16 parameters only and fails
-            # on the others ("Param id ... does not match any model sharded param").
-            raise ValueError(
-                "save_checkpoint: model.params_dtype=bfloat16 with some parameters kept in "
-                "float32 (the norm weights of the local layer spec, used without Transformer "
-                "Engine) cannot be checkpointed by Megatron's non-distributed mixed-precision "
-                "optimizer; set optimizer.use_distributed_optimizer=true, whose checkpoints "
-                "handle them"
-            )
 
 
 def _write_rank_file(staging: Path, step: int, rank: int, trainer_state: dict) -> None:

@@ -84,17 +84,31 @@ def assert_resumed_exactly(result: dict, trainer_state: dict, what: str) -> None
 
 
 @pytest.mark.parametrize(
-    ("dtype", "distributed"),
-    [("float32", False), ("float32", True), ("bfloat16", True)],
-    ids=["optimizer", "distributed-optimizer", "bf16-distributed-optimizer"],
+    ("dtype", "distributed", "family"),
+    [
+        ("float32", False, "llama"),
+        ("float32", True, "llama"),
+        ("bfloat16", True, "llama"),
+        ("bfloat16", False, "llama"),
+        # q/k/v biases and norm weights in one optimizer group: Megatron 0.16's distributed
+        # optimizer misnumbered such a group's state when the two had different dtypes
+        ("bfloat16", True, "qwen2"),
+    ],
+    ids=[
+        "optimizer",
+        "distributed-optimizer",
+        "bf16-distributed-optimizer",
+        "bf16-optimizer",
+        "bf16-qwen2-distributed-optimizer",
+    ],
 )
-def test_resume_in_one_process_continues_exactly(context, tmp_path, dtype, distributed):
+def test_resume_in_one_process_continues_exactly(context, tmp_path, dtype, distributed, family):
     state = {
         "epoch": 3,
         "replay": [torch.arange(4.0), "prompt-17"],
         "cursor": {"file": "a", "line": 9},
     }
-    model = dataclasses.replace(model_config(), params_dtype=dtype)
+    model = dataclasses.replace(model_config(), params_dtype=dtype, model_type=family)
     result = resume_run(
         context, tmp_path / "run", state, optimizer=optimizer_config(distributed), model=model
     )
@@ -152,11 +166,6 @@ def test_keep_last_and_latest_checkpoint(context, tmp_path):
 
     with pytest.raises(ValueError, match="keep_last"):
         save_checkpoint(tmp_path, 5, actor, {}, keep_last=0)
-    bf16 = build(
-        context, seed=5, model=dataclasses.replace(model_config(), params_dtype="bfloat16")
-    )
-    with pytest.raises(ValueError, match="optimizer.use_distributed_optimizer=true"):
-        save_checkpoint(tmp_path, 5, bf16, {}, keep_last=None)
     with pytest.raises(TypeError, match="trainer_state must be a dict"):
         save_checkpoint(tmp_path, 5, actor, [1], keep_last=None)
     with pytest.raises(ValueError, match="trainer_state of rank 0 cannot be saved"):

@@ -102,3 +102,23 @@ def test_backends_agree_on_ratios_at_and_next_to_every_candidate(preset, overrid
     by_numba, _ = contribution_stats(ratio, ratio.log(), adv, mask, plan, "numba")
     by_torch, _ = contribution_stats(ratio, ratio.log(), adv, mask, plan, "torch")
     torch.testing.assert_close(by_numba, by_torch, rtol=1e-12, atol=1e-12)
+
+
+def test_deterministic_gpu_sums_equal_bincount_against_float64():
+    """The per-bucket sums a GPU in deterministic mode takes (``index_add_``) against
+    ``bincount`` and a float64 loop, on fresh random buckets (run here on the CPU: the branch is
+    chosen by the caller, the arithmetic is the same on both devices)."""
+    from bapo_megatron.algo.contributions import _bucket_sums
+
+    g = torch.Generator().manual_seed(11)
+    bucket = torch.randint(0, 9, (5000,), generator=g)
+    weights = torch.rand(5000, generator=g, dtype=torch.float64)
+    by_loop = torch.zeros(10, dtype=torch.float64)
+    counts = torch.zeros(10, dtype=torch.float64)
+    for b, w in zip(bucket.tolist(), weights.tolist()):
+        by_loop[b] += w
+        counts[b] += 1
+    for index_add in (False, True):
+        sums = _bucket_sums(bucket, weights, 10, index_add)
+        torch.testing.assert_close(sums, by_loop, rtol=1e-12, atol=1e-12)
+        assert torch.equal(_bucket_sums(bucket, None, 10, index_add).to(torch.float64), counts)

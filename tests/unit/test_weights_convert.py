@@ -225,8 +225,8 @@ def test_bfloat16_checkpoint_round_trips_bitwise_and_can_widen(tmp_path, context
     hf_models.save_hf_folder(source, "qwen2-untied", seed=3, dtype=torch.bfloat16)
     model, [chunk] = hf_to_megatron(source, tmp_path / "bf16", context)
     assert model.params_dtype == "bfloat16"
-    # matrices in bf16 (the local spec's norm weights stay float32: exact for bf16 values)
-    assert all(p.dtype == torch.bfloat16 for n, p in chunk_parameters(chunk) if "norm" not in n)
+    # every parameter in bf16, the local spec's norm weights too
+    assert all(p.dtype == torch.bfloat16 for n, p in chunk_parameters(chunk))
     megatron_to_hf(tmp_path / "bf16", tmp_path / "back", context)
     original = hf_models.read_hf_tensors(source)
     back = hf_models.read_hf_tensors(tmp_path / "back")
@@ -515,9 +515,8 @@ def test_command_line_converts_both_ways_and_reports_bad_input(hf_folders, tmp_p
     cli.main(args)
     original, back = hf_models.read_hf_tensors(source), hf_models.read_hf_tensors(tmp_path / "back")
     assert sorted(back) == sorted(original)
-    for name, tensor in original.items():  # matrices through bf16: rounded, then widened exactly
-        kept = tensor if "norm" in name else tensor.to(torch.bfloat16).float()  # norms stay fp32
-        assert torch.equal(back[name], kept), name
+    for name, tensor in original.items():  # through bf16 (norms too): rounded, widened exactly
+        assert torch.equal(back[name], tensor.to(torch.bfloat16).float()), name
     assert len(list((tmp_path / "back").glob("*.safetensors"))) > 3
     capsys.readouterr()
     with pytest.raises(SystemExit) as failed:
