@@ -17,6 +17,7 @@ from pathlib import Path
 
 from bapo_megatron.config import Config
 from bapo_megatron.config.loading import load_config
+from bapo_megatron.config.trackers import check_tracker_packages
 from bapo_megatron.disaggregated.engine_rank import run_engine_rank
 from bapo_megatron.disaggregated.link import connect_engines
 from bapo_megatron.disaggregated.world import join_world
@@ -31,6 +32,7 @@ def preflight(cfg: Config) -> None:
     :meth:`ParallelContext.initialize` and the task's prompts against the model's context by
     :func:`bapo_megatron.data.task.load_task`, both before the actor is built.)"""
     cfg.check_training()
+    check_tracker_packages(cfg.logging.wandb, cfg.logging.mlflow)
     get_reward(cfg.reward.name)  # unknown names and imports that fail, named
     output = Path(cfg.train.output_dir).absolute()
     existing = next(p for p in (output, *output.parents) if p.exists())
