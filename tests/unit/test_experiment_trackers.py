@@ -154,14 +154,21 @@ def test_a_tracker_that_never_answers_is_given_up_after_the_timeout(tmp_path, ca
             mlflow=MlflowConfig(enabled=True, tracking_uri=f"http://{host}:{port}"),
             tracker_timeout_s=0.5,
         )
+        trackers = start_trackers(cfg, HYPERPARAMETERS, tmp_path, {})
         with caplog.at_level(logging.WARNING):
-            runs = log_session(tmp_path, cfg, RECORDS)
+            with MetricsLogger(tmp_path / "tensorboard", console=False, trackers=trackers) as log:
+                runs_asked = []
+                for step, values in RECORDS:
+                    log.log(step, values)
+                    if step > 0:  # two checkpoints: the second does not wait again
+                        runs_asked.append(log.tracker_runs())
+            assert trackers[0].failed
     finally:
         server.close()
     reports = [r.getMessage() for r in caplog.records if "experiment tracker" in r.getMessage()]
     assert len(reports) == 1, reports
     assert "MLflow did not start within 0.5 s" in reports[0]
-    assert runs == {}
+    assert len(runs_asked) == 2 and runs_asked[1] == {}
     assert len(jsonl(tmp_path)) == len(RECORDS)
 
 

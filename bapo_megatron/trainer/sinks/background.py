@@ -73,7 +73,8 @@ class BackgroundTracker:
     def run_id(self) -> str | None:
         """The tracker run's id, to store in a checkpoint: waits (up to the timeout) for the
         tracker to start; a tracker that could not start keeps the id it was to resume."""
-        if not self._opened.wait(self._timeout_s):
+        # a tracker given up is not waited for again (one stuck start costs one timeout)
+        if not self._failed and not self._opened.wait(self._timeout_s):
             self._report(f"did not start within {self._timeout_s:g} s")
         return self._run_id or self._resume_id
 
