@@ -10,9 +10,7 @@ import math
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
-from tests.helpers.train_runs import rollout_records, run_in_process, update_records  # noqa: E402
+from tests.helpers.train_runs import rollout_records, run_in_process, update_records
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs")
 

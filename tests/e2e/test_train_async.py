@@ -13,11 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
-from tests.e2e.test_train_disaggregated import finish  # noqa: E402
-from tests.helpers.fault_rewards import HANG_FILE  # noqa: E402
-from tests.helpers.train_runs import (  # noqa: E402
+from tests.e2e.test_train_disaggregated import finish
+from tests.helpers.fault_rewards import HANG_FILE
+from tests.helpers.train_runs import (
     read_metrics,
     rollout_records,
     start_ranks,

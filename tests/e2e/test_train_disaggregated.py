@@ -11,9 +11,7 @@ import subprocess
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
-from tests.helpers.train_runs import (  # noqa: E402
+from tests.helpers.train_runs import (
     assert_same_run,
     read_metrics,
     rollout_records,

@@ -9,11 +9,9 @@ import subprocess
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
-from bapo_megatron.trainer.checkpoint import latest_checkpoint  # noqa: E402
-from tests.helpers.gloo_launch import REPO_ROOT  # noqa: E402
-from tests.helpers.train_runs import (  # noqa: E402
+from bapo_megatron.trainer.checkpoint import latest_checkpoint
+from tests.helpers.gloo_launch import REPO_ROOT
+from tests.helpers.train_runs import (
     kill_after,
     read_metrics,
     rollout_records,

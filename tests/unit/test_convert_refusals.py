@@ -21,11 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("megatron.core")
-
-from bapo_megatron.weights import convert_cli  # noqa: E402
-from tests.helpers import hf_models  # noqa: E402
+from bapo_megatron.weights import convert_cli
+from tests.helpers import hf_models
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU patches are for CPU-only runs"

@@ -15,22 +15,20 @@ import math
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
-from bapo_megatron.actor.actor import build_actor  # noqa: E402
-from bapo_megatron.actor.batch import PolicyBatch, split_microbatches  # noqa: E402
-from bapo_megatron.actor.logprobs import compute_logprobs  # noqa: E402
-from bapo_megatron.actor.model import global_parameter_name, load_whole_model_weights  # noqa: E402
-from bapo_megatron.actor.train_step import train_step  # noqa: E402
-from bapo_megatron.algo.search_plan import SearchPlan  # noqa: E402
-from bapo_megatron.config import (  # noqa: E402
+from bapo_megatron.actor.actor import build_actor
+from bapo_megatron.actor.batch import PolicyBatch, split_microbatches
+from bapo_megatron.actor.logprobs import compute_logprobs
+from bapo_megatron.actor.model import global_parameter_name, load_whole_model_weights
+from bapo_megatron.actor.train_step import train_step
+from bapo_megatron.algo.search_plan import SearchPlan
+from bapo_megatron.config import (
     ActorConfig,
     ClipSearchConfig,
     LossConfig,
     ModelConfig,
     OptimizerConfig,
 )
-from tests.helpers import bapo_reference  # noqa: E402
+from tests.helpers import bapo_reference
 
 MODEL = ModelConfig(
     model_type="llama",

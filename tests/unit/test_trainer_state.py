@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
 from bapo_megatron.data.experience import Group, ReplayBuffer
 from bapo_megatron.data.prompts import PromptRow
 from bapo_megatron.rollout.protocol import RolloutSample
