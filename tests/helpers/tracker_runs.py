@@ -40,7 +40,11 @@ def read_wandb_session(folder: Path) -> WandbSession:
     session = WandbSession(folder)
     store = datastore.DataStore()
     store.open_for_scan(str(log_file))
-    while (data := store.scan_data()) is not None:
+    try:
+        records = list(iter(store.scan_data, None))
+    finally:
+        store.close()
+    for data in records:
         record = wandb_internal_pb2.Record()
         record.ParseFromString(data)
         kind = record.WhichOneof("record_type")

@@ -227,6 +227,7 @@ def kill_after(
         ]
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        proc.stderr.close()
     # what the trainer started (its reward workers) ends with it
     deadline = time.monotonic() + 30
     while any(running(pid) for pid in children) and time.monotonic() < deadline:
