@@ -80,6 +80,12 @@ def test_other_third_party_warnings_still_show():
             FutureWarning,
         ),
         (
+            "torch.distributed.c10d_logger",
+            "`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
+            "`torch.distributed.all_gather_single` instead.",
+            FutureWarning,
+        ),
+        (
             "torch.nn.functional",
             "Mismatch dtype between input and weight: input dtype = c10::BFloat16",
             UserWarning,
@@ -104,10 +110,16 @@ def test_every_filter_names_its_reason():
     text = (REPO_ROOT / "pyproject.toml").read_text()
     filters = tomllib.loads(text)["tool"]["pytest"]["ini_options"]["filterwarnings"]
     lines = text.splitlines()
-    for entry in filters:
-        if not entry.startswith("ignore:"):
-            continue
-        (index,) = [i for i, line in enumerate(lines) if line.strip().startswith(f'"{entry[:20]}')]
-        while lines[index - 1].strip().startswith('"ignore:'):  # filters sharing one reason
-            index -= 1
-        assert lines[index - 1].strip().startswith("#"), f"{entry}: no comment above it"
+    start = lines.index("filterwarnings = [")
+    end = lines.index("]", start)
+    seen, reason = [], None
+    for line in lines[start + 1 : end]:
+        line = line.strip()
+        if line.startswith("#"):
+            reason = line
+        elif line.startswith('"'):
+            (entry,) = tomllib.loads(f"entry = {line.rstrip(',')}").values()
+            # an ignore shares the reason of the comment block above it
+            assert entry.startswith("error:") or reason is not None, f"{entry}: no reason"
+            seen.append(entry)
+    assert seen == filters
