@@ -86,6 +86,11 @@ def test_other_third_party_warnings_still_show():
             FutureWarning,
         ),
         (
+            "megatron.core.optimizer",
+            "Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+            UserWarning,
+        ),
+        (
             "torch.nn.functional",
             "Mismatch dtype between input and weight: input dtype = c10::BFloat16",
             UserWarning,
