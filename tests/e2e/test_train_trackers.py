@@ -8,15 +8,12 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from tests.helpers.tracker_runs import mlflow_history, mlflow_runs, wandb_sessions
 from tests.helpers.train_runs import kill_after, read_metrics, run_in_process
 
 pytest.importorskip("wandb")  # optional extras
 pytest.importorskip("mlflow")
-
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs")
 
 
 def test_a_run_killed_and_resumed_continues_its_tracker_runs(tmp_path, monkeypatch):
