@@ -253,45 +253,55 @@ def _build_run(
         if context.rank == 0
         else []
     )
-    logger = MetricsLogger(
-        output / "tensorboard" if cfg.logging.tensorboard else None,
-        enabled=context.rank == 0,
-        console=cfg.logging.console,
-        purge_step=-(2**31) if resume_from is None else state.version + 1,
-        trackers=trackers,
-    )
-    if resume_from is None:
-        _initial_weights(cfg, task, actor, logger)
-    sampling = SamplingParams(
-        n=rollout.samples_per_prompt,
-        temperature=cfg.actor.temperature,
-        top_p=rollout.top_p,
-        top_k=rollout.top_k,
-        max_new_tokens=rollout.max_new_tokens,
-        stop_token_ids=(task.eos_token_id,),
-    )
-    run = Run(
-        cfg=cfg,
-        context=context,
-        task=task,
-        actor=actor,
-        plan=plan,
-        engine=engine,
-        rewards=rewards,
-        state=state,
-        logger=logger,
-        timer=PhaseTimer(),
-        sampling=sampling,
-        per_replica=rollout.prompts_per_step // context.dp_size,
-        output=output,
-        lock=lock,
-        watchdog=watchdog,
-        engines=engines,
-    )
-    push_policy(run, state.version)
-    if algo.max_staleness:
-        run.stream = StreamProgress(next_item=state.step, pushed_version=state.version)
-    return run
+    logger = None
+    try:
+        logger = MetricsLogger(
+            output / "tensorboard" if cfg.logging.tensorboard else None,
+            enabled=context.rank == 0,
+            console=cfg.logging.console,
+            purge_step=-(2**31) if resume_from is None else state.version + 1,
+            trackers=trackers,
+        )
+        if resume_from is None:
+            _initial_weights(cfg, task, actor, logger)
+        sampling = SamplingParams(
+            n=rollout.samples_per_prompt,
+            temperature=cfg.actor.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            max_new_tokens=rollout.max_new_tokens,
+            stop_token_ids=(task.eos_token_id,),
+        )
+        run = Run(
+            cfg=cfg,
+            context=context,
+            task=task,
+            actor=actor,
+            plan=plan,
+            engine=engine,
+            rewards=rewards,
+            state=state,
+            logger=logger,
+            timer=PhaseTimer(),
+            sampling=sampling,
+            per_replica=rollout.prompts_per_step // context.dp_size,
+            output=output,
+            lock=lock,
+            watchdog=watchdog,
+            engines=engines,
+        )
+        push_policy(run, state.version)
+        if algo.max_staleness:
+            run.stream = StreamProgress(next_item=state.step, pushed_version=state.version)
+        return run
+    except BaseException:
+        # a tracker run that began is marked failed, not left open by a run that never started
+        if logger is not None:
+            logger.close(failed=True)
+        else:
+            for tracker in trackers:
+                tracker.close(failed=True)
+        raise
 
 
 def _initial_weights(cfg: Config, task: Task, actor: Actor, logger: MetricsLogger) -> None:

@@ -55,3 +55,21 @@ def test_a_run_killed_and_resumed_continues_its_tracker_runs(tmp_path, monkeypat
     # the resumed session logs from the checkpoint's policy version on, as metrics.jsonl keeps
     assert resumed.history == [r for r in read_metrics(output) if r["step"] > 2]
     assert resumed.config["logging"]["mlflow"]["tracking_uri"] == store
+
+
+def test_a_run_that_fails_marks_its_tracker_run_failed(tmp_path, monkeypatch):
+    # the run fails while it starts (its initial weights cannot be read), after its MLflow run
+    # began: that run is ended as FAILED, not left RUNNING
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    store = (tmp_path / "mlruns").as_uri()
+    with pytest.raises(ValueError, match="missing"):
+        run_in_process(
+            tmp_path / "run",
+            "warmup.steps=0",
+            f"train.load_checkpoint={tmp_path / 'missing'}",
+            "logging.mlflow.enabled=true",
+            f"logging.mlflow.tracking_uri={store}",
+            "logging.mlflow.experiment=tiny",
+        )
+    (run,) = mlflow_runs(store, "tiny")
+    assert run.info.status == "FAILED"
