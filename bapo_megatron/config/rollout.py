@@ -44,6 +44,10 @@ class RolloutConfig:
     server_urls: tuple[str, ...] = ()
     """Base URLs of the rollout servers (`vllm-server`, `sglang-server`), one per data-parallel
     rank, or one shared by all."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the API key of the rollout servers (started
+    with ``--api-key``), sent as ``Authorization: Bearer``. The key itself is never in the config
+    and is never logged, recorded in metrics or checkpointed. None: no key is sent."""
     weight_transport: WeightTransport = "process-group"
     """How the trainer's weights reach a server engine (`vllm-server`, `sglang-server`).
     `process-group`: the server's workers join a process group with the trainer rank that holds
@@ -152,6 +156,10 @@ class RolloutConfig:
                 f"{prefix}.engine_ranks={self.engine_ranks} applies to "
                 f"{prefix}.placement=disaggregated; colocated engines run on the trainer's ranks "
                 f"(set {prefix}.engine_ranks=0)"
+            )
+        if self.api_key_env is not None and not self.api_key_env.strip():
+            raise ValueError(
+                f"{prefix}.api_key_env must name an environment variable, got an empty string"
             )
         if self.engine.endswith("-server") and not self.server_urls:
             raise ValueError(f"{prefix}.engine={self.engine!r} needs {prefix}.server_urls")

@@ -13,6 +13,7 @@ from bapo_megatron.config.model import ModelConfig, ParamsDtype
 from bapo_megatron.config.parallel import ParallelConfig
 from bapo_megatron.config.ranges import require_at_least
 from bapo_megatron.config.rollout import RolloutConfig
+from bapo_megatron.config.trackers import MlflowConfig, WandbConfig
 
 SyntheticTask = Literal["walk", "seek"]
 
@@ -250,9 +251,21 @@ class LoggingConfig:
     """Every this many rollout steps, recompute the actor's log-probs of the training batch to
     log the engine/actor gap over its tokens sampled with the current weights (free, and every
     step, with ``algorithm.old_logprobs=recompute``); 0: never."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """A Weights & Biases run beside TensorBoard (off by default)."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """An MLflow run beside TensorBoard (off by default)."""
+    tracker_timeout_s: float = 60.0
+    """Longest wait for an experiment tracker (W&B, MLflow) at the start of the run, for its run
+    id at a checkpoint, and at the end. A tracker that takes longer, or fails, is reported once
+    and left behind; the run goes on, and TensorBoard and ``metrics.jsonl`` keep every record."""
 
     def __post_init__(self) -> None:
         require_at_least(self.logprob_diff_interval, 0, "logging.logprob_diff_interval")
+        if not self.tracker_timeout_s > 0:
+            raise ValueError(
+                f"logging.tracker_timeout_s must be a number > 0, got {self.tracker_timeout_s!r}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -285,7 +298,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints and resume."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    """TensorBoard and console output."""
+    """TensorBoard, console output and experiment trackers."""
 
     def check_training(self) -> None:
         """Raise ``ValueError`` naming the fields when this config cannot drive a training run

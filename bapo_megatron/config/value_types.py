@@ -76,6 +76,17 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             value = [value]  # a single item may be written without a list
         return tuple(_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        key_hint, item = typing.get_args(hint)
+        if key_hint is not str:
+            raise TypeError(f"{where}: only dict[str, T] fields are supported")  # internal
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a mapping, got {_describe(value)}")
+        # keys as YAML read them: a bare 1 or true is refused rather than turned into "1"
+        return {
+            _coerce(str, k, f"{where} key {k!r}"): _coerce(item, v, f"{where}.{k}")
+            for k, v in value.items()
+        }
     if origin is Literal:
         choices = typing.get_args(hint)
         # `type(...) is` as well as `==`: True == 1 and 1 == 1.0 would otherwise pass for 1 or 1.0

@@ -52,7 +52,7 @@ def train(cfg: Config, context: ParallelContext, engines: EngineLink | None = No
     except Exception as error:
         # a collective that timed out names only itself: add where every rank is
         run.watchdog.annotate(error)
-        run.close()
+        run.close(failed=True)
         raise
     if context.rank == 0 and rewards_seen:
         window = max(1, min(10, len(rewards_seen) // 2))
@@ -163,6 +163,7 @@ def record_step(
         )
     interval = cfg.checkpoint.interval
     if step + 1 == cfg.train.steps or (interval and (step + 1) % interval == 0):
+        state.tracker_runs = run.logger.tracker_runs()  # rank 0's; {} elsewhere
         save_checkpoint(
             run.checkpoints,
             step + 1,

@@ -17,11 +17,14 @@ from pathlib import Path
 
 from bapo_megatron.config import Config
 from bapo_megatron.config.loading import load_config
+from bapo_megatron.config.trackers import check_tracker_packages
 from bapo_megatron.disaggregated.engine_rank import run_engine_rank
 from bapo_megatron.disaggregated.link import connect_engines
 from bapo_megatron.disaggregated.world import join_world
 from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.files.unpickling_guard import refuse_unpickling_loads
 from bapo_megatron.rewards.registry import get_reward
+from bapo_megatron.rollout.http import rollout_api_key
 from bapo_megatron.trainer.loop import train
 
 
@@ -30,7 +33,10 @@ def preflight(cfg: Config) -> None:
     setting. (The layout against the world and the model is checked by
     :meth:`ParallelContext.initialize` and the task's prompts against the model's context by
     :func:`bapo_megatron.data.task.load_task`, both before the actor is built.)"""
+    refuse_unpickling_loads()
     cfg.check_training()
+    rollout_api_key(cfg.rollout)  # a named variable that is not set, refused now
+    check_tracker_packages(cfg.logging.wandb, cfg.logging.mlflow)
     get_reward(cfg.reward.name)  # unknown names and imports that fail, named
     output = Path(cfg.train.output_dir).absolute()
     existing = next(p for p in (output, *output.parents) if p.exists())

@@ -4,6 +4,7 @@ checkpoint), the metrics logger and the initial weights in the engines."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import logging
@@ -33,6 +34,7 @@ from bapo_megatron.rollout.registry import build_engine
 from bapo_megatron.trainer.checkpoint import complete_checkpoints, load_checkpoint
 from bapo_megatron.trainer.checkpoint_integrity import newest_verified_checkpoint
 from bapo_megatron.trainer.replicas import holds_engine
+from bapo_megatron.trainer.sinks.background import start_trackers
 from bapo_megatron.trainer.state import StreamProgress, TrainerState, run_identity
 from bapo_megatron.trainer.tracking import MetricsLogger, PhaseTimer
 from bapo_megatron.trainer.warmup import run_warmup
@@ -82,9 +84,10 @@ class Run:
     def bucket_bytes(self) -> int:
         return self.cfg.rollout.weight_bucket_mib * 2**20
 
-    def close(self) -> None:
-        """Close the logger, the reward workers, the watchdog and the output folder's lock."""
-        self.logger.close()
+    def close(self, *, failed: bool = False) -> None:
+        """Close the logger (``failed``: the run ended with an error, which the experiment
+        trackers record), the reward workers, the watchdog and the output folder's lock."""
+        self.logger.close(failed=failed)
         if self.rewards is not None:
             self.rewards.close()
         self.watchdog.close()
@@ -245,44 +248,61 @@ def _build_run(
             )
     # After a resume, drop what the killed run logged past its checkpoint; a run that starts
     # afresh drops every record an earlier run left in the folder (warm-up steps are negative).
-    logger = MetricsLogger(
-        output / "tensorboard" if cfg.logging.tensorboard else None,
-        enabled=context.rank == 0,
-        console=cfg.logging.console,
-        purge_step=-(2**31) if resume_from is None else state.version + 1,
+    # The experiment trackers reopen the runs the checkpoint names (a fresh start opens new ones).
+    trackers = (
+        start_trackers(cfg.logging, dataclasses.asdict(cfg), output, state.tracker_runs)
+        if context.rank == 0
+        else []
     )
-    if resume_from is None:
-        _initial_weights(cfg, task, actor, logger)
-    sampling = SamplingParams(
-        n=rollout.samples_per_prompt,
-        temperature=cfg.actor.temperature,
-        top_p=rollout.top_p,
-        top_k=rollout.top_k,
-        max_new_tokens=rollout.max_new_tokens,
-        stop_token_ids=(task.eos_token_id,),
-    )
-    run = Run(
-        cfg=cfg,
-        context=context,
-        task=task,
-        actor=actor,
-        plan=plan,
-        engine=engine,
-        rewards=rewards,
-        state=state,
-        logger=logger,
-        timer=PhaseTimer(),
-        sampling=sampling,
-        per_replica=rollout.prompts_per_step // context.dp_size,
-        output=output,
-        lock=lock,
-        watchdog=watchdog,
-        engines=engines,
-    )
-    push_policy(run, state.version)
-    if algo.max_staleness:
-        run.stream = StreamProgress(next_item=state.step, pushed_version=state.version)
-    return run
+    logger = None
+    try:
+        logger = MetricsLogger(
+            output / "tensorboard" if cfg.logging.tensorboard else None,
+            enabled=context.rank == 0,
+            console=cfg.logging.console,
+            purge_step=-(2**31) if resume_from is None else state.version + 1,
+            trackers=trackers,
+        )
+        if resume_from is None:
+            _initial_weights(cfg, task, actor, logger)
+        sampling = SamplingParams(
+            n=rollout.samples_per_prompt,
+            temperature=cfg.actor.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            max_new_tokens=rollout.max_new_tokens,
+            stop_token_ids=(task.eos_token_id,),
+        )
+        run = Run(
+            cfg=cfg,
+            context=context,
+            task=task,
+            actor=actor,
+            plan=plan,
+            engine=engine,
+            rewards=rewards,
+            state=state,
+            logger=logger,
+            timer=PhaseTimer(),
+            sampling=sampling,
+            per_replica=rollout.prompts_per_step // context.dp_size,
+            output=output,
+            lock=lock,
+            watchdog=watchdog,
+            engines=engines,
+        )
+        push_policy(run, state.version)
+        if algo.max_staleness:
+            run.stream = StreamProgress(next_item=state.step, pushed_version=state.version)
+        return run
+    except BaseException:
+        # a tracker run that began is marked failed, not left open by a run that never started
+        if logger is not None:
+            logger.close(failed=True)
+        else:
+            for tracker in trackers:
+                tracker.close(failed=True)
+        raise
 
 
 def _initial_weights(cfg: Config, task: Task, actor: Actor, logger: MetricsLogger) -> None:

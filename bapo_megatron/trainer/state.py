@@ -47,6 +47,9 @@ class TrainerState:
     """Groups paused by partial rollout, continued at the next rollout step."""
     lag_queue: list[list[Group]] = field(default_factory=list)
     """Scored groups of the last ``algorithm.rollout_lag`` steps, waiting to be trained on."""
+    tracker_runs: dict[str, str] = field(default_factory=dict)
+    """The experiment trackers' run ids by tracker (``wandb``, ``mlflow``), on rank 0: a
+    resumed run reopens these runs instead of starting new ones."""
 
     def to_checkpoint(self) -> dict[str, Any]:
         """The state as plain data (the checkpoint schema; see the module docstring)."""
@@ -60,6 +63,7 @@ class TrainerState:
             ],
             "lag_queue": [[group.to_plain() for group in groups] for groups in self.lag_queue],
             "replay": self.replay.state_dict(),
+            "tracker_runs": dict(self.tracker_runs),
         }
 
     def load_checkpoint(self, saved: dict[str, Any], source: str) -> None:
@@ -90,7 +94,17 @@ class TrainerState:
                 f"{source}: trainer_state's paused groups, lag queue or replay "
                 f"buffer are malformed ({err!r})"
             ) from None
+        # absent from checkpoints written before the trackers: no tracker run to reopen
+        tracker_runs = saved.get("tracker_runs", {})
+        if not isinstance(tracker_runs, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in tracker_runs.items()
+        ):
+            raise ValueError(
+                f"{source}: trainer_state.tracker_runs is {tracker_runs!r}, not a mapping of "
+                "tracker names to run ids"
+            )
         self.step, self.version, self.position = (saved[key] for key in _COUNTERS)
+        self.tracker_runs = dict(tracker_runs)
         self.carry, self.lag_queue = carry, lag_queue
 
 

@@ -1,8 +1,10 @@
-"""Run tracking: phase timers, a metrics logger (TensorBoard + JSON lines + console) and a reader.
+"""Run tracking: phase timers and the metrics logger (one validated record a call, fed to every
+sink of :mod:`bapo_megatron.trainer.sinks`: TensorBoard, ``metrics.jsonl``, the experiment
+trackers) with its console line.
 
-Only one rank writes (the last pipeline stage's data-parallel rank 0); every other rank builds
-its logger with `enabled=False` and the same calls become no-ops, so the loop has no rank
-branches. Metric names are namespaced tags (`bapo/rho_after`, `reward/mean`, `time/rollout`).
+Only one rank writes (rank 0); every other rank builds its logger with `enabled=False` and the
+same calls become no-ops, so the loop has no rank branches. Metric names are namespaced tags
+(`bapo/rho_after`, `reward/mean`, `time/rollout`).
 
     timer = PhaseTimer()
     with MetricsLogger(run_dir / "tb", enabled=is_writer, purge_step=resume_step) as logger:
@@ -12,25 +14,18 @@ branches. Metric names are namespaced tags (`bapo/rho_after`, `reward/mean`, `ti
                 ...
             logger.log(step, {**train_metrics, **timer.metrics()})
 
-Files in `log_dir`: TensorBoard event files (one per writer session) and `metrics.jsonl`, one
-JSON object `{"step": s, **metrics}` a line, for scripts. Non-finite values are kept as
-Python's json writes them (`NaN`, `Infinity`): `json.loads` reads them, strict JSON parsers
-do not.
-
-Resuming after a crash: `purge_step=s` drops what the crashed run wrote at steps >= s. For
-TensorBoard this is a marker (a SessionLog START event at step s, written by SummaryWriter)
-that the reader honours when it meets it: the crashed run's event file keeps its bytes, and
-readers that iterate raw events rather than use TensorBoard's EventAccumulator (as
-`read_scalars` does) still see them. `metrics.jsonl` is rewritten without those lines.
+Files in `log_dir`: TensorBoard event files (one per writer session) and `metrics.jsonl`
+(:mod:`~bapo_megatron.trainer.sinks.jsonl`). Resuming after a crash: `purge_step=s` drops what
+the crashed run wrote at steps >= s from both (:mod:`~bapo_megatron.trainer.sinks.tensorboard`).
+The experiment trackers cannot forget points: a killed run's records past its last checkpoint
+stay in its W&B or MLflow run, and the resumed run logs those steps again.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import numbers
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -38,14 +33,13 @@ from typing import Self
 
 import numpy as np
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.compat.proto.summary_pb2 import Summary
-from torch.utils.tensorboard import SummaryWriter
 
-from bapo_megatron.files.atomic import write_text_atomically
+from bapo_megatron.trainer.sinks import MetricsSink
+from bapo_megatron.trainer.sinks.background import BackgroundTracker
+from bapo_megatron.trainer.sinks.jsonl import JSONL_NAME, JsonlSink
+from bapo_megatron.trainer.sinks.tensorboard import TensorBoardSink, read_scalars
 
-JSONL_NAME = "metrics.jsonl"
-_EVENTS_PREFIX = "events.out.tfevents."
+__all__ = ["JSONL_NAME", "MetricsLogger", "PhaseTimer", "read_scalars"]
 
 # Keys shown by `console_line`, in order. Consecutive keys with the same label share one field
 # ("c 0.62/1.35"); "time/step" shows the step's seconds followed by the other time/* phases.
@@ -156,15 +150,17 @@ def _format_value(value: float) -> str:
 
 
 class MetricsLogger:
-    """Scalars to TensorBoard event files and `metrics.jsonl` in `log_dir`, plus a console line.
+    """Scalars to TensorBoard event files and `metrics.jsonl` in `log_dir`, to the experiment
+    trackers given, and a console line.
 
     enabled: False on every rank but the writer; then every method does nothing (no files, no
         output; `console_line` still formats, it has no side effects).
-    log_dir: None for console output only.
+    log_dir: None for no files (console and trackers only).
     console: print `console_line` on each `log`.
     purge_step: on resume, drop what an earlier (crashed) run wrote at steps >= purge_step, from
         TensorBoard (SummaryWriter's purge marker) and from `metrics.jsonl` (rewritten).
     console_keys: metric keys shown by `console_line`.
+    trackers: experiment trackers (W&B, MLflow) fed the same records, closed with the logger.
     """
 
     def __init__(
@@ -175,25 +171,19 @@ class MetricsLogger:
         console: bool = True,
         purge_step: int | None = None,
         console_keys: Sequence[str] = DEFAULT_CONSOLE_KEYS,
+        trackers: Sequence[BackgroundTracker] = (),
     ):
         self.enabled = enabled
         self.console = console
         self.console_keys = tuple(console_keys)
         self.log_dir = None if log_dir is None else Path(log_dir)
-        self._writer: SummaryWriter | None = None
-        self._jsonl = None
+        self._trackers = list(trackers) if enabled else []
+        self._sinks: list[MetricsSink] = []
         self._closed = False
-        if not enabled or self.log_dir is None:
-            return
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        jsonl_path = self.log_dir / JSONL_NAME
-        if purge_step is not None:
-            _purge_jsonl(jsonl_path, purge_step)
-        _wait_to_sort_last(self.log_dir)
-        self._writer = SummaryWriter(str(self.log_dir), purge_step=purge_step)
-        self._jsonl = jsonl_path.open("a", encoding="utf-8")
-        if self._jsonl.tell() > 0 and not _ends_with_newline(jsonl_path):
-            self._jsonl.write("\n")  # a killed run's partial last line stays on its own line
+        if enabled and self.log_dir is not None:
+            self._sinks.append(JsonlSink(self.log_dir, purge_step=purge_step))
+            self._sinks.append(TensorBoardSink(self.log_dir, purge_step=purge_step))
+        self._sinks.extend(self._trackers)
 
     def log(
         self,
@@ -203,31 +193,29 @@ class MetricsLogger:
         total_steps: int | None = None,
         console: bool = True,
     ) -> None:
-        """Record `metrics` at `step` and flush, so a killed run loses at most the step being
-        logged. Values: real numbers (numpy scalars and one-element tensors too; NaN and inf
-        kept); anything else is refused with a ValueError naming its key, before anything is
-        written. `total_steps` only shapes the console line ("step 12/200"); `console=False`
-        keeps this record off the console (per-optimizer-step records of a rollout step)."""
+        """Record `metrics` at `step` in every sink (the files are flushed, so a killed run
+        loses at most the step being logged). Values: real numbers (numpy scalars and
+        one-element tensors too; NaN and inf kept); anything else is refused with a ValueError
+        naming its key, before anything is written. `total_steps` only shapes the console line
+        ("step 12/200"); `console=False` keeps this record off the console (per-optimizer-step
+        records of a rollout step)."""
         if not self.enabled:
             return
         if self._closed:
             raise RuntimeError("MetricsLogger.log: the logger is closed")
         values = _validated(metrics)
         step = int(step)
-        if self._writer is not None:
-            # one event holding every scalar of the record: what add_scalar writes per key
-            # (a simple_value), at a tenth of its cost per record (a slow trainer step is the
-            # bottleneck of asynchronous training)
-            summary = Summary(
-                value=[Summary.Value(tag=key, simple_value=value) for key, value in values.items()]
-            )
-            self._writer._get_file_writer().add_summary(summary, step, walltime=time.time())
-            self._writer.flush()
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
-            self._jsonl.flush()
+        for sink in self._sinks:
+            sink.write(step, values)
         if self.console and console:
             print(self.console_line(step, values, total_steps), flush=True)
+
+    def tracker_runs(self) -> dict[str, str]:
+        """The experiment trackers' run ids by tracker key (``{"wandb": ..., "mlflow": ...}``),
+        for the checkpoint: a resumed run reopens them. Waits, bounded, for trackers still
+        starting; one without an id is left out."""
+        runs = {tracker.key: tracker.run_id() for tracker in self._trackers}
+        return {key: run_id for key, run_id in runs.items() if run_id is not None}
 
     def console_line(
         self, step: int, metrics: Mapping[str, float], total_steps: int | None = None
@@ -257,77 +245,16 @@ class MetricsLogger:
             last_label = label
         return " | ".join(fields)
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        """Close every sink; ``failed`` marks the trackers' runs as failed."""
         if not self.enabled or self._closed:
             return
         self._closed = True
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
+        for sink in self._sinks:
+            sink.close(failed=failed)
 
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-
-def _ends_with_newline(path: Path) -> bool:
-    with path.open("rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"
-
-
-def _purge_jsonl(path: Path, purge_step: int) -> None:
-    """Keep the lines of `path` at steps < purge_step (and drop unreadable ones, such as a
-    line cut short by a kill), atomically: write aside, then os.replace."""
-    if not path.exists():
-        return
-    kept = []
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-                keep = int(record["step"]) < purge_step
-            except (ValueError, KeyError, TypeError):
-                continue
-            if keep:
-                kept.append(line if line.endswith("\n") else line + "\n")
-    write_text_atomically(path, "".join(kept))
-
-
-def _wait_to_sort_last(log_dir: Path) -> None:
-    """TensorBoard reads a directory's event files in name order, and a purge marker only
-    removes what was read before it. Names are "events.out.tfevents.<unix seconds>.<host>.
-    <pid>.<counter>": within one second the counter (…9 sorts after …10) or the pid can put
-    a new file before an older one. Wait, if needed, until the clock has passed the newest
-    file's second, so the new file sorts last. Only a restart within a second (tests) waits."""
-    newest = -1
-    for path in log_dir.glob(_EVENTS_PREFIX + "*"):
-        stamp = path.name[len(_EVENTS_PREFIX) :].split(".", 1)[0]
-        if stamp.isdigit():
-            newest = max(newest, int(stamp))
-    while int(time.time()) <= newest:
-        time.sleep(0.05)
-
-
-def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """The scalars in `log_dir`'s event files, read with TensorBoard's EventAccumulator (all of
-    them kept, purge markers honoured): tag -> [(step, value)] sorted by step. Values are
-    float32, as TensorBoard stores them. A step recorded twice (a resume without purge_step)
-    keeps the value written last."""
-    log_dir = Path(log_dir)
-    if not log_dir.is_dir():
-        raise FileNotFoundError(f"read_scalars: no directory {log_dir}")
-    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    out = {}
-    for tag in accumulator.Tags()["scalars"]:
-        by_step = {}
-        for event in accumulator.Scalars(tag):  # in reading order: later writes win
-            by_step[event.step] = event.value
-        out[tag] = sorted(by_step.items())
-    return out
+    def __exit__(self, exc_type, *exc_info) -> None:
+        self.close(failed=exc_type is not None)

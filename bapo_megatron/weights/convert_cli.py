@@ -22,6 +22,8 @@ import re
 import sys
 from pathlib import Path
 
+from bapo_megatron.files.unpickling_guard import refuse_unpickling_loads
+
 _UNITS = {
     "": 1,
     "B": 1,
@@ -93,6 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     input."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        refuse_unpickling_loads()  # megatron-to-hf loads a checkpoint
+    except ValueError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Heavy imports here, not at the top: dist_checkpointing's writer starts a 'spawn' Manager
     # that re-imports the main module, which imports this one.

@@ -89,7 +89,7 @@ class CollectiveTransport:
             first = dist.get_global_rank(ctx.tp_group, 0)
             if self.to_all:
                 out = torch.empty(ctx.tp_size * flat.numel(), dtype=dtype, device=device)
-                dist.all_gather_into_tensor(out, flat, group=ctx.tp_group)
+                dist.all_gather_single(out, flat, group=ctx.tp_group)  # torch 2.13 name
                 pieces = list(out.chunk(ctx.tp_size))
             elif ctx.tp_rank == 0:
                 pieces = [torch.empty_like(flat) for _ in range(ctx.tp_size)]

@@ -26,13 +26,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytest.importorskip("megatron.core")
-
-from bapo_megatron.actor.model import build_model, tensor_parallel_shard  # noqa: E402
-from bapo_megatron.config import ModelConfig, ParallelConfig  # noqa: E402
-from bapo_megatron.distributed.context import ParallelContext  # noqa: E402
-from bapo_megatron.megatron_patches import cpu_runtime as cpu_patches  # noqa: E402
-from tests.helpers import gloo_launch  # noqa: E402
+from bapo_megatron.actor.model import build_model, tensor_parallel_shard
+from bapo_megatron.config import ModelConfig, ParallelConfig
+from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.megatron_patches import cpu_runtime as cpu_patches
+from tests.helpers import gloo_launch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 120.0

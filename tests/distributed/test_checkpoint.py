@@ -24,8 +24,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
 from bapo_megatron.trainer.checkpoint import (
     RANK_FILE,
     latest_checkpoint,

@@ -32,19 +32,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytest.importorskip("megatron.core")
-
-from bapo_megatron.actor.actor import build_actor  # noqa: E402
-from bapo_megatron.actor.batch import PolicyBatch  # noqa: E402
-from bapo_megatron.actor.logprobs import compute_logprobs  # noqa: E402
-from bapo_megatron.actor.model import (  # noqa: E402
+from bapo_megatron.actor.actor import build_actor
+from bapo_megatron.actor.batch import PolicyBatch
+from bapo_megatron.actor.logprobs import compute_logprobs
+from bapo_megatron.actor.model import (
     global_parameter_name,
     load_whole_model_weights,
     tensor_parallel_shard,
 )
-from bapo_megatron.actor.train_step import train_step  # noqa: E402
-from bapo_megatron.algo.search_plan import SearchPlan  # noqa: E402
-from bapo_megatron.config import (  # noqa: E402
+from bapo_megatron.actor.train_step import train_step
+from bapo_megatron.algo.search_plan import SearchPlan
+from bapo_megatron.config import (
     ActorConfig,
     ClipSearchConfig,
     LossConfig,
@@ -52,8 +50,8 @@ from bapo_megatron.config import (  # noqa: E402
     OptimizerConfig,
     ParallelConfig,
 )
-from bapo_megatron.distributed.context import ParallelContext  # noqa: E402
-from tests.helpers import gloo_launch  # noqa: E402
+from bapo_megatron.distributed.context import ParallelContext
+from tests.helpers import gloo_launch
 
 MODEL = ModelConfig(
     model_type="qwen2",

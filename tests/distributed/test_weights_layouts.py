@@ -40,8 +40,6 @@ from tests.distributed.weights_layouts_worker import (
 from tests.distributed.weights_layouts_worker import VARIANTS as MP_VARIANTS
 from tests.helpers import gloo_launch, hf_models
 
-pytest.importorskip("megatron.core")
-
 WORKER = Path(__file__).with_name("weights_layouts_worker.py")
 LAUNCH_TIMEOUT_S = 300.0
 WORLD = 4
@@ -50,7 +48,6 @@ WORLD = 4
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """(HF reference per variant, every rank's results) of one 4-worker launch."""
-    pytest.importorskip("transformers")
     work = tmp_path_factory.mktemp("layouts")
     reference = {}
     for seed, variant in enumerate(MP_VARIANTS):

@@ -14,10 +14,8 @@ import sys
 
 import pytest
 
-pytest.importorskip("megatron.core")
-
-from tests.helpers.gloo_launch import REPO_ROOT  # noqa: E402
-from tests.helpers.train_runs import (  # noqa: E402
+from tests.helpers.gloo_launch import REPO_ROOT
+from tests.helpers.train_runs import (
     rollout_records,
     run_in_process,
     start_ranks,

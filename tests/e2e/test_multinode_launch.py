@@ -23,10 +23,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytest.importorskip("megatron.core")
-
-from tests.helpers.gloo_launch import REPO_ROOT  # noqa: E402
-from tests.helpers.train_runs import (  # noqa: E402
+from tests.helpers.gloo_launch import REPO_ROOT
+from tests.helpers.train_runs import (
     FAST,
     assert_same_run,
     read_metrics,

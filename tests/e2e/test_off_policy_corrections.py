@@ -9,9 +9,7 @@ import math
 
 import pytest
 
-pytest.importorskip("megatron.core")
-
-from tests.helpers.train_runs import rollout_records, run_in_process, update_records  # noqa: E402
+from tests.helpers.train_runs import rollout_records, run_in_process, update_records
 
 # One rollout step of lag: step k trains the batch sampled at step k - 1, so from step 3 on the
 # proximal log-probs (recomputed by the actor) and the behaviour ones are two updates apart.

@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 # The scripts import the package (and bench_bapo_loss.py tests/) from this checkout, which the
 # editable install may not point at.
@@ -147,8 +145,6 @@ def test_rollout_benchmark_smoke():
 def test_convert_checkpoint_names_the_damaged_file_in_one_line(tmp_path):
     """A truncated ``.distcp`` shard: torch's reader says only ``CheckpointException ...
     EOFError``; the tool must exit non-zero with one line naming the file, no traceback."""
-    pytest.importorskip("megatron.core")
-
     from bapo_megatron.weights import convert_cli
     from tests.helpers import hf_models
 

@@ -12,11 +12,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("megatron.core")
-
-from tests.e2e.test_train_disaggregated import finish  # noqa: E402
-from tests.helpers.fault_rewards import HANG_FILE  # noqa: E402
-from tests.helpers.train_runs import (  # noqa: E402
+from tests.e2e.test_train_disaggregated import finish
+from tests.helpers.fault_rewards import HANG_FILE
+from tests.helpers.train_runs import (
     read_metrics,
     rollout_records,
     start_ranks,
@@ -74,6 +72,29 @@ def test_no_trained_token_is_older_than_eta(tmp_path, warm_start, eta):
     assert all(r["async/dropped_groups"] == 0 for r in rollouts)  # admission kept within eta
     assert all(r["async/weight_update_bytes"] > 0 for r in rollouts)
     assert [r["policy_version"] for r in rollouts] == list(range(1, steps + 1))
+
+
+def test_weights_reach_the_engines_every_sync_interval_versions(tmp_path):
+    # eta 2, a push once 3 versions are new (the most eta allows): the engines hold version 0
+    # for rollout steps 1-3 and version 3 from then on. No warm-start checkpoint: rewards do not
+    # matter here, only which weights sampled which item.
+    steps = 5
+    records = run(
+        tmp_path, ([], None), f"train.steps={steps}", *asynchronous(2, "rollout.sync_interval=3")
+    )
+    assert_each_step_trained_once(records, steps)
+    rollouts = rollout_records(records)
+    # pushed after the training of rollout step 3 (version 3) only
+    assert [r["async/pushed_version"] for r in rollouts] == [0, 0, 3, 3, 3]
+    # bytes sent during each step: the first step's count the run's initial push (version 0),
+    # the third's the one update, of the same size
+    sent = [r["async/weight_update_bytes"] for r in rollouts]
+    assert sent[0] == sent[2] > 0 and sent[1] == sent[3] == sent[4] == 0
+    assert [r["async/engine_versions_behind"] for r in rollouts] == [1, 2, 0, 1, 2]
+    # item j trains at version j on the weights the engines had when it was admitted: items
+    # 0-2 on version 0 (the third exactly eta old), items 3-4 on version 3
+    assert [r["staleness/max"] for r in records if "staleness/max" in r] == [0, 1, 2, 0, 1]
+    assert all(r["async/dropped_groups"] == 0 for r in rollouts)
 
 
 def test_two_replicas_each_with_its_engine_rank_resuming_samples_from_their_prefix(

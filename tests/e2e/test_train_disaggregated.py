@@ -10,9 +10,7 @@ import subprocess
 
 import pytest
 
-pytest.importorskip("megatron.core")
-
-from tests.helpers.train_runs import (  # noqa: E402
+from tests.helpers.train_runs import (
     assert_same_run,
     read_metrics,
     rollout_records,

@@ -10,11 +10,9 @@ import math
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
-from bapo_megatron.trainer.tracking import read_scalars  # noqa: E402
-from tests.helpers import hf_models  # noqa: E402
-from tests.helpers.train_runs import read_metrics, rollout_records, run_in_process, run_subprocess  # noqa: E402
+from bapo_megatron.trainer.tracking import read_scalars
+from tests.helpers import hf_models
+from tests.helpers.train_runs import read_metrics, rollout_records, run_in_process, run_subprocess
 
 
 def optimizer_records(records):

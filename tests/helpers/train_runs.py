@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -188,3 +190,54 @@ def assert_same_run(
         else:
             for key in UPDATE_KEYS:
                 assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), key
+
+
+def kill_after(
+    output, overrides, checkpoint_step: int, extra_delay: float, *, while_writing: bool = False
+) -> None:
+    """Start the trainer as a process, SIGKILL it ``extra_delay`` s after checkpoint
+    ``checkpoint_step`` appears, or (``while_writing``) as soon as its staging folder appears,
+    in the middle of writing it."""
+    proc = subprocess.Popen(
+        training_command(output, *overrides),
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    name = f"step_{checkpoint_step:08d}"
+    target = output / "checkpoints" / (f".{name}.incomplete" if while_writing else name)
+    deadline = time.monotonic() + 300
+    try:
+        while not target.exists():
+            if proc.poll() is not None:
+                raise AssertionError(
+                    f"the run ended (exit {proc.returncode}) before {target.name}: "
+                    f"{proc.stderr.read()[-3000:]}"
+                )
+            assert time.monotonic() < deadline, f"no {target.name} within 300 s"
+            time.sleep(0.002 if while_writing else 0.02)
+        time.sleep(extra_delay)
+    finally:
+        children = [
+            int(pid)
+            for path in Path(f"/proc/{proc.pid}/task").glob("*/children")
+            for pid in path.read_text().split()
+        ]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stderr.close()
+    # what the trainer started (its reward workers) ends with it
+    deadline = time.monotonic() + 30
+    while any(running(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(running(pid) for pid in children), f"the killed trainer's {children} live on"
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has ended; it only waits to be reaped

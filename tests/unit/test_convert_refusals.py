@@ -20,11 +20,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("megatron.core")
-
-from bapo_megatron.weights import convert_cli  # noqa: E402
-from tests.helpers import hf_models  # noqa: E402
+from bapo_megatron.weights import convert_cli
+from tests.helpers import hf_models
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 SCRIPT = """
 import multiprocessing, os, signal, sys, time
@@ -35,10 +36,12 @@ def _orphan_survives(install: bool, wait_s: float) -> bool:
     child = int(parent.stdout.readline())
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
+    parent.stdin.close()
+    parent.stdout.close()
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         try:
-            state = open(f"/proc/{child}/stat").read().rsplit(")", 1)[-1].split()[0]
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[-1].split()[0]
         except FileNotFoundError:
             return False
         if state == "Z":

@@ -367,7 +367,6 @@ def test_this_machine_is_probed_when_no_accelerator_is_given():
 
 
 def test_transformer_config_conversion():
-    pytest.importorskip("megatron.core")
     from bapo_megatron.actor.megatron_config import to_transformer_config
 
     qwen = ModelConfig.from_hf_config(QWEN25_05B_STYLE)

@@ -148,7 +148,6 @@ def test_yaml_model_section_takes_the_new_fields():
 
 
 def test_transformer_config_of_qwen3():
-    pytest.importorskip("megatron.core")
     from bapo_megatron.actor.megatron_config import to_transformer_config
     from bapo_megatron.config import ParallelConfig
 
@@ -171,7 +170,6 @@ def test_transformer_config_of_qwen3():
 def test_llama3_inverse_frequencies_are_transformers_not_megatrons():
     """transformers' inv_freq, bitwise, for factors that are not megatron-core's fixed ones
     (low 1, high 4, original context 8192); megatron-core's own scaling gives other values."""
-    pytest.importorskip("megatron.core")
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from bapo_megatron.actor.rope import rope_inverse_frequencies

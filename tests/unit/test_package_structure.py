@@ -130,6 +130,9 @@ def test_no_import_cycle_between_subpackages():
 HEAVY_OPTIONAL_ADAPTERS = {
     "vllm": "bapo_megatron.rollout.vllm",
     "sglang": "bapo_megatron.rollout.sglang",
+    # the experiment trackers, optional extras imported when their run opens
+    "wandb": "bapo_megatron.trainer.sinks.wandb_run",
+    "mlflow": "bapo_megatron.trainer.sinks.mlflow_run",
 }
 
 # (module, what it imports inside a function, or a package above it) -> why it is not at the top.
@@ -271,12 +274,12 @@ def _import_blocking(modules: list[str], blocked: list[str]) -> str:
     return done.stderr
 
 
-def test_every_module_imports_without_vllm_sglang_and_transformer_engine():
-    # The adapters (rollout/vllm, rollout/sglang, Megatron's TE spec) import them inside the
-    # functions that need them, so even their modules import without them.
+def test_every_module_imports_without_the_optional_packages():
+    # The adapters (rollout/vllm, rollout/sglang, Megatron's TE spec, the trackers' sinks) import
+    # them inside the functions that need them, so even their modules import without them.
     modules = [name for name in module_files() if not name.endswith(".__main__")]
     assert "bapo_megatron.rollout.vllm.engine" in modules
-    stderr = _import_blocking(modules, ["vllm", "sglang", "transformer_engine"])
+    stderr = _import_blocking(modules, ["vllm", "sglang", "transformer_engine", "wandb", "mlflow"])
     # Megatron-Core's fallback warnings are silenced by the package (megatron_patches/)
     assert "not installed" not in stderr, stderr[-3000:]
 

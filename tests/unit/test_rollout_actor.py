@@ -9,18 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
-from bapo_megatron.actor.actor import build_actor  # noqa: E402
-from bapo_megatron.actor.batch import PolicyBatch  # noqa: E402
-from bapo_megatron.actor.logprobs import compute_logprobs  # noqa: E402
-from bapo_megatron.config import ActorConfig, ModelConfig, OptimizerConfig, ParallelConfig  # noqa: E402
-from bapo_megatron.config.rope import Llama3RopeScaling  # noqa: E402
-from bapo_megatron.distributed.context import ParallelContext  # noqa: E402
-from bapo_megatron.rollout.embedded.engine import EmbeddedEngine  # noqa: E402
-from bapo_megatron.rollout.protocol import SamplingParams  # noqa: E402
-from bapo_megatron.weights.export import export_weights  # noqa: E402
-from bapo_megatron.weights.sync import named_tensors_of  # noqa: E402
+from bapo_megatron.actor.actor import build_actor
+from bapo_megatron.actor.batch import PolicyBatch
+from bapo_megatron.actor.logprobs import compute_logprobs
+from bapo_megatron.config import ActorConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from bapo_megatron.config.rope import Llama3RopeScaling
+from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
+from bapo_megatron.rollout.protocol import SamplingParams
+from bapo_megatron.weights.export import export_weights
+from bapo_megatron.weights.sync import named_tensors_of
 
 # variant -> the ModelConfig fields that make it
 FAMILIES = {

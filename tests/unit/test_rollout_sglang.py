@@ -195,11 +195,12 @@ def sglang_output(tokens, logprobs, finish="length", *, ids=True, **finish_extra
 
 
 def test_generate_responses_are_parsed_and_checked():
-    recorded = [
+    # hand-written from SGLang's documented /generate answer (never recorded from a server)
+    written_from_docs = [
         sglang_output([5, 9, 2], [-0.25, -1.5, -0.125], "stop", matched=2),
         sglang_output([7], [-3.0], "abort", ids=False, message="Abort before prefill"),
     ]
-    first, second = parse_generate_response(recorded, 2)
+    first, second = parse_generate_response(written_from_docs, 2)
     assert first == EngineOutput(token_ids=[5, 9, 2], logprobs=[-0.25, -1.5, -0.125], finish="stop")
     assert second.finish == "abort" and second.token_ids == [7]
     assert second.detail == "Abort before prefill"

@@ -25,8 +25,6 @@ from bapo_megatron.repro.plots import (
 )
 from bapo_megatron.trainer.tracking import MetricsLogger
 
-pytest.importorskip("matplotlib")  # drawing needs it (see bapo_megatron/repro/plots.py)
-
 STEPS = 6
 ALL_TAGS = [tag for panel in PANELS for tag, _ in panel.series]
 

@@ -8,8 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("megatron.core")
-
 from bapo_megatron.distributed.watchdog import PhaseWatchdog
 from bapo_megatron.rollout.guard import EngineFailure
 from bapo_megatron.trainer.loop import sync_weights, train_minibatches

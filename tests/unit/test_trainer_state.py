@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
 from bapo_megatron.data.experience import Group, ReplayBuffer
 from bapo_megatron.data.prompts import PromptRow
 from bapo_megatron.rollout.protocol import RolloutSample
@@ -55,6 +53,7 @@ def _state() -> TrainerState:
             )
         ],
         lag_queue=[[_group("l1")], []],
+        tracker_runs={"wandb": "abc123", "mlflow": "0f1e2d"},
     )
 
 
@@ -70,7 +69,7 @@ def test_trainer_state_round_trips_through_a_weights_only_file(tmp_path):
     loaded.load_checkpoint(_through_file(state.to_checkpoint(), tmp_path), "test file")
 
     def fields(s: TrainerState) -> tuple:
-        return s.step, s.version, s.position, s.carry, s.lag_queue, s.replay.groups
+        return s.step, s.version, s.position, s.carry, s.lag_queue, s.replay.groups, s.tracker_runs
 
     assert fields(loaded) == fields(state)
     assert loaded.carry[0][1][0].resumable
@@ -85,7 +84,12 @@ def test_damaged_trainer_state_is_refused_naming_the_field():
         fresh.load_checkpoint(dict(saved, version=-1), "f.pt")
     with pytest.raises(ValueError, match="f.pt: trainer_state's paused groups.*malformed"):
         fresh.load_checkpoint(dict(saved, carry=[{"row": {"id": "x"}, "samples": []}]), "f.pt")
-    assert fresh.step == 0 and fresh.carry == []
+    with pytest.raises(ValueError, match=r"f.pt: trainer_state.tracker_runs is \['x'\]"):
+        fresh.load_checkpoint(dict(saved, tracker_runs=["x"]), "f.pt")
+    assert fresh.step == 0 and fresh.carry == [] and fresh.tracker_runs == {}
+    # a checkpoint written before the trackers has no record of tracker runs: none to reopen
+    fresh.load_checkpoint({k: v for k, v in saved.items() if k != "tracker_runs"}, "f.pt")
+    assert fresh.step == 7 and fresh.tracker_runs == {}
 
 
 def test_rng_states_round_trip_through_a_weights_only_file(tmp_path, single_process):

@@ -18,19 +18,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-pytest.importorskip("transformers")
-pytest.importorskip("megatron.core")
-
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from bapo_megatron.config import MODEL_TYPES, ModelConfig  # noqa: E402
-from bapo_megatron.files.atomic import staging_path  # noqa: E402
-from bapo_megatron.weights import megatron_checkpoint  # noqa: E402
-from bapo_megatron.weights.convert import hf_to_megatron, load_hf_weights, megatron_to_hf  # noqa: E402
-from bapo_megatron.weights.export import export_weights, plan_buckets, rule_nbytes  # noqa: E402
-from bapo_megatron.weights.hf_checkpoint import HFCheckpoint, read_model_config  # noqa: E402
-from bapo_megatron.weights.name_maps import (  # noqa: E402
+from bapo_megatron.config import MODEL_TYPES, ModelConfig
+from bapo_megatron.files.atomic import staging_path
+from bapo_megatron.weights import megatron_checkpoint
+from bapo_megatron.weights.convert import hf_to_megatron, load_hf_weights, megatron_to_hf
+from bapo_megatron.weights.export import export_weights, plan_buckets, rule_nbytes
+from bapo_megatron.weights.hf_checkpoint import HFCheckpoint, read_model_config
+from bapo_megatron.weights.name_maps import (
     NAME_MAPS,
     chunk_parameters,
     megatron_shape,
@@ -40,7 +36,7 @@ from bapo_megatron.weights.name_maps import (  # noqa: E402
     split,
     tp_slice,
 )
-from tests.helpers import hf_models  # noqa: E402
+from tests.helpers import hf_models
 
 
 @pytest.fixture(scope="module")

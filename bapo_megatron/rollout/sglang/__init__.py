@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bapo_megatron.rollout.http import check_server_answers
+from bapo_megatron.rollout.http import check_server_answers, rollout_api_key
 from bapo_megatron.rollout.sglang.engine import SGLangEngine
 from bapo_megatron.rollout.sglang.server_client import SGLangServerClient
 
@@ -39,12 +39,14 @@ def connect_server(setup: EngineSetup) -> RolloutEngine:
     ``rollout.weight_transport``."""
 
     rollout = setup.rollout
-    check_server_answers(setup.url, server="SGLang server")
+    api_key = rollout_api_key(setup.rollout)
+    check_server_answers(setup.url, server="SGLang server", api_key=api_key)
     return SGLangServerClient(
         setup.url,
         setup.model,
         tp_size=rollout.engine_tensor_parallel_size,
         timeout=setup.http_timeout,
+        api_key=api_key,
         bucket_bytes=rollout.weight_bucket_mib * 2**20,
         weight_transport=rollout.weight_transport,
     )

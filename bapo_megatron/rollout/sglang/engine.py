@@ -6,8 +6,9 @@ subclasses, as the vLLM adapters are).
 
 NOT RUN HERE. SGLang cannot run on the CPU machines this project is developed on (see
 ``docs/rollout-engines.md``); this module is written against SGLang 0.5.x's documented API and
-only its request building, response parsing and bookkeeping are tested (with recorded responses
-and a fake engine). ``sglang`` is imported lazily, by :meth:`SGLangEngine.in_process` only.
+only its request building, response parsing and bookkeeping are tested (with responses
+written by hand from SGLang's documentation, never recorded from a server, and a fake engine).
+``sglang`` is imported lazily, by :meth:`SGLangEngine.in_process` only.
 
 What SGLang gives, and how it maps onto the protocol:
 

@@ -47,7 +47,13 @@ from typing import Any
 import torch
 
 from bapo_megatron.config import ModelConfig
-from bapo_megatron.rollout.http import Transport, answers_health, call, http_transport
+from bapo_megatron.rollout.http import (
+    ApiKey,
+    Transport,
+    answers_health,
+    call,
+    http_transport,
+)
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.resubmission import (
     EngineOutput,
@@ -116,6 +122,7 @@ class SGLangServerClient(ResubmittingEngine):
         tp_size: int = 1,
         serialize: Serializer | None = None,
         timeout: float = 3600.0,
+        api_key: ApiKey | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         weight_update_session: bool = False,
         weight_transport: str = "same-host",
@@ -127,7 +134,7 @@ class SGLangServerClient(ResubmittingEngine):
             )
         self.base_url = base_url
         self.transport = transport or http_transport(
-            base_url, timeout=timeout, server="SGLang server"
+            base_url, timeout=timeout, server="SGLang server", api_key=api_key
         )
         self.tp_size = tp_size
         self.serialize = serialize or sglang_serializer

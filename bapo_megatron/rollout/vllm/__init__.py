@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bapo_megatron.rollout.http import check_server_answers
+from bapo_megatron.rollout.http import check_server_answers, rollout_api_key
 from bapo_megatron.rollout.vllm.engine import VLLMEngine
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 
@@ -40,11 +40,13 @@ def connect_server(setup: EngineSetup) -> RolloutEngine:
     not answer), sending weights by ``rollout.weight_transport`` (the same-host route writes
     them under the work folder)."""
 
-    check_server_answers(setup.url, server="vLLM server")
+    api_key = rollout_api_key(setup.rollout)
+    check_server_answers(setup.url, server="vLLM server", api_key=api_key)
     return VLLMServerClient.connect(
         setup.url,
         setup.model,
         weights_dir=setup.work_dir / f"vllm_weights_dp{setup.dp_rank}",
         timeout=setup.http_timeout,
+        api_key=api_key,
         weight_transport=setup.rollout.weight_transport,
     )

@@ -55,7 +55,13 @@ import torch
 from safetensors.torch import save_file
 
 from bapo_megatron.config import ModelConfig
-from bapo_megatron.rollout.http import Transport, answers_health, call, http_transport
+from bapo_megatron.rollout.http import (
+    ApiKey,
+    Transport,
+    answers_health,
+    call,
+    http_transport,
+)
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.resubmission import (
     EngineOutput,
@@ -193,6 +199,7 @@ class VLLMServerClient(ResubmittingEngine):
         max_parallel: int = 64,
         full_vocab_logprobs: bool = True,
         timeout: float = 3600.0,
+        api_key: ApiKey | None = None,
         weight_transport: str = "same-host",
         server_ranks: int = 1,
     ) -> None:
@@ -205,7 +212,7 @@ class VLLMServerClient(ResubmittingEngine):
         self.served_model = served_model
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
         self.transport = transport or http_transport(
-            base_url, timeout=timeout, server="vLLM server"
+            base_url, timeout=timeout, server="vLLM server", api_key=api_key
         )
         self.max_parallel = max_parallel
         self.full_vocab_logprobs = full_vocab_logprobs

@@ -1,0 +1,77 @@
+"""The README's "Train a real model" walk-through, checked as far as a CPU allows: every
+command in it is read from the README itself, and each trainer launch loads and passes the
+training checks with its overrides at its world size, the recipe passes the layout planner on
+one node of 8 GPUs, and the converter's and evaluator's arguments parse. (That the runs work on
+GPUs is not checked anywhere: the README says so.)"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+
+import pytest
+
+from bapo_megatron.config import load_config
+from bapo_megatron.planning.cli import main as plan_layout
+from bapo_megatron.repro.evaluate_cli import build_parser as evaluate_parser
+from bapo_megatron.weights.convert_cli import build_parser as convert_parser
+from tests.helpers.gloo_launch import REPO_ROOT
+from tests.helpers.published_configs import config_path
+
+HF_CONFIG = "DeepSeek-R1-Distill-Qwen-7B"  # the walk-through's model
+
+
+def walkthrough() -> str:
+    text = (REPO_ROOT / "README.md").read_text()
+    start = text.index("## Train a real model")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def commands(program: str) -> list[list[str]]:
+    """Every command of the walk-through that runs ``program``, as shell words: the lines of its
+    code blocks (continuation lines joined) and its inline code spans."""
+    parts = walkthrough().split("```")
+    lines = [line for block in parts[1::2] for line in block.replace("\\\n", " ").splitlines()]
+    lines += [span for prose in parts[0::2] for span in re.findall(r"`([^`]+)`", prose)]
+    found = [
+        words
+        for words in (shlex.split(line, comments=True) for line in lines)
+        if any(word.endswith(program) for word in words)
+    ]
+    assert found, f"the walk-through runs no {program}"
+    return found
+
+
+def test_each_trainer_launch_passes_the_training_checks():
+    for words in commands("torchrun_multinode.sh"):
+        env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=.*", w))
+        script = next(i for i, w in enumerate(words) if w.endswith("torchrun_multinode.sh"))
+        config, *overrides = words[script + 1 :]
+        cfg = load_config(REPO_ROOT / config, overrides)
+        cfg.check_training()
+        world = int(env["NNODES"]) * int(env["GPUS_PER_NODE"])
+        parallel = cfg.parallel
+        replicas = world // (
+            parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+        )
+        assert replicas >= 1 and cfg.rollout.prompts_per_step % replicas == 0, words
+
+
+def test_the_recipe_fits_one_node_of_8_gpus(capsys):
+    (words,) = commands("bapo-plan-layout")
+    code = plan_layout([*words[1:], "--hf-config", str(config_path(HF_CONFIG))])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and summary["ok"], summary["problems"]
+    assert summary["world_size"] == 8 and summary["data_parallel_size"] == 2  # TP4 x DP2
+
+
+def test_the_conversion_and_evaluation_commands_parse():
+    for words in commands("convert_checkpoint.py"):
+        script = next(i for i, w in enumerate(words) if w.endswith("convert_checkpoint.py"))
+        convert_parser().parse_args(words[script + 1 :])
+    for words in commands("evaluate.py"):
+        script = next(i for i, w in enumerate(words) if w.endswith("evaluate.py"))
+        evaluate_parser().parse_args(words[script + 1 :])
+    with pytest.raises(SystemExit):  # the parsers do refuse what they do not know
+        convert_parser().parse_args(["megatron-to-hf", "a", "b", "--no-such-flag"])
