@@ -23,6 +23,26 @@ from pathlib import Path
 
 import torch
 
+from bapo_megatron.actor.actor import Actor
+from bapo_megatron.actor.model import build_model
+from bapo_megatron.actor.optimizer import build_optimizer, wrap_data_parallel
+from bapo_megatron.actor.train_step import train_step
+from bapo_megatron.algo.search_plan import SearchPlan
+from bapo_megatron.config import (
+    ActorConfig,
+    ClipSearchConfig,
+    LossConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+)
+from bapo_megatron.device_check.shapes import model_config, random_batch
+from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.planning.activations import ActivationShape, stage_bytes
+from bapo_megatron.planning.shard_memory import actor_state_bytes
+from bapo_megatron.weights.convert import load_hf_weights
+from bapo_megatron.weights.hf_checkpoint import HFCheckpoint
+
 VARIANTS = ("paper/step", "paper/microbatch", "reference/step", "reference/microbatch")
 
 
@@ -71,11 +91,6 @@ def _sync(device: torch.device) -> None:
 
 
 def run_variant(args, variant: str, context, model, start: Path, batch) -> dict:
-    from bapo_megatron.actor.train_step import train_step
-    from bapo_megatron.algo.search_plan import SearchPlan
-    from bapo_megatron.config import ClipSearchConfig, LossConfig
-    from bapo_megatron.weights.convert import load_hf_weights
-    from bapo_megatron.weights.hf_checkpoint import HFCheckpoint
 
     preset, granularity = variant.split("/")
     clip = ClipSearchConfig.from_preset(preset, granularity=granularity)
@@ -116,10 +131,6 @@ def run_variant(args, variant: str, context, model, start: Path, batch) -> dict:
 def build_measured(args, model, context, *, initialize: bool):
     """:func:`~bapo_megatron.actor.actor.build_actor`'s three parts one by one, with the bytes
     allocated after each (model weights, DDP gradient buffers, optimizer with its main copies)."""
-    from bapo_megatron.actor.actor import Actor
-    from bapo_megatron.actor.model import build_model
-    from bapo_megatron.actor.optimizer import build_optimizer, wrap_data_parallel
-    from bapo_megatron.config import ActorConfig, OptimizerConfig
 
     actor_config = ActorConfig(micro_batch_size=args.micro_batch_size, temperature=1.0, seed=1)
     optimizer_config = OptimizerConfig(
@@ -145,8 +156,6 @@ def build_measured(args, model, context, *, initialize: bool):
 def measured_vs_planned(actor, model, context, batch, args, marks: dict[str, int]) -> dict:
     """Measured bytes per component next to the planner's (weights + gradient buffers at build,
     optimizer state after the first step, activations as the step's peak over its start)."""
-    from bapo_megatron.planning.activations import ActivationShape, stage_bytes
-    from bapo_megatron.planning.shard_memory import actor_state_bytes
 
     planned = actor_state_bytes(
         actor.chunks, context.dp_size, context.dp_rank, args.distributed_optimizer
@@ -193,9 +202,6 @@ def main(argv: list[str] | None = None) -> None:
         # cuBLAS needs a fixed workspace for reproducible GEMMs, set before CUDA starts
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    from bapo_megatron.config import ModelConfig, ParallelConfig
-    from bapo_megatron.device_check.shapes import model_config, random_batch
-    from bapo_megatron.distributed.context import ParallelContext
 
     if args.start:
         start = Path(args.start)

@@ -19,18 +19,22 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
+from safetensors.torch import load_file
 
+from bapo_megatron.algo.policy_loss import bapo_loss, loss_normalizer
+from bapo_megatron.algo.search_plan import SearchPlan
+from bapo_megatron.config import ClipSearchConfig, ModelConfig, ParallelConfig
 from bapo_megatron.device_check.actor_steps import _sync
+from bapo_megatron.device_check.shapes import model_config, random_batch, write_start_folder
+from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
+from bapo_megatron.rollout.protocol import SamplingParams
+from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf
 
 
 def conversion(args) -> dict:
-    import transformers
-    from safetensors.torch import load_file
 
-    from bapo_megatron.config import ParallelConfig
-    from bapo_megatron.device_check.shapes import model_config, write_start_folder
-    from bapo_megatron.distributed.context import ParallelContext
-    from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf
 
     work = Path(args.work)
     model = model_config("small", cpu_sized=True)  # a 2-layer Qwen2: conversion, not scale
@@ -76,9 +80,6 @@ def conversion(args) -> dict:
 
 
 def engine_speed(args) -> dict:
-    from bapo_megatron.device_check.shapes import model_config
-    from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
-    from bapo_megatron.rollout.protocol import SamplingParams
 
     model = model_config("small", cpu_sized=args.cpu_sized, dtype=args.dtype)
     engine = EmbeddedEngine(model, device=args.device)
@@ -109,12 +110,7 @@ def engine_speed(args) -> dict:
 
 
 def hf_speed(args) -> dict:
-    import transformers
 
-    from bapo_megatron.algo.policy_loss import bapo_loss, loss_normalizer
-    from bapo_megatron.algo.search_plan import SearchPlan
-    from bapo_megatron.config import ClipSearchConfig, ModelConfig
-    from bapo_megatron.device_check.shapes import random_batch
 
     start = Path(args.start)
     model = ModelConfig.from_hf_config(start)

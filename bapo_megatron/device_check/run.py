@@ -24,7 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import megatron.core
 import torch
+import transformers
 
 from bapo_megatron.device_check import loop_runs
 from bapo_megatron.device_check.compare import compare_actor_runs, summary_markdown
@@ -316,8 +318,6 @@ def run_all(args: argparse.Namespace, work: Path) -> dict:
 
 
 def environment(device: str) -> dict:
-    import megatron.core
-    import transformers
 
     info = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import torch
+import transformers
 
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.config import ModelConfig
@@ -70,7 +71,6 @@ def write_start_folder(model: ModelConfig, folder: Path, seed: int) -> Path:
     """An HF folder (config.json + safetensors, bfloat16 weights) with random weights drawn by
     transformers from ``seed``: bfloat16 so that a bfloat16 GPU actor and a float32 CPU actor
     load exactly the same numbers."""
-    import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
     if (folder / "config.json").exists():
