@@ -11,6 +11,7 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from bapo_megatron.actor.model import build_model
+from bapo_megatron.actor.moe_aux_loss import MoeAuxLoss
 from bapo_megatron.actor.optimizer import build_optimizer, wrap_data_parallel
 from bapo_megatron.config import ActorConfig, ModelConfig, OptimizerConfig
 from bapo_megatron.distributed.context import ParallelContext
@@ -30,6 +31,9 @@ class Actor:
     scheduler: OptimizerParamScheduler
     skipped_steps: int = 0
     """Optimizer steps dropped so far because the gradient norm was not finite."""
+    moe_aux_loss: MoeAuxLoss | None = None
+    """The load-balancing term of a mixture-of-experts model (hooks on this rank's routers, if
+    its chunks hold any); None for a dense model."""
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameter shards by their Megatron names (``chunk<i>.`` prefixed when the
@@ -60,6 +64,9 @@ def build_actor(
         wrapped, optimizer, config.params_dtype, context
     )
     return Actor(
+        moe_aux_loss=MoeAuxLoss(chunks, model.moe.router_aux_loss_coef, context)
+        if model.is_moe
+        else None,
         context=context,
         model_config=model,
         actor_config=actor,

@@ -46,6 +46,9 @@ def to_transformer_config(
     attributes of its weights, which grad-norm and optimizer code read, only in the init
     functions that flag skips; a no-op init method keeps them.) The fp8 fields of
     ``parallel`` are passed through unchanged (Megatron hands them to Transformer Engine).
+
+    Mixture of experts (``model.moe``, :func:`moe_fields`): Megatron's MoE layer with a softmax
+    top-k router and one SwiGLU MLP per expert.
     """
     if use_cpu_initialization is None:
         use_cpu_initialization = not torch.cuda.is_available()
@@ -99,4 +102,42 @@ def to_transformer_config(
         fp8_recipe=parallel.fp8_recipe,
         fp8_amax_history_len=parallel.fp8_amax_history_len,
         fp8_amax_compute_algo=parallel.fp8_amax_compute_algo,
+        **moe_fields(model, parallel),
     )
+
+
+def moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:
+    """Megatron's MoE fields for ``model.moe`` (none for a dense model).
+
+    - Experts: ``num_moe_experts`` SwiGLU MLPs of width ``moe_ffn_hidden_size``, in the layers
+      ``moe_layer_freq`` marks (HF's decoder_sparse_step / mlp_only_layers rule, as a list).
+    - Router: softmax scores, top-``moe_router_topk``; HF's ``norm_topk_prob`` (renormalize the
+      chosen experts' weights) is Megatron's softmax *after* the top-k
+      (``moe_router_pre_softmax=False``), and without it the softmax over all experts before the
+      top-k. Scores in float32 (``moe_router_dtype``), as transformers computes them.
+    - No token dropping (no capacity factor): every token reaches its k experts, as in HF.
+    - The load-balancing loss is not Megatron's (``moe_router_load_balancing_type="none"``):
+      the actor adds its own term with explicit scaling
+      (:mod:`bapo_megatron.actor.moe_aux_loss`), since Megatron's scales its gradient for a
+      per-token loss that the BAPO loss is not.
+    - Experts are ``SequentialMLP`` (``moe_grouped_gemm=False``), the implementation that runs
+      without Transformer Engine and whose parameter names the name map knows.
+    """
+    moe = model.moe
+    if moe is None:
+        return {}
+    return {
+        "num_moe_experts": moe.num_experts,
+        "moe_ffn_hidden_size": moe.moe_intermediate_size,
+        "moe_layer_freq": [int(sparse) for sparse in moe.moe_layer_pattern(model.num_layers)],
+        "moe_router_topk": moe.num_experts_per_tok,
+        "moe_router_pre_softmax": not moe.norm_topk_prob,
+        "moe_router_score_function": "softmax",
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": parallel.moe_token_dispatcher,
+        "moe_grouped_gemm": False,
+        "expert_model_parallel_size": parallel.expert_model_parallel_size,
+        "expert_tensor_parallel_size": parallel.expert_tensor_parallel_size,
+    }

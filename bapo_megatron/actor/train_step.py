@@ -13,9 +13,15 @@ Order of events, the same on every rank (collectives must line up):
 4. Optimizer step (skipped when the gradient norm is not finite).
 5. Metrics for the whole step, reduced over data x context parallel on the last stage and
    broadcast to the other pipeline stages.
+
+A mixture-of-experts actor adds its load-balancing term in step 3 (the routers' hooks,
+:mod:`bapo_megatron.actor.moe_aux_loss`), weighted by the step's real tokens, which the
+all-gather of step 1 also counts; the term's value joins the metrics.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -42,11 +48,14 @@ def train_step(
     including none) for one optimizer step and return the step's metrics, the same on every
     rank: `loss`, `entropy` (mean over response tokens), `response_tokens`, `grad_norm`, `lr`,
     `skipped` (1 when the update was dropped for a non-finite gradient norm),
-    `skipped_steps` (so far), `num_microbatches`, and the `bapo/*` search metrics."""
+    `skipped_steps` (so far), `num_microbatches`, and the `bapo/*` search metrics. A
+    mixture-of-experts actor adds `moe/aux_loss` (the term added to the loss, coefficient
+    included) and `moe/load_balancing_loss` (its value per MoE layer without the coefficient:
+    1 when the routers spread tokens evenly)."""
     batch.require_training_fields()
     context = actor.context
     micro_batch_size = actor.actor_config.micro_batch_size
-    count, tokens, sequences = _agree_on_step(batch, micro_batch_size, loss.aggregation, context)
+    count, tokens, sequences, real_tokens = _agree_on_step(batch, micro_batch_size, context)
     if context.vpp_size is not None:  # the interleaved schedule wants whole groups of PP
         count = -(-max(count, context.pp_size) // context.pp_size) * context.pp_size
     microbatches = split_microbatches(batch, micro_batch_size, count, seq_multiple(context))
@@ -84,7 +93,16 @@ def train_step(
     for chunk in actor.chunks:
         chunk.zero_grad_buffer()
     actor.optimizer.zero_grad()
-    outputs = run_schedule(actor.chunks, microbatches, per_microbatch, context, forward_only=False)
+    aux = actor.moe_aux_loss
+    with aux.training_step(real_tokens) if aux is not None else contextlib.nullcontext():
+        outputs = run_schedule(
+            actor.chunks,
+            microbatches,
+            per_microbatch,
+            context,
+            forward_only=False,
+            before_forward=aux.before_forward if aux is not None else None,
+        )
     outcome = optimizer_step(actor.optimizer, actor.scheduler, actor.optimizer_config.clip_grad)
     if outcome.skipped:
         actor.skipped_steps += 1
@@ -94,6 +112,12 @@ def train_step(
         metrics = _step_metrics(outputs, decision, extremes, context)
         metrics["response_tokens"] = tokens
     metrics = _from_last_stage(metrics, context)
+    if aux is not None:
+        value = aux.step_value()
+        metrics["moe/aux_loss"] = aux.coef * value
+        metrics["moe/load_balancing_loss"] = value / actor.model_config.moe.num_moe_layers(
+            actor.model_config.num_layers
+        )
     metrics.update(
         grad_norm=outcome.grad_norm,
         lr=outcome.lr,
@@ -105,16 +129,20 @@ def train_step(
 
 
 def _agree_on_step(
-    batch: PolicyBatch, micro_batch_size: int, aggregation: str, context
-) -> tuple[int, float, float]:
-    """(largest micro-batch count, global response tokens, global responding sequences) over
-    the data x context parallel group, in one collective."""
+    batch: PolicyBatch, micro_batch_size: int, context
+) -> tuple[int, float, float, float]:
+    """(largest micro-batch count, global response tokens, global responding sequences, global
+    real tokens: every position up to each sequence's last response token) over the data x
+    context parallel group, in one collective."""
     mask = batch.response_mask
+    positions = torch.arange(mask.shape[1])
+    real = (torch.where(mask, positions, -1).amax(dim=1) + 1).sum() if mask.numel() else 0
     local = torch.tensor(
         [
             float(microbatch_count(batch.num_sequences, micro_batch_size)),
             float(loss_normalizer(mask, "token-mean")),
             float(loss_normalizer(mask, "seq-mean-token-sum")),
+            float(real),
         ],
         dtype=torch.float64,
         device=context.device,
@@ -128,7 +156,12 @@ def _agree_on_step(
     count = int(gathered[:, 0].max())
     if count == 0:
         raise ValueError("train_step: no data-parallel rank has any sequence for this step")
-    return count, float(gathered[:, 1].sum()), float(gathered[:, 2].sum())
+    return (
+        count,
+        float(gathered[:, 1].sum()),
+        float(gathered[:, 2].sum()),
+        float(gathered[:, 3].sum()),
+    )
 
 
 def _decide_for_step(
