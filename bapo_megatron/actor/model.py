@@ -163,7 +163,7 @@ def tensor_parallel_shard(
     if not getattr(param, "tensor_model_parallel", False):
         return full
     dim = param.partition_dim
-    if name.endswith("mlp.linear_fc1.weight"):
+    if name.endswith("linear_fc1.weight"):  # the dense MLP's and each expert's
         return torch.cat([half.chunk(tp_size, dim)[tp_rank] for half in full.chunk(2, dim)], dim)
     return full.chunk(tp_size, dim)[tp_rank]
 
