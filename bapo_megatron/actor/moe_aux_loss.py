@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.moe.router import TopKRouter
 
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.distributed.context import ParallelContext
@@ -102,8 +103,6 @@ class MoeAuxLoss:
     :meth:`training_step`, fed each micro-batch by :meth:`before_forward`."""
 
     def __init__(self, chunks: list[torch.nn.Module], coef: float, context: ParallelContext):
-        from megatron.core.transformer.moe.router import TopKRouter
-
         self.coef = coef
         self.context = context
         # A pipeline stage may hold no MoE layer (mlp_only_layers); it still joins the
