@@ -28,6 +28,7 @@ def to_transformer_config(
     *,
     use_cpu_initialization: bool | None = None,
     initialize: bool = True,
+    recompute_activations: bool = False,
 ) -> TransformerConfig:
     """Megatron's ``TransformerConfig`` for a Llama/Qwen2/Qwen3 decoder split as ``parallel``
     says.
@@ -46,6 +47,8 @@ def to_transformer_config(
     attributes of its weights, which grad-norm and optimizer code read, only in the init
     functions that flag skips; a no-op init method keeps them.) The fp8 fields of
     ``parallel`` are passed through unchanged (Megatron hands them to Transformer Engine).
+    ``recompute_activations`` keeps only each layer's input in the forward pass and recomputes
+    the layer in the backward pass (Megatron's full, uniform recompute, one layer per block).
 
     Mixture of experts (``model.moe``, :func:`moe_fields`): Megatron's MoE layer with a softmax
     top-k router and one SwiGLU MLP per expert.
@@ -92,6 +95,15 @@ def to_transformer_config(
         ),
         # No CUDA graphs; the default "full" only triggers a deprecation warning.
         cuda_graph_scope=[],
+        **(
+            {
+                "recompute_granularity": "full",
+                "recompute_method": "uniform",
+                "recompute_num_layers": 1,
+            }
+            if recompute_activations
+            else {}
+        ),
         # Batched p2p posts a send to the next and one to the previous stage together; at PP2
         # both are the same peer, and gloo (CPU) matches same-tag messages in posting order, so
         # the interleaved schedule received gradients as activations. Unbatched p2p posts them
@@ -138,6 +150,9 @@ def moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:
         "moe_aux_loss_coeff": 0.0,
         "moe_token_dispatcher_type": parallel.moe_token_dispatcher,
         "moe_grouped_gemm": False,
+        # Each router gets Megatron's RouterReplay; idle (live routing) until the actor's
+        # routing replay sets an action (bapo_megatron.actor.routing_replay).
+        "moe_enable_routing_replay": True,
         "expert_model_parallel_size": parallel.expert_model_parallel_size,
         "expert_tensor_parallel_size": parallel.expert_tensor_parallel_size,
     }

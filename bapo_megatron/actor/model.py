@@ -77,6 +77,7 @@ def build_model(
     *,
     seed: int = DEFAULT_SEED,
     initialize: bool = True,
+    recompute_activations: bool = False,
 ) -> list[GPTModel]:
     """This rank's model chunks: one ``GPTModel``, or ``virtual_pipeline_model_parallel_size``
     of them (Megatron's interleaved schedule takes the list).
@@ -93,6 +94,7 @@ def build_model(
     checkpoint or HF folder): on the CPU they are most of the build time of a large model. A
     loader that missed a parameter would leave it as allocated, so loaders must cover them all
     (the HF and Megatron loaders do: one rule per parameter, strict state-dict loading).
+    ``recompute_activations``: Megatron's full recompute (see ``to_transformer_config``).
     """
     validate_layout(model, parallel, context.world_size)
     if parallel != context.config:
@@ -100,7 +102,9 @@ def build_model(
             "build_model: `parallel` differs from the layout the ParallelContext "
             "was initialized with"
         )
-    config = to_transformer_config(model, parallel, initialize=initialize)
+    config = to_transformer_config(
+        model, parallel, initialize=initialize, recompute_activations=recompute_activations
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed + 100 * context.pp_rank)
     stages = [None] if context.vpp_size is None else list(range(context.vpp_size))

@@ -119,7 +119,7 @@ class MoeAuxLoss:
         """MoE layers on this rank."""
         return len(self.routers)
 
-    def before_forward(self, microbatch: PolicyBatch) -> None:
+    def before_forward(self, microbatch: PolicyBatch, chunk: torch.nn.Module | None = None) -> None:
         """Record which tokens of the micro-batch about to run are real (called by the
         schedule's forward step on every stage, right before the model)."""
         self._valid = valid_tokens_sequence_major(microbatch, self.context)

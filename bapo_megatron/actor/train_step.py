@@ -14,7 +14,9 @@ Order of events, the same on every rank (collectives must line up):
 5. Metrics for the whole step, reduced over data x context parallel on the last stage and
    broadcast to the other pipeline stages.
 
-A mixture-of-experts actor adds its load-balancing term in step 3 (the routers' hooks,
+A batch that carries routes (``PolicyBatch.routes``) has them replayed by the routers in
+steps 2 and 3 (:mod:`bapo_megatron.actor.routing_replay`). A mixture-of-experts actor adds its
+load-balancing term in step 3 (the routers' hooks,
 :mod:`bapo_megatron.actor.moe_aux_loss`), weighted by the step's real tokens, which the
 all-gather of step 1 also counts; the term's value joins the metrics.
 """
@@ -31,6 +33,7 @@ from bapo_megatron.actor.batch import PolicyBatch, microbatch_count, split_micro
 from bapo_megatron.actor.logprobs import seq_multiple, token_logprobs
 from bapo_megatron.actor.optimizer import optimizer_step
 from bapo_megatron.actor.pipeline_schedule import last_stage_rank, run_schedule
+from bapo_megatron.actor.routing_replay import validate_routes
 from bapo_megatron.algo.bound_search import BoundDecision, choose_bounds
 from bapo_megatron.algo.policy_loss import bapo_loss, loss_normalizer, search_statistics
 from bapo_megatron.algo.reduction import all_reduce_sum
@@ -63,9 +66,13 @@ def train_step(
     reduce = all_reduce_sum(context.dp_cp_group)
     temperature = actor.actor_config.temperature
 
+    replay = _routing_replay(actor, batch)
+    before_forward = _before_forward(actor.moe_aux_loss, replay)
+
     decision, extremes = None, None
     if plan.config.granularity == "step" and not plan.is_fixed:
-        decision, extremes = _decide_for_step(actor, microbatches, plan, reduce)
+        with replay.replaying() if replay is not None else contextlib.nullcontext():
+            decision, extremes = _decide_for_step(actor, microbatches, plan, reduce, before_forward)
 
     def per_microbatch(microbatch: PolicyBatch, logits: torch.Tensor):
         logprobs, entropy = token_logprobs(
@@ -94,14 +101,18 @@ def train_step(
         chunk.zero_grad_buffer()
     actor.optimizer.zero_grad()
     aux = actor.moe_aux_loss
-    with aux.training_step(real_tokens) if aux is not None else contextlib.nullcontext():
+    with contextlib.ExitStack() as passes:
+        if aux is not None:
+            passes.enter_context(aux.training_step(real_tokens))
+        if replay is not None:
+            passes.enter_context(replay.replaying())
         outputs = run_schedule(
             actor.chunks,
             microbatches,
             per_microbatch,
             context,
             forward_only=False,
-            before_forward=aux.before_forward if aux is not None else None,
+            before_forward=before_forward,
         )
     outcome = optimizer_step(actor.optimizer, actor.scheduler, actor.optimizer_config.clip_grad)
     if outcome.skipped:
@@ -126,6 +137,33 @@ def train_step(
         num_microbatches=float(count),
     )
     return metrics
+
+
+def _routing_replay(actor: Actor, batch: PolicyBatch):
+    """The actor's routing replay when ``batch`` carries routes (checked first), else None."""
+    if batch.routes is None:
+        return None
+    if actor.routing_replay is None:
+        raise ValueError(
+            f"batch.routes: model.model_type {actor.model_config.model_type!r} has no experts "
+            "to replay routes on"
+        )
+    validate_routes(batch.routes, actor.model_config, "batch.routes")
+    return actor.routing_replay
+
+
+def _before_forward(aux, replay):
+    """What runs before each chunk's forward of a micro-batch: the aux term's token flags and
+    the routes to replay (None for a dense model)."""
+    hooks = [hook.before_forward for hook in (aux, replay) if hook is not None]
+    if not hooks:
+        return None
+
+    def before_forward(microbatch: PolicyBatch, chunk: torch.nn.Module) -> None:
+        for hook in hooks:
+            hook(microbatch, chunk)
+
+    return before_forward
 
 
 def _agree_on_step(
@@ -165,7 +203,7 @@ def _agree_on_step(
 
 
 def _decide_for_step(
-    actor: Actor, microbatches: list[PolicyBatch], plan: SearchPlan, reduce
+    actor: Actor, microbatches: list[PolicyBatch], plan: SearchPlan, reduce, before_forward
 ) -> tuple[BoundDecision | None, torch.Tensor | None]:
     """Granularity `step`: search statistics of every micro-batch from a no-grad forward pass,
     reduced once, then the bounds. Last stage only (elsewhere: None, None)."""
@@ -189,7 +227,12 @@ def _decide_for_step(
 
     with torch.no_grad():
         outputs = run_schedule(
-            actor.chunks, microbatches, per_microbatch, context, forward_only=True
+            actor.chunks,
+            microbatches,
+            per_microbatch,
+            context,
+            forward_only=True,
+            before_forward=before_forward,
         )
     if not context.is_last_stage():
         return None, None
