@@ -75,7 +75,12 @@ def build_actor(
         wrapped, optimizer, config.params_dtype, context
     )
     return Actor(
-        moe_aux_loss=MoeAuxLoss(chunks, model.moe.router_aux_loss_coef, context)
+        moe_aux_loss=MoeAuxLoss(
+            chunks,
+            model.moe.router_aux_loss_coef,
+            context,
+            recompute=actor.recompute_activations,
+        )
         if model.is_moe
         else None,
         routing_replay=RoutingReplay(wrapped, model, context, recompute=actor.recompute_activations)

@@ -102,15 +102,27 @@ class MoeAuxLoss:
     """The aux-loss term of one actor: forward hooks on its routers that are active only inside
     :meth:`training_step`, fed each micro-batch by :meth:`before_forward`."""
 
-    def __init__(self, chunks: list[torch.nn.Module], coef: float, context: ParallelContext):
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        coef: float,
+        context: ParallelContext,
+        *,
+        recompute: bool = False,
+    ):
         self.coef = coef
         self.context = context
+        self.recompute = recompute
         # A pipeline stage may hold no MoE layer (mlp_only_layers); it still joins the
         # reductions of step_value.
         self.routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
         self._step_tokens: float | None = None
         self._valid: torch.Tensor | None = None
         self._sum = torch.zeros((), dtype=torch.float64)
+        # With activation recompute, a router's first forward (no gradients) and its recompute
+        # in the backward pass are apart: 1F1B runs other micro-batches' forwards in between.
+        # Each router queues the token flags of its first forwards for its recomputes.
+        self._queued: dict[int, list[torch.Tensor]] = {id(r): [] for r in self.routers}
         for router in self.routers:
             router.register_forward_hook(self._hook)
 
@@ -135,6 +147,8 @@ class MoeAuxLoss:
         finally:
             self._step_tokens = None
             self._valid = None
+            for queue in self._queued.values():
+                queue.clear()
 
     def step_value(self) -> float:
         """The last step's aux (before the coefficient), summed over micro-batches, MoE layers
@@ -161,13 +175,18 @@ class MoeAuxLoss:
         return counts
 
     def _hook(self, router: torch.nn.Module, args: tuple, output):
-        if self._step_tokens is None or not torch.is_grad_enabled() or self._valid is None:
+        if self._step_tokens is None or self._valid is None:
             return output
+        if not torch.is_grad_enabled():  # a checkpointed block's first forward (or no training)
+            if self.recompute:
+                self._queued[id(router)].append(self._valid)
+            return output
+        valid = self._queued[id(router)].pop(0) if self.recompute else self._valid
         probs, routing_map = output
         hidden = args[0]
         logits = router.gating(hidden).view(-1, router.config.num_moe_experts)
         scores = torch.softmax(logits.float(), dim=-1)
-        valid = self._valid.to(scores.device)
+        valid = valid.to(scores.device)
         if valid.numel() != scores.shape[0]:
             raise AssertionError(
                 f"aux loss: {valid.numel()} token flags for {scores.shape[0]} routed tokens"

@@ -19,6 +19,13 @@ each micro-batch's share of the step's tokens) is the same sum. Compared: log-pr
 initial policy, per-step loss, grad norm, entropy, bounds, rho, the aux term and every
 parameter after the 3 steps. The term is large enough to matter: the reference run without it
 ends with different router weights.
+
+Routing replay at the same layouts: the routes each layout records for the initial policy equal
+the one-process ones (sequence-parallel slices and pipeline stages merged back), and training
+with given routes (random experts, the last token of each sequence missing) equals the
+one-process run with those routes, also at PP2 with activation recompute, where the 1F1B
+schedule runs two forwards before the first backward, so the recompute must take its routes
+from Megatron's first-in-first-out queue.
 """
 
 from __future__ import annotations
@@ -42,7 +49,10 @@ pytest.importorskip("megatron.core")
 
 from bapo_megatron.actor.actor import build_actor  # noqa: E402
 from bapo_megatron.actor.batch import PolicyBatch  # noqa: E402
-from bapo_megatron.actor.logprobs import compute_logprobs  # noqa: E402
+from bapo_megatron.actor.logprobs import (  # noqa: E402
+    compute_logprobs,
+    compute_logprobs_and_routes,
+)
 from bapo_megatron.actor.model import (  # noqa: E402
     global_parameter_name,
     load_whole_model_weights,
@@ -105,6 +115,13 @@ LAYOUTS = {
     "tp2-sp-etp2": (ParallelConfig(**SP, expert_tensor_parallel_size=2), OPTIMIZER),
     "pp2": (ParallelConfig(pipeline_model_parallel_size=2), OPTIMIZER),
 }
+REPLAY_LAYOUTS = {
+    "ep2": LAYOUTS["ep2"][0],
+    "tp2-sp-ep2": LAYOUTS["tp2-sp-ep2"][0],
+    "tp2-sp-etp2": LAYOUTS["tp2-sp-etp2"][0],
+    "pp2": LAYOUTS["pp2"][0],
+    "pp2-recompute": LAYOUTS["pp2"][0],
+}
 COMPARED = (
     "loss",
     "grad_norm",
@@ -151,10 +168,11 @@ def train(
     batch: PolicyBatch,
     optimizer: OptimizerConfig = OPTIMIZER,
     model: ModelConfig = MODEL,
+    actor_config: ActorConfig = ACTOR,
 ) -> dict:
     """Build an actor with ``weights``, train STEPS steps on ``batch``: metrics per step and the
     final parameters by global name (this rank's shards)."""
-    actor = build_actor(model, ACTOR, optimizer, context)
+    actor = build_actor(model, actor_config, optimizer, context)
     load_whole_model_weights(actor.chunks, weights, context)
     step_plan = plan()
     metrics = [train_step(actor, batch, LOSS, step_plan) for _ in range(STEPS)]
@@ -172,6 +190,7 @@ def worker(args: argparse.Namespace) -> None:
     gloo_launch.join_group(args, timeout_s=300)
     data = torch.load(args.data, weights_only=False)
     weights, batch, final = data["weights"], data["batch"], data["final_weights"]
+    routes, final_replay = data["routes"], data["final_replay_weights"]
     results: dict[str, object] = {}
     for layout_name, (layout, optimizer) in LAYOUTS.items():
         context = ParallelContext.initialize(layout)
@@ -184,7 +203,34 @@ def worker(args: argparse.Namespace) -> None:
         logprobs, _ = compute_logprobs(
             actor.chunks, local, context, micro_batch_size=2, temperature=ACTOR.temperature
         )
+        _, recorded = compute_logprobs_and_routes(
+            actor.chunks,
+            local,
+            context,
+            actor.routing_replay,
+            micro_batch_size=2,
+            temperature=ACTOR.temperature,
+        )
+        replay_runs = {}
+        for replay_name, replay_layout in REPLAY_LAYOUTS.items():
+            if replay_layout != layout or layout_name not in REPLAY_LAYOUTS:
+                continue
+            actor_config = dataclasses.replace(
+                ACTOR, recompute_activations=replay_name.endswith("recompute")
+            )
+            replayed = train(
+                context,
+                weights,
+                dataclasses.replace(local, routes=routes[rows]),
+                actor_config=actor_config,
+            )
+            replay_runs[replay_name] = dict(
+                metrics=replayed["metrics"],
+                param_error=_param_error(replayed["params"], final_replay, context),
+            )
         results[layout_name] = dict(
+            recorded=recorded,
+            replay_runs=replay_runs,
             metrics=run["metrics"],
             param_error=_param_error(run["params"], final, context),
             experts_here=sorted({n.split(".")[6] for n in run["params"] if ".local_experts." in n}),
@@ -235,6 +281,25 @@ def test_moe_layouts_match_the_single_process_run(tmp_path, single_process):
 
     batch = sequences(initial_logprobs)
     ref_logprobs = initial_logprobs(batch)
+    _, ref_routes = compute_logprobs_and_routes(
+        reference_actor.chunks,
+        batch,
+        context,
+        reference_actor.routing_replay,
+        micro_batch_size=2,
+        temperature=ACTOR.temperature,
+    )
+    # replayed routes: random distinct experts, none for the last token of each sequence
+    g = torch.Generator().manual_seed(99)
+    routes = (
+        torch.rand(*ref_routes.shape[:3], MODEL.moe.num_experts, generator=g)
+        .topk(MODEL.moe.num_experts_per_tok, dim=-1)
+        .indices
+    )
+    last = batch.response_mask.long().cumsum(1).argmax(1)
+    routes[torch.arange(NUM_SEQUENCES), last] = -1
+    replay_reference = train(context, weights, dataclasses.replace(batch, routes=routes))
+    final_replay = {name: p.detach().clone() for name, (_, p) in replay_reference["params"].items()}
     reference = train(context, weights, batch)
     final = {name: p.detach().clone() for name, (_, p) in reference["params"].items()}
     # The term matters: without it the routers end elsewhere, and it is reported.
@@ -247,7 +312,16 @@ def test_moe_layouts_match_the_single_process_run(tmp_path, single_process):
     assert all(m["moe/aux_loss"] > 0 for m in reference["metrics"])
     assert all(m["moe/aux_loss"] == 0 for m in without["metrics"])
     assert any(m["bapo/search_steps"] > 0 for m in reference["metrics"])
-    torch.save(dict(weights=weights, batch=batch, final_weights=final), tmp_path / "data.pt")
+    torch.save(
+        dict(
+            weights=weights,
+            batch=batch,
+            final_weights=final,
+            routes=routes,
+            final_replay_weights=final_replay,
+        ),
+        tmp_path / "data.pt",
+    )
 
     results = gloo_launch.launch(
         __file__, 2, tmp_path, ["--data", tmp_path / "data.pt"], LAUNCH_TIMEOUT_S
@@ -262,6 +336,13 @@ def test_moe_layouts_match_the_single_process_run(tmp_path, single_process):
             )
             _assert_metrics_match(got["metrics"], reference["metrics"], what)
             errors[what] = got["param_error"]
+            assert torch.equal(got["recorded"], ref_routes[got["rows"]]), what + " recorded"
+            for replay_name, run in got["replay_runs"].items():
+                _assert_metrics_match(
+                    run["metrics"], replay_reference["metrics"], f"{what} replay {replay_name}"
+                )
+                errors[f"{what} replay {replay_name}"] = run["param_error"]
+    assert set(results[0]["pp2"]["replay_runs"]) == {"pp2", "pp2-recompute"}
     # expert parallel: each rank holds its half of the experts, numbered globally
     assert results[0]["ep2"]["experts_here"] == ["0", "1"]
     assert results[1]["ep2"]["experts_here"] == ["2", "3"]
