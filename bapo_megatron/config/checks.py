@@ -20,9 +20,36 @@ def check_training(cfg: Config) -> None:
             "use rollout.engine=vllm-server"
         )
     _check_off_policy_correction(cfg)
+    _check_experts(cfg)
     _check_schedule(cfg)
     _check_placement(cfg)
     _check_asynchronous(cfg)
+
+
+def _check_experts(cfg: Config) -> None:
+    """Routing replay and what a mixture-of-experts model needs of the rest of the run."""
+    replay = cfg.algorithm.routing_replay
+    if replay != "none" and not cfg.model.is_moe:
+        raise ValueError(
+            f"algorithm.routing_replay={replay!r} replays expert routes, but model.model_type "
+            f"{cfg.model.model_type!r} has no experts (set it to 'none')"
+        )
+    if replay == "trainer" and cfg.algorithm.old_logprobs != "recompute":
+        raise ValueError(
+            "algorithm.routing_replay='trainer' replays the routes of the actor's old-log-prob "
+            "pass, which needs algorithm.old_logprobs=recompute"
+        )
+    if replay == "rollout":
+        raise ValueError(
+            "algorithm.routing_replay='rollout' needs the engine's routes per sampled token; "
+            "no rollout engine reports them yet (use 'trainer' with old_logprobs=recompute)"
+        )
+    if cfg.model.is_moe:
+        raise ValueError(
+            f"model.model_type {cfg.model.model_type!r}: the actor trains mixture-of-experts "
+            "models, but the rollout engines do not load their expert weights yet, so an RL "
+            "run cannot sample from one"
+        )
 
 
 def _check_asynchronous(cfg: Config) -> None:

@@ -218,3 +218,79 @@ def test_expert_parallel_needs_an_moe_model():
     dense = ModelConfig.from_hf_config(config_path("Qwen3-8B"))
     with pytest.raises(ValueError, match="parallel.expert_model_parallel_size=2 needs a mixture"):
         validate_layout(dense, ParallelConfig(expert_model_parallel_size=2), 2, CPU)
+
+
+# ------------------------------------------------------------------------ run checks
+
+TRAINABLE_DENSE = [
+    "data.synthetic_task=walk",
+    "model.model_type=qwen3",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.ffn_hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.vocab_size=128",
+]
+MOE = [
+    "model.model_type=qwen3_moe",
+    "model.moe.num_experts=4",
+    "model.moe.num_experts_per_tok=2",
+    "model.moe.moe_intermediate_size=16",
+]
+
+
+def test_moe_section_and_expert_parallel_load_from_dotted_overrides():
+    from bapo_megatron.config import load_config
+
+    cfg = load_config(
+        None,
+        [
+            *TRAINABLE_DENSE,
+            *MOE,
+            "model.moe.mlp_only_layers=[0]",
+            "parallel.expert_model_parallel_size=2",
+        ],
+    )
+    assert cfg.model.moe.mlp_only_layers == (0,)
+    assert cfg.parallel.expert_model_parallel_size == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["algorithm.routing_replay=trainer"],
+            "algorithm.routing_replay='trainer' replays expert routes, but model.model_type "
+            "'qwen3' has no experts",
+        ),
+        (
+            [*MOE, "algorithm.routing_replay=trainer"],
+            "algorithm.routing_replay='trainer' replays the routes of the actor's old-log-prob "
+            "pass, which needs algorithm.old_logprobs=recompute",
+        ),
+        (
+            [*MOE, "algorithm.routing_replay=rollout"],
+            "no rollout engine reports them yet",
+        ),
+        (
+            [*MOE, "algorithm.routing_replay=trainer", "algorithm.old_logprobs=recompute"],
+            "the rollout engines do not load their expert weights yet",
+        ),
+    ],
+)
+def test_routing_replay_and_moe_runs_are_checked(overrides, message):
+    from bapo_megatron.config import load_config
+
+    cfg = load_config(None, [*TRAINABLE_DENSE, *overrides])
+    with pytest.raises(ValueError) as raised:
+        cfg.check_training()
+    assert message in str(raised.value)
+
+
+def test_routing_replay_values_are_checked():
+    from bapo_megatron.config import load_config
+
+    with pytest.raises(ValueError, match="algorithm.routing_replay: expected one of"):
+        load_config(None, ["algorithm.routing_replay=R3"])
+    load_config(None, TRAINABLE_DENSE).check_training()  # none: the dense run as before
