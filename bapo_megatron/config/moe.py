@@ -29,6 +29,12 @@ MOE_FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
 }
 """HF config.json fields of each MoE family that this section reads (same names as here)."""
 
+MOE_FIELD_SPELLINGS: dict[str, dict[str, str]] = {
+    "qwen3_moe": {"num_local_experts": "num_experts"},
+}
+"""Other spellings of a family's fields: transformers 5 writes Qwen3-MoE's ``num_experts`` as
+``num_local_experts`` (its attribute map); the published configs write ``num_experts``."""
+
 UNSUPPORTED_MOE_FIELDS: dict[str, str] = {
     "n_shared_experts": "shared experts are not implemented (Qwen2-MoE, DeepSeek have them)",
     "shared_expert_intermediate_size": "shared experts are not implemented",
@@ -126,11 +132,22 @@ def moe_fields_from_hf(hf: Mapping[str, Any], model_type: str, where: str) -> di
     def refuse(key: str, why: str) -> None:
         raise ValueError(f"HF config {where}: {key}={hf[key]!r} is not supported ({why})")
 
+    spellings = MOE_FIELD_SPELLINGS.get(model_type, {})
     for key, why in UNSUPPORTED_MOE_FIELDS.items():
-        if hf.get(key):
+        if hf.get(key) and key not in spellings:
             refuse(key, why)
     if model_type not in MOE_FAMILY_FIELDS:
         return None
+    hf = dict(hf)
+    for other, name in spellings.items():
+        if hf.get(other) is None:
+            continue
+        if hf.get(name) is not None and hf[name] != hf[other]:
+            raise ValueError(
+                f"HF config {where}: {name}={hf[name]!r} and {other}={hf[other]!r} disagree "
+                "(two spellings of one field)"
+            )
+        hf[name] = hf[other]
     scoring = hf.get("scoring_func")
     if scoring is not None and scoring not in SUPPORTED_ROUTER_SCORES:
         refuse("scoring_func", f"routers implemented: {list(SUPPORTED_ROUTER_SCORES)}")

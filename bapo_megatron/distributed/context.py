@@ -76,6 +76,8 @@ class ParallelContext:
     etp_rank: int
     etp_size: int
     """Expert tensor parallel: rank and size of the group an expert's matrices are split over."""
+    edp_rank: int
+    """Rank in expert_dp_group (0: the copy of this rank's experts that exports them)."""
 
     @classmethod
     def initialize(
@@ -170,6 +172,7 @@ class ParallelContext:
             ep_size=ps.get_expert_model_parallel_world_size(),
             etp_rank=ps.get_expert_tensor_parallel_rank(),
             etp_size=ps.get_expert_tensor_parallel_world_size(),
+            edp_rank=ps.get_expert_data_parallel_rank(),
         )
 
     @property

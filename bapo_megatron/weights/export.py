@@ -16,7 +16,10 @@ the model plus about two buckets. Two layers:
   writer) is not this module's concern.
 
 Call it on the ranks of one data-parallel replica (the others hold the same weights); with
-virtual pipelining a stage exports all of its chunks.
+virtual pipelining a stage exports all of its chunks. A mixture-of-experts model's experts are
+divided over the expert-parallel ranks, which Megatron carves out of data (and tensor) parallel:
+each rank exports the experts it holds, whole (expert tensor parallel 1), without any exchange,
+on the ranks of expert data-parallel rank 0 (``experts``), after the stage's dense tensors.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from bapo_megatron.weights.name_maps import (
     chunk_parameters,
     hf_tensor_shapes,
     name_map_for,
+    split,
 )
 from bapo_megatron.weights.transports import ShardTransport, TransportKind, make_transport
 
@@ -54,6 +58,9 @@ class WeightBucket:
     """Whether it is the stage's last bucket of this export."""
     tensors: dict[str, torch.Tensor]
     """HF name -> whole tensor, in HF order."""
+    expert_rank: int | None = None
+    """The expert-parallel rank whose experts these are; None for a bucket of dense tensors
+    (``index`` counts each kind apart)."""
 
     @property
     def nbytes(self) -> int:
@@ -99,6 +106,8 @@ def export_weights(
     dtype: torch.dtype | None = None,
     to_all_tp_ranks: bool = False,
     transport: TransportKind | ShardTransport = "auto",
+    dense: bool = True,
+    experts: bool = True,
 ) -> Iterator[WeightBucket]:
     """Yield this stage's parameters as whole HF tensors in buckets of at most ``bucket_bytes``
     (a single larger tensor group, e.g. a big embedding, comes alone).
@@ -107,7 +116,8 @@ def export_weights(
     exchange over the TP group). The buckets are yielded on the first TP rank of the stage, or on
     every TP rank with ``to_all_tp_ranks``; other ranks yield nothing. ``dtype`` (default:
     ``model.params_dtype``) is the dtype of the yielded tensors. ``version`` is stamped on every
-    bucket.
+    bucket. ``dense`` / ``experts`` choose what this rank exports (``dense`` must agree over the
+    TP group); an MoE model's expert buckets come after the dense ones, from this rank alone.
     ``transport`` moves the shards (:mod:`~bapo_megatron.weights.transports`): `auto` takes
     shared memory for CPU ranks on one host, else the torch.distributed collective; or a
     transport built once with :func:`~bapo_megatron.weights.transports.make_transport` and
@@ -129,7 +139,59 @@ def export_weights(
     dtype = dtype or getattr(torch, model.params_dtype)  # the same on every stage
     owned = [r for r in rules if r.megatron in params]
     element_size = torch.empty((), dtype=dtype).element_size()
-    buckets = plan_buckets(owned, model, bucket_bytes, element_size)
+    expert_rules = [r for r in owned if r.expert is not None] if experts else []
+    if expert_rules and context.etp_size > 1:
+        raise ValueError(
+            f"export: parallel.expert_tensor_parallel_size={context.etp_size} splits each "
+            "expert; exporting split experts is not implemented (use 1)"
+        )
+    expert_buckets = plan_buckets(expert_rules, model, bucket_bytes, element_size)
+    buckets = (
+        plan_buckets([r for r in owned if r.expert is None], model, bucket_bytes, element_size)
+        if dense
+        else []
+    )
+    yield from _export_dense(
+        buckets,
+        params,
+        model,
+        context,
+        version,
+        dtype,
+        to_all_tp_ranks,
+        transport,
+        more_after=bool(expert_buckets),
+    )
+    for index, bucket in enumerate(expert_buckets):
+        tensors: dict[str, torch.Tensor] = {}
+        for rule in bucket:
+            whole = params[rule.megatron].to(dtype)
+            tensors.update(zip(rule.hf, (t.clone() for t in split(rule, whole, model))))
+        yield WeightBucket(
+            version=version,
+            pipeline_rank=context.pp_rank,
+            index=index,
+            last=index == len(expert_buckets) - 1,
+            tensors=tensors,
+            expert_rank=context.ep_rank,
+        )
+
+
+def _export_dense(
+    buckets: list[list[ParamRule]],
+    params: dict[str, torch.Tensor],
+    model: ModelConfig,
+    context: ParallelContext,
+    version: int,
+    dtype: torch.dtype,
+    to_all_tp_ranks: bool,
+    transport: TransportKind | ShardTransport,
+    *,
+    more_after: bool,
+) -> Iterator[WeightBucket]:
+    """The dense buckets of :func:`export_weights`, through the TP group's transport."""
+    if not buckets:
+        return
     if isinstance(transport, str):
         mover = make_transport(
             transport, context, next(iter(params.values())).device, to_all_tp_ranks
@@ -148,6 +210,6 @@ def export_weights(
                 version=version,
                 pipeline_rank=context.pp_rank,
                 index=index,
-                last=index == len(buckets) - 1,
+                last=index == len(buckets) - 1 and not more_after,
                 tensors=tensors,
             )

@@ -381,13 +381,18 @@ def place_shard(
 def chunk_parameters(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """``(whole-model Megatron name, parameter)`` for every parameter of a model chunk (or a
     wrapper with ``.module``, such as DDP): decoder layers renumbered by their global
-    ``layer_number``, Transformer Engine's norm names mapped to the local spec's."""
+    ``layer_number``, the experts of an expert-parallel rank by their global index,
+    Transformer Engine's norm names mapped to the local spec's."""
     while hasattr(chunk, "module"):
         chunk = chunk.module
     layers = chunk.decoder.layers
     for name, param in chunk.named_parameters():
         parts = name.split(".", 3)
         if parts[:2] == ["decoder", "layers"]:
+            layer = layers[int(parts[2])]
             suffix = TE_NAME_ALIASES.get(parts[3], parts[3])
-            name = f"decoder.layers.{layers[int(parts[2])].layer_number - 1}.{suffix}"
+            if suffix.startswith(_EXPERT_PREFIX):
+                local, rest = suffix[len(_EXPERT_PREFIX) :].split(".", 1)
+                suffix = f"{_EXPERT_PREFIX}{layer.mlp.local_expert_indices[int(local)]}.{rest}"
+            name = f"decoder.layers.{layer.layer_number - 1}.{suffix}"
         yield name, param
