@@ -39,16 +39,20 @@ def _check_experts(cfg: Config) -> None:
             "algorithm.routing_replay='trainer' replays the routes of the actor's old-log-prob "
             "pass, which needs algorithm.old_logprobs=recompute"
         )
-    if replay == "rollout":
+    if not cfg.model.is_moe:
+        return
+    if cfg.rollout.engine != "embedded":
         raise ValueError(
-            "algorithm.routing_replay='rollout' needs the engine's routes per sampled token; "
-            "no rollout engine reports them yet (use 'trainer' with old_logprobs=recompute)"
+            f"model.model_type {cfg.model.model_type!r}: of the rollout engines only the "
+            f"embedded one loads expert weights and records routes so far; rollout.engine="
+            f"{cfg.rollout.engine!r} is not supported with experts"
         )
-    if cfg.model.is_moe:
+    parallel = cfg.parallel
+    if parallel.expert_model_parallel_size > 1 or parallel.expert_tensor_parallel_size > 1:
         raise ValueError(
-            f"model.model_type {cfg.model.model_type!r}: the actor trains mixture-of-experts "
-            "models, but the rollout engines do not load their expert weights yet, so an RL "
-            "run cannot sample from one"
+            "parallel.expert_model_parallel_size and expert_tensor_parallel_size must be 1 in "
+            "an RL run for now: the weight sync sends each data-parallel replica's own weights "
+            "to its engine, and with experts divided over replicas an engine would miss some"
         )
 
 

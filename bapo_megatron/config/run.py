@@ -121,9 +121,9 @@ class AlgorithmConfig:
     """Mixture-of-experts models only: force the actor's routers to recorded experts in its
     training passes, so that the ratio compares the policies on the same experts. `none`: live
     routing; `trainer` (R2): the routes of the actor's own old-log-prob pass (needs
-    ``old_logprobs=recompute``); `rollout` (R3): the engine's routes for every sampled token
-    (none of the engines reports them yet, so it is refused). Missing routes (the last sampled
-    token) are routed live."""
+    ``old_logprobs=recompute``); `rollout` (R3): the routes the engine recorded for every token
+    (the embedded engine records them). Missing routes (the last sampled token) are routed
+    live."""
     max_staleness: int = 0
     """eta of asynchronous training (``rollout.placement=disaggregated``): a group trains in a
     rollout step whose policy version is v only if every token of it was sampled at version

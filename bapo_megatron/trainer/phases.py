@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from bapo_megatron.actor.batch import PolicyBatch
-from bapo_megatron.actor.logprobs import compute_logprobs
+from bapo_megatron.actor.logprobs import compute_logprobs, compute_logprobs_and_routes
 from bapo_megatron.algo.advantages import grpo_advantages, informative_groups
 from bapo_megatron.algo.importance_weights import importance_weights
 from bapo_megatron.data.experience import Group, prompts_at, split_groups, to_policy_batch
@@ -231,7 +231,7 @@ def old_logprobs(
         [float(len(part)) for part in parts], context.dp_group, context.device
     )
     minibatches = [
-        to_policy_batch(part, run.task.pad_token_id)
+        _engine_routes_kept(to_policy_batch(part, run.task.pad_token_id), algo.routing_replay)
         for part, everywhere in zip(parts, groups_per_part)
         if everywhere
     ]
@@ -249,21 +249,46 @@ def old_logprobs(
     return minibatches, metrics
 
 
+def _engine_routes_kept(
+    batch_and_versions: tuple[PolicyBatch, torch.Tensor], routing_replay: str
+) -> tuple[PolicyBatch, torch.Tensor]:
+    """The engine's routes stay with the batch (and are replayed) under routing replay
+    `rollout` only."""
+    batch, versions = batch_and_versions
+    if routing_replay != "rollout" and batch.routes is not None:
+        batch = dataclasses.replace(batch, routes=None)
+    return batch, versions
+
+
 def recompute(run: Run, batch: PolicyBatch, current: torch.Tensor, gap: LogprobGap) -> PolicyBatch:
     """``batch`` with the actor's log-probs as old log-probs (``recompute``; with an off-policy
-    correction, its importance weights, added to ``gap``) or unchanged (``engine``). The
+    correction, its importance weights, added to ``gap``) or unchanged (``engine``); under
+    routing replay `trainer`, with the routes of this pass. The
     actor/engine gap is added to ``gap`` either way, over the tokens sampled with the actor's
     current weights (``current``): on older tokens it would also hold the policy's own drift
     since they were sampled."""
     cfg = run.cfg
-    recomputed, _ = compute_logprobs(
-        run.actor.chunks,
-        batch,
-        run.actor.context,
-        micro_batch_size=cfg.actor.micro_batch_size,
-        temperature=cfg.actor.temperature,
-        with_entropy=False,
-    )
+    if cfg.algorithm.routing_replay == "trainer" and cfg.algorithm.old_logprobs == "recompute":
+        # R2: the routes of this pass are the ones the step's training passes replay
+        recomputed, routes = compute_logprobs_and_routes(
+            run.actor.chunks,
+            batch,
+            run.actor.context,
+            run.actor.routing_replay,
+            micro_batch_size=cfg.actor.micro_batch_size,
+            temperature=cfg.actor.temperature,
+        )
+        batch = dataclasses.replace(batch, routes=routes)
+    else:  # with routing replay `rollout`, the engine's routes (batch.routes) are replayed
+        recomputed, _ = compute_logprobs(
+            run.actor.chunks,
+            batch,
+            run.actor.context,
+            micro_batch_size=cfg.actor.micro_batch_size,
+            temperature=cfg.actor.temperature,
+            with_entropy=False,
+            routing=run.actor.routing_replay,
+        )
     mask = batch.response_mask
     same_policy = mask & current
     gap.add_gap((recomputed - batch.old_logprobs)[same_policy], same_policy)

@@ -270,12 +270,12 @@ def test_moe_section_and_expert_parallel_load_from_dotted_overrides():
             "pass, which needs algorithm.old_logprobs=recompute",
         ),
         (
-            [*MOE, "algorithm.routing_replay=rollout"],
-            "no rollout engine reports them yet",
+            [*MOE, "algorithm.routing_replay=rollout", "rollout.engine=vllm"],
+            "only the embedded one loads expert weights and records routes so far",
         ),
         (
-            [*MOE, "algorithm.routing_replay=trainer", "algorithm.old_logprobs=recompute"],
-            "the rollout engines do not load their expert weights yet",
+            [*MOE, "parallel.expert_model_parallel_size=2"],
+            "must be 1 in an RL run for now",
         ),
     ],
 )
@@ -294,3 +294,16 @@ def test_routing_replay_values_are_checked():
     with pytest.raises(ValueError, match="algorithm.routing_replay: expected one of"):
         load_config(None, ["algorithm.routing_replay=R3"])
     load_config(None, TRAINABLE_DENSE).check_training()  # none: the dense run as before
+    for replay in ("none", "rollout"):
+        load_config(
+            None, [*TRAINABLE_DENSE, *MOE, f"algorithm.routing_replay={replay}"]
+        ).check_training()
+    load_config(
+        None,
+        [
+            *TRAINABLE_DENSE,
+            *MOE,
+            "algorithm.routing_replay=trainer",
+            "algorithm.old_logprobs=recompute",
+        ],
+    ).check_training()

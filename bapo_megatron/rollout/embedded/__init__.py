@@ -18,6 +18,9 @@ FAMILY = "embedded"
 
 
 def start_in_process(setup: EngineSetup) -> RolloutEngine:
-    """An embedded engine with random weights (the trainer pushes its own before rolling out)."""
+    """An embedded engine with random weights (the trainer pushes its own before rolling out);
+    for a mixture-of-experts model it records each token's experts."""
 
-    return EmbeddedEngine(setup.model, pad_token_id=setup.pad_token_id)
+    return EmbeddedEngine(
+        setup.model, pad_token_id=setup.pad_token_id, record_routes=setup.model.is_moe
+    )
