@@ -23,6 +23,7 @@ from bapo_megatron.distributed.collectives import sum_over
 from bapo_megatron.trainer.admission import mixed_version_samples, stale_groups
 from bapo_megatron.trainer.metrics import LogprobGap, RolloutCounts, rollout_metrics
 from bapo_megatron.trainer.replicas import share_from_engine_rank
+from bapo_megatron.trainer.router_metrics import RouterAgreement
 from bapo_megatron.trainer.setup import Run, watched
 from bapo_megatron.trainer.state import PausedGroup
 
@@ -231,13 +232,25 @@ def old_logprobs(
         [float(len(part)) for part in parts], context.dp_group, context.device
     )
     minibatches = [
-        _engine_routes_kept(to_policy_batch(part, run.task.pad_token_id), algo.routing_replay)
+        to_policy_batch(part, run.task.pad_token_id)
         for part, everywhere in zip(parts, groups_per_part)
         if everywhere
     ]
     measure_gap = (
         cfg.logging.logprob_diff_interval and step % cfg.logging.logprob_diff_interval == 0
     )
+    if measure_gap and run.actor.routing_replay is not None:
+        agreement = RouterAgreement(num_experts=cfg.model.moe.num_experts)
+        with run.timer.phase("old_logprobs"):
+            for batch, versions in minibatches:
+                agreement.add(
+                    run.actor,
+                    batch,
+                    versions == run.state.version,
+                    temperature=cfg.actor.temperature,
+                )
+        metrics.update(agreement.metrics(context))
+    minibatches = [_engine_routes_kept(item, algo.routing_replay) for item in minibatches]
     if minibatches and (algo.old_logprobs == "recompute" or measure_gap):
         gap = LogprobGap()
         with run.timer.phase("old_logprobs"):

@@ -50,6 +50,18 @@ def test_moe_run_trains_with_routing_replay(tmp_path, replay):
     # the actor reproduces the engine's log-probs on the tokens it sampled with these weights
     gaps = [r["logprob_diff/max_abs"] for r in rollouts if r.get("logprob_diff/tokens")]
     assert gaps and max(gaps) < 1e-3
+    # engine and actor route alike (both float32, same weights), and the load is reported
+    for r in rollouts:
+        assert 0 <= r["moe/router_disagreement"] < 0.01
+        assert r["moe/logprob_gap_live"] < 1e-4
+        assert 1 <= r["moe/expert_load_max_over_mean"] <= 4  # 4 experts
+
+
+def test_expert_sets_ignore_missing_ids():
+    from bapo_megatron.trainer.router_metrics import expert_sets
+
+    sets = expert_sets(torch.tensor([[[0, 2]], [[-1, -1]]]), 3)
+    assert sets.tolist() == [[[True, False, True]], [[False, False, False]]]
 
 
 def test_routes_travel_from_samples_into_the_batch_and_checkpoints():
