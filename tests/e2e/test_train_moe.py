@@ -19,7 +19,15 @@ from bapo_megatron.data.experience import (  # noqa: E402
     to_policy_batch,
 )
 from bapo_megatron.rollout.protocol import RolloutSample  # noqa: E402
-from tests.helpers.train_runs import REPO_ROOT, rollout_records, run_in_process  # noqa: E402
+from tests.e2e.test_train_disaggregated import finish  # noqa: E402
+from tests.helpers.train_runs import (  # noqa: E402
+    REPO_ROOT,
+    read_metrics,
+    rollout_records,
+    run_in_process,
+    start_ranks,
+    training_command,
+)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs")
 MOE_CONFIG = REPO_ROOT / "examples" / "tiny_cpu_moe" / "train.yaml"
@@ -55,6 +63,31 @@ def test_moe_run_trains_with_routing_replay(tmp_path, replay):
         assert 0 <= r["moe/router_disagreement"] < 0.01
         assert r["moe/logprob_gap_live"] < 1e-4
         assert 1 <= r["moe/expert_load_max_over_mean"] <= 4  # 4 experts
+
+
+@pytest.mark.multiprocess
+def test_asynchronous_moe_run_replays_routes_that_crossed_the_queue(tmp_path):
+    """eta 2 with the engine on a rank of its own: samples (and their routes) reach the trainer
+    through the asynchronous queue; the router metrics, which need the engine's routes on the
+    trainer's side, are there every step."""
+    command = training_command(
+        tmp_path,
+        "train.steps=3",
+        "rollout.placement=disaggregated",
+        "rollout.engine_ranks=1",
+        "algorithm.max_staleness=2",
+        "algorithm.optimizer_steps_per_rollout=1",
+        "logging.logprob_diff_interval=1",
+        config=MOE_CONFIG,
+    )
+    ranks = start_ranks(command, 2)
+    outputs = finish(ranks, 900)
+    assert [r.returncode for r in ranks] == [0, 0], "\n".join(o[-4000:] for o in outputs)
+    rollouts = rollout_records(read_metrics(tmp_path))
+    assert [r["rollout_step"] for r in rollouts] == [1, 2, 3]
+    for r in rollouts:
+        assert 0 <= r["moe/router_disagreement"] <= 1
+        assert math.isfinite(r["moe/logprob_gap_live"])
 
 
 def test_expert_sets_ignore_missing_ids():
