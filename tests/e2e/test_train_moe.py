@@ -90,6 +90,32 @@ def test_asynchronous_moe_run_replays_routes_that_crossed_the_queue(tmp_path):
         assert math.isfinite(r["moe/logprob_gap_live"])
 
 
+def test_moe_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, monkeypatch):
+    """R3 with partial rollout: the experts' weights and optimizer state and the paused samples
+    come back from the checkpoint (a continued sample's routes are recorded again when the
+    engine re-runs its context)."""
+    from tests.e2e import test_train_resume as resume
+
+    common = [
+        "train.steps=4",
+        "checkpoint.interval=1",
+        "checkpoint.keep_last=2",
+        "rollout.partial_tokens_per_round=6",
+        "algorithm.optimizer_steps_per_rollout=1",
+    ]
+    uninterrupted = run_in_process(tmp_path / "whole", *common, config=MOE_CONFIG)
+    monkeypatch.setattr(
+        resume,
+        "training_command",
+        lambda output, *overrides: training_command(output, *overrides, config=MOE_CONFIG),
+    )
+    killed = tmp_path / "killed"
+    resume.kill_after(killed, common, checkpoint_step=2, extra_delay=0.2)
+    resumed = run_in_process(killed, *common, config=MOE_CONFIG)
+    assert resume.comparable(resumed) == resume.comparable(uninterrupted)
+    assert [r["rollout_step"] for r in rollout_records(read_metrics(killed))] == [1, 2, 3, 4]
+
+
 def test_expert_sets_ignore_missing_ids():
     from bapo_megatron.trainer.router_metrics import expert_sets
 
