@@ -65,6 +65,25 @@ def test_moe_run_trains_with_routing_replay(tmp_path, replay):
         assert 1 <= r["moe/expert_load_max_over_mean"] <= 4  # 4 experts
 
 
+def test_routes_survive_lag_and_the_replay_buffer(tmp_path):
+    """R3 with a rollout lag of 1 and half of each batch from the replay buffer: the batches
+    built from queued and replayed groups still carry the engine's routes (the router metrics,
+    which need them, are there on every step that trains)."""
+    records = run_in_process(
+        tmp_path,
+        "train.steps=4",
+        "algorithm.rollout_lag=1",
+        "algorithm.replay_fraction=0.5",
+        "logging.logprob_diff_interval=1",
+        config=MOE_CONFIG,
+    )
+    trained = [r for r in rollout_records(records) if r["rollout_step"] > 1]
+    assert len(trained) == 3
+    for r in trained:
+        assert 0 <= r["moe/router_disagreement"] <= 1
+        assert r["moe/expert_load_max_over_mean"] >= 1
+
+
 @pytest.mark.multiprocess
 def test_asynchronous_moe_run_replays_routes_that_crossed_the_queue(tmp_path):
     """eta 2 with the engine on a rank of its own: samples (and their routes) reach the trainer
