@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: run.py imports this module
+    from bapo_megatron.config.model import ModelConfig
     from bapo_megatron.config.run import Config
 
 
@@ -27,23 +28,31 @@ def check_training(cfg: Config) -> None:
 
 
 def _check_experts(cfg: Config) -> None:
-    """Routing replay and what a mixture-of-experts model needs of the rest of the run."""
+    """The expert checks of :func:`check_experts` for the model section (a model read from
+    ``train.model_path`` is checked once the trainer has read it)."""
+    if cfg.model is not None:
+        check_experts(cfg, cfg.model)
+
+
+def check_experts(cfg: Config, model: ModelConfig) -> None:
+    """Routing replay and what a mixture-of-experts ``model`` needs of the rest of the run;
+    ``ValueError`` naming the fields."""
     replay = cfg.algorithm.routing_replay
-    if replay != "none" and not cfg.model.is_moe:
+    if replay != "none" and not model.is_moe:
         raise ValueError(
             f"algorithm.routing_replay={replay!r} replays expert routes, but model.model_type "
-            f"{cfg.model.model_type!r} has no experts (set it to 'none')"
+            f"{model.model_type!r} has no experts (set it to 'none')"
         )
     if replay == "trainer" and cfg.algorithm.old_logprobs != "recompute":
         raise ValueError(
             "algorithm.routing_replay='trainer' replays the routes of the actor's old-log-prob "
             "pass, which needs algorithm.old_logprobs=recompute"
         )
-    if not cfg.model.is_moe:
+    if not model.is_moe:
         return
     if cfg.rollout.engine != "embedded":
         raise ValueError(
-            f"model.model_type {cfg.model.model_type!r}: of the rollout engines only the "
+            f"model.model_type {model.model_type!r}: of the rollout engines only the "
             f"embedded one loads expert weights and records routes so far; rollout.engine="
             f"{cfg.rollout.engine!r} is not supported with experts"
         )

@@ -240,7 +240,7 @@ def old_logprobs(
         cfg.logging.logprob_diff_interval and step % cfg.logging.logprob_diff_interval == 0
     )
     if measure_gap and run.actor.routing_replay is not None:
-        agreement = RouterAgreement(num_experts=cfg.model.moe.num_experts)
+        agreement = RouterAgreement(num_experts=run.actor.model_config.moe.num_experts)
         with run.timer.phase("old_logprobs"):
             for batch, versions in minibatches:
                 agreement.add(
