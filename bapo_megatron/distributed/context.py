@@ -68,6 +68,8 @@ class ParallelContext:
     ep_group: dist.ProcessGroup
     """Expert-parallel group: the ranks of a pipeline stage that divide each MoE layer's experts
     among them (tokens travel between them to reach their experts)."""
+    etp_group: dist.ProcessGroup
+    """Expert tensor-parallel group: the ranks one expert's matrices are split over."""
     expert_dp_group: dist.ProcessGroup
     """Expert data-parallel group: the ranks holding the same experts, whose expert gradients
     are summed (the dense parameters' is dp_group)."""
@@ -167,6 +169,7 @@ class ParallelContext:
             vpp_size=config.virtual_pipeline_model_parallel_size,
             owns_process_group=owns,
             ep_group=ps.get_expert_model_parallel_group(),
+            etp_group=ps.get_expert_tensor_parallel_group(),
             expert_dp_group=ps.get_expert_data_parallel_group(),
             ep_rank=ps.get_expert_model_parallel_rank(),
             ep_size=ps.get_expert_model_parallel_world_size(),

@@ -137,11 +137,17 @@ def load_hf_weights(
                 f"{model.model_type!r} name map"
             )
         parts = []
+        # an expert's matrices are split over the expert tensor-parallel group
+        rank, size = (
+            (context.tp_rank, context.tp_size)
+            if rule.expert is None
+            else (context.etp_rank, context.etp_size)
+        )
         for hf_name, shape in zip(rule.hf, hf_tensor_shapes(rule, model)):
             if rule.tp_dim is None:
                 parts.append(hf.read(hf_name))
             else:
-                part = tp_slice(rule, shape[rule.tp_dim], context.tp_rank, context.tp_size)
+                part = tp_slice(rule, shape[rule.tp_dim], rank, size)
                 parts.append(hf.read(hf_name, rule.tp_dim, part))
         shard = merge(rule, parts, model)
         if tuple(shard.shape) != tuple(param.shape):

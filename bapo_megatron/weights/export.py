@@ -18,8 +18,9 @@ the model plus about two buckets. Two layers:
 Call it on the ranks of one data-parallel replica (the others hold the same weights); with
 virtual pipelining a stage exports all of its chunks. A mixture-of-experts model's experts are
 divided over the expert-parallel ranks, which Megatron carves out of data (and tensor) parallel:
-each rank exports the experts it holds, whole (expert tensor parallel 1), without any exchange,
-on the ranks of expert data-parallel rank 0 (``experts``), after the stage's dense tensors.
+each rank exports the experts it holds, on the ranks of expert data-parallel rank 0
+(``experts``), after the stage's dense tensors: without any exchange, or with expert tensor
+parallelism gathered over the expert-TP group onto its first rank.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.distributed.context import ParallelContext
@@ -37,6 +39,7 @@ from bapo_megatron.weights.name_maps import (
     chunk_parameters,
     hf_tensor_shapes,
     name_map_for,
+    place_shard,
     split,
 )
 from bapo_megatron.weights.transports import ShardTransport, TransportKind, make_transport
@@ -140,11 +143,6 @@ def export_weights(
     owned = [r for r in rules if r.megatron in params]
     element_size = torch.empty((), dtype=dtype).element_size()
     expert_rules = [r for r in owned if r.expert is not None] if experts else []
-    if expert_rules and context.etp_size > 1:
-        raise ValueError(
-            f"export: parallel.expert_tensor_parallel_size={context.etp_size} splits each "
-            "expert; exporting split experts is not implemented (use 1)"
-        )
     expert_buckets = plan_buckets(expert_rules, model, bucket_bytes, element_size)
     buckets = (
         plan_buckets([r for r in owned if r.expert is None], model, bucket_bytes, element_size)
@@ -160,13 +158,12 @@ def export_weights(
         dtype,
         to_all_tp_ranks,
         transport,
-        more_after=bool(expert_buckets),
+        more_after=bool(expert_buckets) and context.etp_rank == 0,
     )
     for index, bucket in enumerate(expert_buckets):
-        tensors: dict[str, torch.Tensor] = {}
-        for rule in bucket:
-            whole = params[rule.megatron].to(dtype)
-            tensors.update(zip(rule.hf, (t.clone() for t in split(rule, whole, model))))
+        tensors = _whole_experts(bucket, params, model, context, dtype)
+        if tensors is None:
+            continue
         yield WeightBucket(
             version=version,
             pipeline_rank=context.pp_rank,
@@ -175,6 +172,33 @@ def export_weights(
             tensors=tensors,
             expert_rank=context.ep_rank,
         )
+
+
+def _whole_experts(
+    rules: list[ParamRule],
+    params: dict[str, torch.Tensor],
+    model: ModelConfig,
+    context: ParallelContext,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor] | None:
+    """The whole HF tensors of these expert ``rules``: this rank's own, or with expert tensor
+    parallelism the shards of the expert-TP group gathered (collective over it) onto its first
+    rank (None on the others)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for rule in rules:
+        shard = params[rule.megatron].to(dtype).contiguous()
+        if context.etp_size == 1:
+            tensors.update(zip(rule.hf, (t.clone() for t in split(rule, shard, model))))
+            continue
+        pieces = [torch.empty_like(shard) for _ in range(context.etp_size)]
+        dist.all_gather(pieces, shard, group=context.etp_group)
+        if context.etp_rank != 0:
+            continue
+        wholes = [torch.empty(shape, dtype=dtype) for shape in hf_tensor_shapes(rule, model)]
+        for rank, piece in enumerate(pieces):
+            place_shard(rule, wholes, piece, rank, model)
+        tensors.update(zip(rule.hf, wholes))
+    return tensors if context.etp_rank == 0 else None
 
 
 def _export_dense(

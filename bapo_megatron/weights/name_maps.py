@@ -29,8 +29,10 @@ Mixture-of-experts layers (Qwen3-MoE) replace the MLP's two rules with the route
 (``mlp.router.weight`` <- ``mlp.gate.weight``) and, per expert e, Megatron's ``SequentialMLP``
 weights ``mlp.experts.local_experts.{e}.linear_fc1/fc2.weight`` <- the per-expert names HF writes
 on disk (``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``). Expert numbers in these rules are
-global (the EP1 model); expert weights are not split by tensor parallelism
-(``parallel.expert_tensor_parallel_size`` 1), so their rules are replicated (``tp_dim`` None).
+global (the EP1 model). An expert's matrices are split by *expert* tensor parallelism
+(``parallel.expert_tensor_parallel_size``), not by tensor parallelism: ``tp_dim`` of an expert
+rule (``ParamRule.expert`` set) is along the expert-TP group, fc1 by rows ([gate_r; up_r]) and
+fc2 by columns as the dense MLP's.
 
 With tied embeddings the last pipeline stage of a PP > 1 model holds ``output_layer.weight``, a
 copy of the embedding matrix: it is loaded from ``model.embed_tokens.weight`` and never exported
@@ -116,7 +118,7 @@ _QWEN3_LAYER: tuple[_LayerEntry, ...] = (
 )
 
 # Qwen3-MoE: Qwen3's attention and norms; the MLP entries of a sparse layer are built per expert
-# by _moe_mlp_entries.
+# by _moe_mlp_rules.
 _QWEN3_MOE_ATTENTION = _QWEN3_LAYER[:-2]
 _EXPERT_PREFIX = "mlp.experts.local_experts."
 
@@ -136,11 +138,11 @@ def _moe_mlp_rules(megatron_prefix: str, hf_prefix: str, num_experts: int) -> li
                 megatron + "linear_fc1.weight",
                 (hf + "gate_proj.weight", hf + "up_proj.weight"),
                 "gate_up",
-                None,
+                0,  # along the expert tensor-parallel group
                 expert=e,
             ),
             ParamRule(
-                megatron + "linear_fc2.weight", (hf + "down_proj.weight",), "same", None, expert=e
+                megatron + "linear_fc2.weight", (hf + "down_proj.weight",), "same", 1, expert=e
             ),
         ]
     return rules

@@ -6,11 +6,13 @@ The parent saves a tiny random transformers ``Qwen3MoeForCausalLM`` (4 layers, t
 compares the whole-vocabulary logits with transformers' and the folder written back with the
 original, tensor by tensor and bitwise. Two gloo workers then, at EP2 (experts divided over the
 data-parallel ranks), TP2 with sequence parallelism and EP2, TP2 with sequence parallelism
-(every rank holds every expert) and PP2:
+(every rank holds every expert), TP2 with sequence parallelism and expert tensor parallel 2
+(each expert split over the ranks) and PP2:
 
 - convert the HF folder at that layout: token log-probs and entropy through the pipeline equal
   transformers' (from its logits, so the whole distribution is compared);
-- convert the checkpoint back to HF (each expert-parallel rank writes the experts it holds):
+- convert the checkpoint back to HF (each expert-parallel rank writes the experts it holds,
+  gathered over the expert tensor-parallel group):
   bitwise the original folder's tensors; at EP2 the live export yields each rank's own experts;
 - load the checkpoint saved at EP2 at that layout (Megatron resharding on load) and write it
   as HF: bitwise again.
@@ -47,6 +49,7 @@ LAYOUTS = {  # ep2 first: the others load its checkpoint
     "ep2": ParallelConfig(expert_model_parallel_size=2),
     "tp2-sp-ep2": ParallelConfig(**SP, expert_model_parallel_size=2),
     "tp2-sp": ParallelConfig(**SP),
+    "tp2-sp-etp2": ParallelConfig(**SP, expert_tensor_parallel_size=2),
     "pp2": ParallelConfig(pipeline_model_parallel_size=2),
 }
 LAUNCH_TIMEOUT_S = 300.0
