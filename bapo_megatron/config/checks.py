@@ -57,11 +57,17 @@ def check_experts(cfg: Config, model: ModelConfig) -> None:
             f"{cfg.rollout.engine!r} is not supported with experts"
         )
     parallel = cfg.parallel
-    if parallel.expert_model_parallel_size > 1 or parallel.expert_tensor_parallel_size > 1:
+    if parallel.expert_tensor_parallel_size > 1:
         raise ValueError(
-            "parallel.expert_model_parallel_size and expert_tensor_parallel_size must be 1 in "
-            "an RL run for now: the weight sync sends each data-parallel replica's own weights "
-            "to its engine, and with experts divided over replicas an engine would miss some"
+            f"parallel.expert_tensor_parallel_size={parallel.expert_tensor_parallel_size}: the "
+            "weight sync gathers the experts of the expert-parallel ranks whole, so an RL run "
+            "needs 1"
+        )
+    if parallel.expert_model_parallel_size > 1 and cfg.rollout.placement == "disaggregated":
+        raise ValueError(
+            f"parallel.expert_model_parallel_size={parallel.expert_model_parallel_size} with "
+            "rollout.placement=disaggregated: data-parallel replica 0 alone sends the weights "
+            "to the engine ranks, and it does not hold every expert (use 1, or colocated)"
         )
 
 

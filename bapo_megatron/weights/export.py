@@ -111,6 +111,7 @@ def export_weights(
     transport: TransportKind | ShardTransport = "auto",
     dense: bool = True,
     experts: bool = True,
+    all_experts: bool = False,
 ) -> Iterator[WeightBucket]:
     """Yield this stage's parameters as whole HF tensors in buckets of at most ``bucket_bytes``
     (a single larger tensor group, e.g. a big embedding, comes alone).
@@ -120,7 +121,10 @@ def export_weights(
     every TP rank with ``to_all_tp_ranks``; other ranks yield nothing. ``dtype`` (default:
     ``model.params_dtype``) is the dtype of the yielded tensors. ``version`` is stamped on every
     bucket. ``dense`` / ``experts`` choose what this rank exports (``dense`` must agree over the
-    TP group); an MoE model's expert buckets come after the dense ones, from this rank alone.
+    TP group); an MoE model's expert buckets come after the dense ones, from this rank alone,
+    or with ``all_experts`` every expert of the stage on every rank of the expert-parallel group
+    (each rank's buckets broadcast over it in turn; collective over the group, expert tensor
+    parallel 1): what an engine that runs the whole model needs.
     ``transport`` moves the shards (:mod:`~bapo_megatron.weights.transports`): `auto` takes
     shared memory for CPU ranks on one host, else the torch.distributed collective; or a
     transport built once with :func:`~bapo_megatron.weights.transports.make_transport` and
@@ -160,11 +164,8 @@ def export_weights(
         transport,
         more_after=bool(expert_buckets) and context.etp_rank == 0,
     )
-    for index, bucket in enumerate(expert_buckets):
-        tensors = _whole_experts(bucket, params, model, context, dtype)
-        if tensors is None:
-            continue
-        yield WeightBucket(
+    own = (
+        WeightBucket(
             version=version,
             pipeline_rank=context.pp_rank,
             index=index,
@@ -172,6 +173,59 @@ def export_weights(
             tensors=tensors,
             expert_rank=context.ep_rank,
         )
+        for index, bucket in enumerate(expert_buckets)
+        if (tensors := _whole_experts(bucket, params, model, context, dtype)) is not None
+    )
+    if all_experts and experts and context.ep_size > 1:
+        if context.etp_size > 1:
+            raise ValueError(
+                "export: gathering every expert (all_experts) needs "
+                f"parallel.expert_tensor_parallel_size 1, got {context.etp_size}"
+            )
+        yield from _every_rank_experts(own, context, version)
+    else:
+        yield from own
+
+
+def _every_rank_experts(
+    own: Iterator[WeightBucket], context: ParallelContext, version: int
+) -> Iterator[WeightBucket]:
+    """This rank's expert buckets, and those of the other ranks of the expert-parallel group:
+    rank by rank, the source broadcasts each bucket's (name, shape, dtype) list, then the
+    tensors; an empty list ends its turn."""
+    group = context.ep_group
+    for source in range(context.ep_size):
+        root = dist.get_global_rank(group, source)
+        mine = source == context.ep_rank
+        index = 0
+        while True:
+            bucket = next(own, None) if mine else None
+            header: list = [
+                None
+                if not mine
+                else []
+                if bucket is None
+                else [(n, tuple(t.shape), t.dtype) for n, t in bucket.tensors.items()]
+            ]
+            dist.broadcast_object_list(header, src=root, group=group)
+            if not header[0]:
+                break
+            tensors = {}
+            for name, shape, dtype in header[0]:
+                tensor = (
+                    bucket.tensors[name].contiguous() if mine else torch.empty(shape, dtype=dtype)
+                )
+                dist.broadcast(tensor, src=root, group=group)
+                tensors[name] = tensor
+            yield WeightBucket(
+                version=version,
+                pipeline_rank=context.pp_rank,
+                index=index,
+                last=False,
+                tensors=tensors,
+                expert_rank=source,
+            )
+            index += 1
 
 
 def _whole_experts(

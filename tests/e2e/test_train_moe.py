@@ -22,6 +22,7 @@ from bapo_megatron.rollout.protocol import RolloutSample  # noqa: E402
 from tests.e2e.test_train_disaggregated import finish  # noqa: E402
 from tests.helpers.train_runs import (  # noqa: E402
     REPO_ROOT,
+    assert_same_run,
     read_metrics,
     rollout_records,
     run_in_process,
@@ -133,6 +134,37 @@ def test_moe_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, monkeyp
     resumed = run_in_process(killed, *common, config=MOE_CONFIG)
     assert resume.comparable(resumed) == resume.comparable(uninterrupted)
     assert [r["rollout_step"] for r in rollout_records(read_metrics(killed))] == [1, 2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def moe_start(tmp_path_factory):
+    """The tiny MoE run after its warm-up and one RL step, as a trainer checkpoint that loads at
+    any layout (so that two layouts start from bitwise the same weights)."""
+    output = tmp_path_factory.mktemp("moe_start")
+    run_in_process(output, "train.steps=1", config=MOE_CONFIG)
+    return ["warmup.steps=0", f"train.load_checkpoint={output / 'checkpoints' / 'step_00000001'}"]
+
+
+@pytest.mark.multiprocess
+def test_tp2_sp_ep2_run_matches_one_process(tmp_path, moe_start):
+    """Two processes holding half of the attention (TP2, sequence parallel) and half of the
+    experts (EP2) each: the colocated engine on rank 0 gets the other rank's experts through the
+    weight sync (broadcast over the expert-parallel group), so it samples exactly what the
+    one-process run samples, and the updates agree to float rounding."""
+    one = run_in_process(tmp_path / "one", *moe_start, "train.steps=3", config=MOE_CONFIG)
+    command = training_command(
+        tmp_path / "two",
+        *moe_start,
+        "train.steps=3",
+        "parallel.tensor_model_parallel_size=2",
+        "parallel.sequence_parallel=true",
+        "parallel.expert_model_parallel_size=2",
+        config=MOE_CONFIG,
+    )
+    ranks = start_ranks(command, 2)
+    outputs = finish(ranks, 900)
+    assert [r.returncode for r in ranks] == [0, 0], "\n".join(o[-4000:] for o in outputs)
+    assert_same_run(read_metrics(tmp_path / "two"), one, rollout_steps=3, updates=6)
 
 
 def test_expert_sets_ignore_missing_ids():

@@ -274,8 +274,17 @@ def test_moe_section_and_expert_parallel_load_from_dotted_overrides():
             "only the embedded one loads expert weights and records routes so far",
         ),
         (
-            [*MOE, "parallel.expert_model_parallel_size=2"],
-            "must be 1 in an RL run for now",
+            [*MOE, "parallel.expert_tensor_parallel_size=2"],
+            "so an RL run needs 1",
+        ),
+        (
+            [
+                *MOE,
+                "parallel.expert_model_parallel_size=2",
+                "rollout.placement=disaggregated",
+                "rollout.engine_ranks=1",
+            ],
+            "data-parallel replica 0 alone sends the weights",
         ),
     ],
 )
