@@ -76,11 +76,12 @@ class _AddLossInBackward(torch.autograd.Function):
     def forward(ctx, output: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
         ctx.term_shape = term.shape
         ctx.term_dtype = term.dtype
+        ctx.term_device = term.device
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        return grad_output, torch.ones(ctx.term_shape, dtype=ctx.term_dtype)
+        return grad_output, torch.ones(ctx.term_shape, dtype=ctx.term_dtype, device=ctx.term_device)
 
 
 def valid_tokens_sequence_major(microbatch: PolicyBatch, context: ParallelContext) -> torch.Tensor:
@@ -154,7 +155,7 @@ class MoeAuxLoss:
         """The last step's aux (before the coefficient), summed over micro-batches, MoE layers
         and every rank: the same on every rank. Collective over tensor, pipeline and data x
         context parallel groups."""
-        total = self._sum.clone()
+        total = self._sum.to(self.context.device)  # NCCL reduces device tensors only
         for group, size in (
             (self.context.tp_group, self.context.tp_size if self._sp else 1),
             (self.context.pp_group, self.context.pp_size),

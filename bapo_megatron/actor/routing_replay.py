@@ -180,7 +180,12 @@ class RoutingReplay:
         collective over the tensor and pipeline groups)."""
         b, s = microbatches[0].tokens.shape
         count = len(microbatches)
-        full = torch.full((count * b, s, self.num_layers, self.topk), MISSING, dtype=torch.long)
+        full = torch.full(
+            (count * b, s, self.num_layers, self.topk),
+            MISSING,
+            dtype=torch.long,
+            device=self.context.device,  # NCCL reduces device tensors only
+        )
         for index, (_, _, layer) in enumerate(self._routers):
             recorded = self._recorded[index]
             if len(recorded) != count:
@@ -198,7 +203,7 @@ class RoutingReplay:
         ):
             if size > 1:
                 dist.all_reduce(full, op=dist.ReduceOp.MAX, group=group)
-        return full[:rows]
+        return full[:rows].cpu()
 
 
 def _unwrapped(chunk: torch.nn.Module) -> torch.nn.Module:

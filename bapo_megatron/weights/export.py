@@ -213,7 +213,9 @@ def _every_rank_experts(
             tensors = {}
             for name, shape, dtype in header[0]:
                 tensor = (
-                    bucket.tensors[name].contiguous() if mine else torch.empty(shape, dtype=dtype)
+                    bucket.tensors[name].contiguous()
+                    if mine
+                    else torch.empty(shape, dtype=dtype, device=context.device)
                 )
                 dist.broadcast(tensor, src=root, group=group)
                 tensors[name] = tensor
@@ -248,7 +250,10 @@ def _whole_experts(
         dist.all_gather(pieces, shard, group=context.etp_group)
         if context.etp_rank != 0:
             continue
-        wholes = [torch.empty(shape, dtype=dtype) for shape in hf_tensor_shapes(rule, model)]
+        wholes = [
+            torch.empty(shape, dtype=dtype, device=shard.device)
+            for shape in hf_tensor_shapes(rule, model)
+        ]
         for rank, piece in enumerate(pieces):
             place_shard(rule, wholes, piece, rank, model)
         tensors.update(zip(rule.hf, wholes))
