@@ -316,3 +316,13 @@ def test_routing_replay_values_are_checked():
             "algorithm.old_logprobs=recompute",
         ],
     ).check_training()
+
+
+def test_the_layout_planner_refuses_moe_models_rather_than_misplan_them():
+    pytest.importorskip("megatron.core")
+    from bapo_megatron.config import load_config
+    from bapo_megatron.planning.plan import plan_layout
+
+    cfg = load_config(None, [*TRAINABLE_DENSE, *MOE])
+    plan = plan_layout(cfg, cfg.model, 1)
+    assert plan.problems and "does not model mixture-of-experts layers yet" in plan.problems[0]
