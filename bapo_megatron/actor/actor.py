@@ -11,7 +11,9 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from bapo_megatron.actor.model import build_model
+from bapo_megatron.actor.moe_aux_loss import MoeAuxLoss
 from bapo_megatron.actor.optimizer import build_optimizer, wrap_data_parallel
+from bapo_megatron.actor.routing_replay import RoutingReplay
 from bapo_megatron.config import ActorConfig, ModelConfig, OptimizerConfig
 from bapo_megatron.distributed.context import ParallelContext
 
@@ -30,6 +32,12 @@ class Actor:
     scheduler: OptimizerParamScheduler
     skipped_steps: int = 0
     """Optimizer steps dropped so far because the gradient norm was not finite."""
+    moe_aux_loss: MoeAuxLoss | None = None
+    """The load-balancing term of a mixture-of-experts model (hooks on this rank's routers, if
+    its chunks hold any); None for a dense model."""
+    routing_replay: RoutingReplay | None = None
+    """Replays the routes a batch carries (``PolicyBatch.routes``) in every pass of a
+    mixture-of-experts model, and records routes; None for a dense model."""
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameter shards by their Megatron names (``chunk<i>.`` prefixed when the
@@ -53,13 +61,31 @@ def build_actor(
     """Build the model for ``context``'s layout (weights from ``actor.seed``, or left as
     allocated with ``initialize=False`` when the caller loads them all next), wrap it in
     Megatron's DDP and create the optimizer and schedule."""
-    chunks = build_model(model, context.config, context, seed=actor.seed, initialize=initialize)
+    chunks = build_model(
+        model,
+        context.config,
+        context,
+        seed=actor.seed,
+        initialize=initialize,
+        recompute_activations=actor.recompute_activations,
+    )
     config = chunks[0].config
     wrapped = wrap_data_parallel(chunks, config, optimizer, context)
     megatron_optimizer, scheduler = build_optimizer(
         wrapped, optimizer, config.params_dtype, context
     )
     return Actor(
+        moe_aux_loss=MoeAuxLoss(
+            chunks,
+            model.moe.router_aux_loss_coef,
+            context,
+            recompute=actor.recompute_activations,
+        )
+        if model.is_moe
+        else None,
+        routing_replay=RoutingReplay(wrapped, model, context, recompute=actor.recompute_activations)
+        if model.is_moe
+        else None,
         context=context,
         model_config=model,
         actor_config=actor,

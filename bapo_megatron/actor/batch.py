@@ -32,6 +32,10 @@ class PolicyBatch:
     """[n] (one value per sequence) or [n, s] float; required for training."""
     is_weights: torch.Tensor | None = None
     """[n, s] float truncated importance weights, or None."""
+    routes: torch.Tensor | None = None
+    """[n, s, moe_layers, topk] integer expert ids each token was routed to (a mixture-of-experts
+    model under routing replay; a row of -1: no route, routed live), or None
+    (:mod:`bapo_megatron.actor.routing_replay`)."""
 
     def __post_init__(self) -> None:
         tokens, mask = self.tokens, self.response_mask
@@ -70,6 +74,16 @@ class PolicyBatch:
                     f"batch.{name}: expected a float tensor of shape {tuple(tokens.shape)}, "
                     f"got {getattr(value, 'shape', type(value).__name__)}"
                 )
+        routes = self.routes
+        if routes is not None and (
+            not isinstance(routes, torch.Tensor)
+            or routes.dim() != 4
+            or routes.shape[:2] != tokens.shape
+        ):
+            raise ValueError(
+                f"batch.routes: expected a [{tokens.shape[0]}, {tokens.shape[1]}, moe_layers, "
+                f"topk] tensor, got {getattr(routes, 'shape', type(routes).__name__)}"
+            )
         adv = self.advantages
         if adv is not None and (
             not isinstance(adv, torch.Tensor)
@@ -97,6 +111,13 @@ class PolicyBatch:
         return dataclasses.replace(
             self, **{name: value[rows] for name, value in values.items() if value is not None}
         )
+
+
+def _padded_routes(routes: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    """``routes`` in a [rows, length, ...] tensor of missing routes (-1: routed live)."""
+    out = routes.new_full((rows, length, *routes.shape[2:]), -1)
+    out[: routes.shape[0], : routes.shape[1]] = routes
+    return out
 
 
 def microbatch_count(num_sequences: int, micro_batch_size: int) -> int:
@@ -143,6 +164,7 @@ def split_microbatches(
         old_logprobs=padded(batch.old_logprobs, True),
         advantages=padded(adv, adv is None or adv.dim() == 2),
         is_weights=padded(batch.is_weights, True),
+        routes=None if batch.routes is None else _padded_routes(batch.routes, rows, length),
     )
     return [
         full.select(slice(i * micro_batch_size, (i + 1) * micro_batch_size))

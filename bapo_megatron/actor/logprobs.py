@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from bapo_megatron.actor.batch import PolicyBatch, microbatch_count, split_microbatches
 from bapo_megatron.actor.pipeline_schedule import last_stage_rank, run_schedule
+from bapo_megatron.actor.routing_replay import RoutingReplay
 from bapo_megatron.algo.vocab_parallel import token_logprobs_and_entropy
 from bapo_megatron.distributed.context import ParallelContext
 
@@ -55,14 +56,62 @@ def compute_logprobs(
     micro_batch_size: int,
     temperature: float,
     with_entropy: bool = True,
+    routing: RoutingReplay | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward-only pass over this data-parallel rank's ``batch``: ``(logprobs, entropy)``, each
     ``[n, s]`` float32 on the CPU, on every rank of the pipeline (the last stage computes them
-    and broadcasts). Used to recompute old log-probs and to check rollout engines."""
+    and broadcasts). Used to recompute old log-probs and to check rollout engines. With
+    ``routing`` (a mixture-of-experts actor's) and ``batch.routes``, the routers replay them."""
+    if routing is not None and batch.routes is not None:
+        with routing.replaying():
+            logprobs, entropy, _ = _forward_pass(
+                chunks, batch, context, micro_batch_size, temperature, with_entropy, routing
+            )
+    else:
+        logprobs, entropy, _ = _forward_pass(
+            chunks, batch, context, micro_batch_size, temperature, with_entropy, None
+        )
+    return logprobs, entropy
+
+
+@torch.no_grad()
+def compute_logprobs_and_routes(
+    chunks: list[torch.nn.Module],
+    batch: PolicyBatch,
+    context: ParallelContext,
+    routing: RoutingReplay,
+    *,
+    micro_batch_size: int,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_logprobs` that also records where the routers sent every token:
+    ``(logprobs [n, s], routes [n, s, moe_layers, topk])``, both on every rank of the model
+    replica (the routes of the actor's own pass, which routing replay `trainer` feeds back to
+    the training passes of the step)."""
+    with routing.recording():
+        logprobs, _, microbatches = _forward_pass(
+            chunks, batch, context, micro_batch_size, temperature, False, routing
+        )
+        if not microbatches:
+            routes = torch.full((0, batch.tokens.shape[1], routing.num_layers, routing.topk), -1)
+        else:
+            routes = routing.recorded_routes(microbatches, batch.num_sequences)
+    return logprobs, routes[:, : batch.tokens.shape[1]]
+
+
+def _forward_pass(
+    chunks: list[torch.nn.Module],
+    batch: PolicyBatch,
+    context: ParallelContext,
+    micro_batch_size: int,
+    temperature: float,
+    with_entropy: bool,
+    routing: RoutingReplay | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, list[PolicyBatch]]:
     n, s = batch.tokens.shape
     if n == 0:
         empty = torch.zeros(0, s)
-        return empty, (empty.clone() if with_entropy else None)
+        return empty, (empty.clone() if with_entropy else None), []
     count = microbatch_count(n, micro_batch_size)
     if context.vpp_size is not None:  # the interleaved schedule wants whole groups of PP
         count = -(-max(count, context.pp_size) // context.pp_size) * context.pp_size
@@ -77,7 +126,14 @@ def compute_logprobs(
             outputs["entropy"] = entropy.float()
         return logprobs.sum(), outputs
 
-    outputs = run_schedule(chunks, microbatches, per_microbatch, context, forward_only=True)
+    outputs = run_schedule(
+        chunks,
+        microbatches,
+        per_microbatch,
+        context,
+        forward_only=True,
+        before_forward=None if routing is None else routing.before_forward,
+    )
     padded_len = microbatches[0].tokens.shape[1]
     result = torch.empty(
         2 if with_entropy else 1, count * micro_batch_size, padded_len, device=context.device
@@ -89,4 +145,4 @@ def compute_logprobs(
     if context.pp_size > 1:
         dist.broadcast(result, src=last_stage_rank(context), group=context.pp_group)
     result = result[:, :n, :s].cpu()
-    return result[0], (result[1] if with_entropy else None)
+    return result[0], (result[1] if with_entropy else None), microbatches

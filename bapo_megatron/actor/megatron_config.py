@@ -29,6 +29,7 @@ def to_transformer_config(
     *,
     use_cpu_initialization: bool | None = None,
     initialize: bool = True,
+    recompute_activations: bool = False,
 ) -> TransformerConfig:
     """Megatron's ``TransformerConfig`` for a Llama/Qwen2/Qwen3 decoder split as ``parallel``
     says.
@@ -47,6 +48,11 @@ def to_transformer_config(
     sets the tensor-parallel attributes of its weights, which grad-norm and optimizer code read,
     only in the init functions that flag skips; a no-op init method keeps them.) The fp8 fields
     of ``parallel`` are passed through unchanged (Megatron hands them to Transformer Engine).
+    ``recompute_activations`` keeps only each layer's input in the forward pass and recomputes
+    the layer in the backward pass (Megatron's full, uniform recompute, one layer per block).
+
+    Mixture of experts (``model.moe``, :func:`moe_fields`): Megatron's MoE layer with a softmax
+    top-k router and one SwiGLU MLP per expert.
     """
     if use_cpu_initialization is None:
         use_cpu_initialization = not uses_cuda(parallel.device)
@@ -90,6 +96,15 @@ def to_transformer_config(
         ),
         # No CUDA graphs; the default "full" only triggers a deprecation warning.
         cuda_graph_scope=[],
+        **(
+            {
+                "recompute_granularity": "full",
+                "recompute_method": "uniform",
+                "recompute_num_layers": 1,
+            }
+            if recompute_activations
+            else {}
+        ),
         # Batched p2p posts a send to the next and one to the previous stage together; at PP2
         # both are the same peer, and gloo (CPU) matches same-tag messages in posting order, so
         # the interleaved schedule received gradients as activations. Unbatched p2p posts them
@@ -100,4 +115,45 @@ def to_transformer_config(
         fp8_recipe=parallel.fp8_recipe,
         fp8_amax_history_len=parallel.fp8_amax_history_len,
         fp8_amax_compute_algo=parallel.fp8_amax_compute_algo,
+        **moe_fields(model, parallel),
     )
+
+
+def moe_fields(model: ModelConfig, parallel: ParallelConfig) -> dict:
+    """Megatron's MoE fields for ``model.moe`` (none for a dense model).
+
+    - Experts: ``num_moe_experts`` SwiGLU MLPs of width ``moe_ffn_hidden_size``, in the layers
+      ``moe_layer_freq`` marks (HF's decoder_sparse_step / mlp_only_layers rule, as a list).
+    - Router: softmax scores, top-``moe_router_topk``; HF's ``norm_topk_prob`` (renormalize the
+      chosen experts' weights) is Megatron's softmax *after* the top-k
+      (``moe_router_pre_softmax=False``), and without it the softmax over all experts before the
+      top-k. Scores in float32 (``moe_router_dtype``), as transformers computes them.
+    - No token dropping (no capacity factor): every token reaches its k experts, as in HF.
+    - The load-balancing loss is not Megatron's (``moe_router_load_balancing_type="none"``):
+      the actor adds its own term with explicit scaling
+      (:mod:`bapo_megatron.actor.moe_aux_loss`), since Megatron's scales its gradient for a
+      per-token loss that the BAPO loss is not.
+    - Experts are ``SequentialMLP`` (``moe_grouped_gemm=False``), the implementation that runs
+      without Transformer Engine and whose parameter names the name map knows.
+    """
+    moe = model.moe
+    if moe is None:
+        return {}
+    return {
+        "num_moe_experts": moe.num_experts,
+        "moe_ffn_hidden_size": moe.moe_intermediate_size,
+        "moe_layer_freq": [int(sparse) for sparse in moe.moe_layer_pattern(model.num_layers)],
+        "moe_router_topk": moe.num_experts_per_tok,
+        "moe_router_pre_softmax": not moe.norm_topk_prob,
+        "moe_router_score_function": "softmax",
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": parallel.moe_token_dispatcher,
+        "moe_grouped_gemm": False,
+        # Each router gets Megatron's RouterReplay; idle (live routing) until the actor's
+        # routing replay sets an action (bapo_megatron.actor.routing_replay).
+        "moe_enable_routing_replay": True,
+        "expert_model_parallel_size": parallel.expert_model_parallel_size,
+        "expert_tensor_parallel_size": parallel.expert_tensor_parallel_size,
+    }

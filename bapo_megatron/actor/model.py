@@ -21,10 +21,13 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from bapo_megatron.actor.megatron_config import to_transformer_config
 from bapo_megatron.actor.rope import install_rope_frequencies
@@ -42,9 +45,30 @@ def uses_transformer_engine(device: str = "auto") -> bool:
     return uses_cuda(device) and importlib.util.find_spec("transformer_engine") is not None
 
 
-def layer_spec(model: ModelConfig, device: str = "auto") -> ModuleSpec:
+def layer_spec(
+    model: ModelConfig,
+    config: TransformerConfig | None = None,
+    *,
+    pp_rank: int = 0,
+    vp_stage: int | None = None,
+    device: str = "auto",
+) -> ModuleSpec | TransformerBlockSubmodules:
     """Megatron's decoder-layer spec for ``model``'s family on this machine: with a q/k RMSNorm
-    module per attention layer for Qwen3 (``qk_layernorm``), an identity otherwise."""
+    module per attention layer for Qwen3 (``qk_layernorm``), an identity otherwise. A
+    mixture-of-experts model gets the spec of its chunk's block instead (``config``, the
+    pipeline rank and virtual stage say which layers): Megatron picks, per layer, the dense MLP
+    or the experts from ``config.moe_layer_freq``. ``device``: the run's ``parallel.device``
+    (Transformer Engine's layers only on CUDA)."""
+    if model.is_moe:
+        if config is None:
+            raise ValueError("layer_spec: a mixture-of-experts model needs its TransformerConfig")
+        return get_gpt_decoder_block_spec(
+            config,
+            use_transformer_engine=uses_transformer_engine(device),
+            normalization="RMSNorm",
+            vp_stage=vp_stage,
+            pp_rank=pp_rank,
+        )
     if uses_transformer_engine(device):
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
     return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model.qk_layernorm)
@@ -57,6 +81,7 @@ def build_model(
     *,
     seed: int = DEFAULT_SEED,
     initialize: bool = True,
+    recompute_activations: bool = False,
 ) -> list[GPTModel]:
     """This rank's model chunks: one ``GPTModel``, or ``virtual_pipeline_model_parallel_size``
     of them (Megatron's interleaved schedule takes the list).
@@ -73,6 +98,7 @@ def build_model(
     checkpoint or HF folder): on the CPU they are most of the build time of a large model. A
     loader that missed a parameter would leave it as allocated, so loaders must cover them all
     (the HF and Megatron loaders do: one rule per parameter, strict state-dict loading).
+    ``recompute_activations``: Megatron's full recompute (see ``to_transformer_config``).
     """
     validate_layout(model, parallel, context.world_size)
     if parallel != context.config:
@@ -80,15 +106,22 @@ def build_model(
             "build_model: `parallel` differs from the layout the ParallelContext "
             "was initialized with"
         )
-    config = to_transformer_config(model, parallel, initialize=initialize)
+    config = to_transformer_config(
+        model, parallel, initialize=initialize, recompute_activations=recompute_activations
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed + 100 * context.pp_rank)
-    spec = layer_spec(model, context.device.type)
     stages = [None] if context.vpp_size is None else list(range(context.vpp_size))
     chunks = [
         GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=layer_spec(
+                model,
+                config,
+                pp_rank=context.pp_rank,
+                vp_stage=vp_stage,
+                device=context.device.type,
+            ),
             vocab_size=model.vocab_size,
             max_sequence_length=model.max_position_embeddings,
             pre_process=context.is_first_stage(vp_stage),
@@ -121,14 +154,22 @@ def _parameters_to(chunk: GPTModel, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
 
 
+EXPERT_PARAMETER = ".mlp.experts.local_experts."
+"""Part of the name of every expert parameter (``SequentialMLP``'s experts)."""
+
+
 def global_parameter_name(chunk: GPTModel, local_name: str) -> str:
-    """The name ``local_name`` of ``chunk`` has in the whole (TP1/PP1) model: decoder layers are
-    numbered per chunk, and renumbered here by their global ``layer_number``. Accepts the chunk
-    itself or a wrapper (DDP) whose ``module`` is the chunk."""
+    """The name ``local_name`` of ``chunk`` has in the whole (TP1/PP1/EP1) model: decoder layers
+    are numbered per chunk, and renumbered here by their global ``layer_number``; the experts of
+    an MoE layer are numbered per expert-parallel rank, and renumbered by their global index.
+    Accepts the chunk itself or a wrapper (DDP) whose ``module`` is the chunk."""
     model = getattr(chunk, "module", chunk)
     parts = local_name.split(".")
     if parts[:2] == ["decoder", "layers"]:
-        parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+        layer = model.decoder.layers[int(parts[2])]
+        parts[2] = str(layer.layer_number - 1)
+        if parts[3:6] == ["mlp", "experts", "local_experts"]:
+            parts[6] = str(layer.mlp.local_expert_indices[int(parts[6])])
     return ".".join(parts)
 
 
@@ -136,7 +177,8 @@ def tensor_parallel_shard(
     name: str, full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_size: int
 ) -> torch.Tensor:
     """The slice of the whole-model tensor ``full`` that tensor-parallel rank ``tp_rank`` holds
-    as ``param`` (named ``name``).
+    as ``param`` (named ``name``). For an expert's parameter, pass the expert tensor parallel
+    rank and size (:func:`parameter_shard` chooses).
 
     Replicated parameters (norms) are whole. Split ones carry Megatron's ``partition_dim``: the
     vocabulary rows of embedding and output layer, the output rows of column-parallel layers and
@@ -147,9 +189,19 @@ def tensor_parallel_shard(
     if not getattr(param, "tensor_model_parallel", False):
         return full
     dim = param.partition_dim
-    if name.endswith("mlp.linear_fc1.weight"):
+    if name.endswith("linear_fc1.weight"):  # the dense MLP's and each expert's
         return torch.cat([half.chunk(tp_size, dim)[tp_rank] for half in full.chunk(2, dim)], dim)
     return full.chunk(tp_size, dim)[tp_rank]
+
+
+def parameter_shard(
+    name: str, full: torch.Tensor, param: torch.nn.Parameter, context: ParallelContext
+) -> torch.Tensor:
+    """:func:`tensor_parallel_shard` with the group that splits ``param``: expert tensor
+    parallel for an expert's matrices, tensor parallel for everything else."""
+    if EXPERT_PARAMETER in "." + name:
+        return tensor_parallel_shard(name, full, param, context.etp_rank, context.etp_size)
+    return tensor_parallel_shard(name, full, param, context.tp_rank, context.tp_size)
 
 
 @torch.no_grad()
@@ -166,9 +218,7 @@ def load_whole_model_weights(
                 name = "embedding.word_embeddings.weight"  # tied: a copy on the last stage
             if name not in weights:
                 raise ValueError(f"weights: no tensor for parameter {name!r}")
-            shard = tensor_parallel_shard(
-                local_name, weights[name], param, context.tp_rank, context.tp_size
-            )
+            shard = parameter_shard(local_name, weights[name], param, context)
             if shard.shape != param.shape:
                 raise ValueError(
                     f"weights[{name!r}]: shard shape {tuple(shard.shape)} does not fit "

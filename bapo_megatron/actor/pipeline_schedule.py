@@ -29,6 +29,7 @@ def run_schedule(
     context: ParallelContext,
     *,
     forward_only: bool,
+    before_forward: Callable[[PolicyBatch, torch.nn.Module], None] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Forward (and, unless ``forward_only``, backward) every micro-batch through the pipeline.
 
@@ -36,6 +37,9 @@ def run_schedule(
     (see :func:`~bapo_megatron.actor.batch.split_microbatches`).
     Gradients accumulate in the chunks' gradient buffers; reducing them over data-parallel
     ranks is the schedule's ``finalize_model_grads_func`` hook, run after the last backward.
+    ``before_forward(microbatch, chunk)`` is called on every stage right before ``chunk`` runs
+    the micro-batch (per-token data that modules inside the model need: which tokens a router's
+    auxiliary loss counts, the routes its routers replay).
     """
     if not microbatches:
         raise ValueError("run_schedule needs at least one micro-batch")
@@ -51,6 +55,8 @@ def run_schedule(
     def forward_step(data_iterator, model):
         microbatch = next(data_iterator)
         tokens = microbatch.tokens.to(context.device)
+        if before_forward is not None:
+            before_forward(microbatch, model)
         output = model(tokens, position_ids, None)
         return output, functools.partial(loss_func, microbatch)
 

@@ -13,9 +13,17 @@ Order of events, the same on every rank (collectives must line up):
 4. Optimizer step (skipped when the gradient norm is not finite).
 5. Metrics for the whole step, reduced over data x context parallel on the last stage and
    broadcast to the other pipeline stages.
+
+A batch that carries routes (``PolicyBatch.routes``) has them replayed by the routers in
+steps 2 and 3 (:mod:`bapo_megatron.actor.routing_replay`). A mixture-of-experts actor adds its
+load-balancing term in step 3 (the routers' hooks,
+:mod:`bapo_megatron.actor.moe_aux_loss`), weighted by the step's real tokens, which the
+all-gather of step 1 also counts; the term's value joins the metrics.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -25,6 +33,7 @@ from bapo_megatron.actor.batch import PolicyBatch, microbatch_count, split_micro
 from bapo_megatron.actor.logprobs import seq_multiple, token_logprobs
 from bapo_megatron.actor.optimizer import optimizer_step
 from bapo_megatron.actor.pipeline_schedule import last_stage_rank, run_schedule
+from bapo_megatron.actor.routing_replay import validate_routes
 from bapo_megatron.algo.bound_search import BoundDecision, choose_bounds
 from bapo_megatron.algo.policy_loss import bapo_loss, loss_normalizer, search_statistics
 from bapo_megatron.algo.reduction import all_reduce_sum
@@ -42,11 +51,14 @@ def train_step(
     including none) for one optimizer step and return the step's metrics, the same on every
     rank: `loss`, `entropy` (mean over response tokens), `response_tokens`, `grad_norm`, `lr`,
     `skipped` (1 when the update was dropped for a non-finite gradient norm),
-    `skipped_steps` (so far), `num_microbatches`, and the `bapo/*` search metrics."""
+    `skipped_steps` (so far), `num_microbatches`, and the `bapo/*` search metrics. A
+    mixture-of-experts actor adds `moe/aux_loss` (the term added to the loss, coefficient
+    included) and `moe/load_balancing_loss` (its value per MoE layer without the coefficient:
+    1 when the routers spread tokens evenly)."""
     batch.require_training_fields()
     context = actor.context
     micro_batch_size = actor.actor_config.micro_batch_size
-    count, tokens, sequences = _agree_on_step(batch, micro_batch_size, loss.aggregation, context)
+    count, tokens, sequences, real_tokens = _agree_on_step(batch, micro_batch_size, context)
     if context.vpp_size is not None:  # the interleaved schedule wants whole groups of PP
         count = -(-max(count, context.pp_size) // context.pp_size) * context.pp_size
     microbatches = split_microbatches(batch, micro_batch_size, count, seq_multiple(context))
@@ -54,9 +66,13 @@ def train_step(
     reduce = all_reduce_sum(context.dp_cp_group)
     temperature = actor.actor_config.temperature
 
+    replay = _routing_replay(actor, batch)
+    before_forward = _before_forward(actor.moe_aux_loss, replay)
+
     decision, extremes = None, None
     if plan.config.granularity == "step" and not plan.is_fixed:
-        decision, extremes = _decide_for_step(actor, microbatches, plan, reduce)
+        with replay.replaying() if replay is not None else contextlib.nullcontext():
+            decision, extremes = _decide_for_step(actor, microbatches, plan, reduce, before_forward)
 
     def per_microbatch(microbatch: PolicyBatch, logits: torch.Tensor):
         logprobs, entropy = token_logprobs(
@@ -84,7 +100,20 @@ def train_step(
     for chunk in actor.chunks:
         chunk.zero_grad_buffer()
     actor.optimizer.zero_grad()
-    outputs = run_schedule(actor.chunks, microbatches, per_microbatch, context, forward_only=False)
+    aux = actor.moe_aux_loss
+    with contextlib.ExitStack() as passes:
+        if aux is not None:
+            passes.enter_context(aux.training_step(real_tokens))
+        if replay is not None:
+            passes.enter_context(replay.replaying())
+        outputs = run_schedule(
+            actor.chunks,
+            microbatches,
+            per_microbatch,
+            context,
+            forward_only=False,
+            before_forward=before_forward,
+        )
     outcome = optimizer_step(actor.optimizer, actor.scheduler, actor.optimizer_config.clip_grad)
     if outcome.skipped:
         actor.skipped_steps += 1
@@ -94,6 +123,12 @@ def train_step(
         metrics = _step_metrics(outputs, decision, extremes, context)
         metrics["response_tokens"] = tokens
     metrics = _from_last_stage(metrics, context)
+    if aux is not None:
+        value = aux.step_value()
+        metrics["moe/aux_loss"] = aux.coef * value
+        metrics["moe/load_balancing_loss"] = value / actor.model_config.moe.num_moe_layers(
+            actor.model_config.num_layers
+        )
     metrics.update(
         grad_norm=outcome.grad_norm,
         lr=outcome.lr,
@@ -104,17 +139,48 @@ def train_step(
     return metrics
 
 
+def _routing_replay(actor: Actor, batch: PolicyBatch):
+    """The actor's routing replay when ``batch`` carries routes (checked first), else None."""
+    if batch.routes is None:
+        return None
+    if actor.routing_replay is None:
+        raise ValueError(
+            f"batch.routes: model.model_type {actor.model_config.model_type!r} has no experts "
+            "to replay routes on"
+        )
+    validate_routes(batch.routes, actor.model_config, "batch.routes")
+    return actor.routing_replay
+
+
+def _before_forward(aux, replay):
+    """What runs before each chunk's forward of a micro-batch: the aux term's token flags and
+    the routes to replay (None for a dense model)."""
+    hooks = [hook.before_forward for hook in (aux, replay) if hook is not None]
+    if not hooks:
+        return None
+
+    def before_forward(microbatch: PolicyBatch, chunk: torch.nn.Module) -> None:
+        for hook in hooks:
+            hook(microbatch, chunk)
+
+    return before_forward
+
+
 def _agree_on_step(
-    batch: PolicyBatch, micro_batch_size: int, aggregation: str, context
-) -> tuple[int, float, float]:
-    """(largest micro-batch count, global response tokens, global responding sequences) over
-    the data x context parallel group, in one collective."""
+    batch: PolicyBatch, micro_batch_size: int, context
+) -> tuple[int, float, float, float]:
+    """(largest micro-batch count, global response tokens, global responding sequences, global
+    real tokens: every position up to each sequence's last response token) over the data x
+    context parallel group, in one collective."""
     mask = batch.response_mask
+    positions = torch.arange(mask.shape[1])
+    real = (torch.where(mask, positions, -1).amax(dim=1) + 1).sum() if mask.numel() else 0
     local = torch.tensor(
         [
             float(microbatch_count(batch.num_sequences, micro_batch_size)),
             float(loss_normalizer(mask, "token-mean")),
             float(loss_normalizer(mask, "seq-mean-token-sum")),
+            float(real),
         ],
         dtype=torch.float64,
         device=context.device,
@@ -128,11 +194,16 @@ def _agree_on_step(
     count = int(gathered[:, 0].max())
     if count == 0:
         raise ValueError("train_step: no data-parallel rank has any sequence for this step")
-    return count, float(gathered[:, 1].sum()), float(gathered[:, 2].sum())
+    return (
+        count,
+        float(gathered[:, 1].sum()),
+        float(gathered[:, 2].sum()),
+        float(gathered[:, 3].sum()),
+    )
 
 
 def _decide_for_step(
-    actor: Actor, microbatches: list[PolicyBatch], plan: SearchPlan, reduce
+    actor: Actor, microbatches: list[PolicyBatch], plan: SearchPlan, reduce, before_forward
 ) -> tuple[BoundDecision | None, torch.Tensor | None]:
     """Granularity `step`: search statistics of every micro-batch from a no-grad forward pass,
     reduced once, then the bounds. Last stage only (elsewhere: None, None)."""
@@ -156,7 +227,12 @@ def _decide_for_step(
 
     with torch.no_grad():
         outputs = run_schedule(
-            actor.chunks, microbatches, per_microbatch, context, forward_only=True
+            actor.chunks,
+            microbatches,
+            per_microbatch,
+            context,
+            forward_only=True,
+            before_forward=before_forward,
         )
     if not context.is_last_stage():
         return None, None

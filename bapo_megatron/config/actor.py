@@ -82,6 +82,10 @@ class ActorConfig:
     softmax(logits / temperature), the distribution the engine sampled from."""
     seed: int = 1234
     """Seed of the initial weights (when not loaded from a checkpoint)."""
+    recompute_activations: bool = False
+    """Keep only each layer's input during the training forward pass and recompute the layer in
+    the backward pass (Megatron's full recompute): less activation memory for one more forward.
+    Under routing replay the recomputed routers replay the same routes."""
 
     def __post_init__(self) -> None:
         prefix = "actor"

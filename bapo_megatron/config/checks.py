@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: run.py imports this module
+    from bapo_megatron.config.model import ModelConfig
     from bapo_megatron.config.run import Config
 
 
@@ -20,9 +21,54 @@ def check_training(cfg: Config) -> None:
             "use rollout.engine=vllm-server"
         )
     _check_off_policy_correction(cfg)
+    _check_experts(cfg)
     _check_schedule(cfg)
     _check_placement(cfg)
     _check_asynchronous(cfg)
+
+
+def _check_experts(cfg: Config) -> None:
+    """The expert checks of :func:`check_experts` for the model section (a model read from
+    ``train.model_path`` is checked once the trainer has read it)."""
+    if cfg.model is not None:
+        check_experts(cfg, cfg.model)
+
+
+def check_experts(cfg: Config, model: ModelConfig) -> None:
+    """Routing replay and what a mixture-of-experts ``model`` needs of the rest of the run;
+    ``ValueError`` naming the fields."""
+    replay = cfg.algorithm.routing_replay
+    if replay != "none" and not model.is_moe:
+        raise ValueError(
+            f"algorithm.routing_replay={replay!r} replays expert routes, but model.model_type "
+            f"{model.model_type!r} has no experts (set it to 'none')"
+        )
+    if replay == "trainer" and cfg.algorithm.old_logprobs != "recompute":
+        raise ValueError(
+            "algorithm.routing_replay='trainer' replays the routes of the actor's old-log-prob "
+            "pass, which needs algorithm.old_logprobs=recompute"
+        )
+    if not model.is_moe:
+        return
+    if cfg.rollout.engine != "embedded":
+        raise ValueError(
+            f"model.model_type {model.model_type!r}: of the rollout engines only the "
+            f"embedded one loads expert weights and records routes so far; rollout.engine="
+            f"{cfg.rollout.engine!r} is not supported with experts"
+        )
+    parallel = cfg.parallel
+    if parallel.expert_tensor_parallel_size > 1:
+        raise ValueError(
+            f"parallel.expert_tensor_parallel_size={parallel.expert_tensor_parallel_size}: the "
+            "weight sync gathers the experts of the expert-parallel ranks whole, so an RL run "
+            "needs 1"
+        )
+    if parallel.expert_model_parallel_size > 1 and cfg.rollout.placement == "disaggregated":
+        raise ValueError(
+            f"parallel.expert_model_parallel_size={parallel.expert_model_parallel_size} with "
+            "rollout.placement=disaggregated: data-parallel replica 0 alone sends the weights "
+            "to the engine ranks, and it does not hold every expert (use 1, or colocated)"
+        )
 
 
 def _check_asynchronous(cfg: Config) -> None:

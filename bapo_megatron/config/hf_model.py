@@ -12,24 +12,32 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from bapo_megatron.config.moe import MOE_FAMILY_FIELDS, hf_moe_fields, moe_fields_from_hf
 from bapo_megatron.config.rope import hf_rope_fields, rope_fields_from_hf
 
 if TYPE_CHECKING:  # annotations only: model.py imports this module
     from bapo_megatron.config.model import ModelConfig
 
-ModelType = Literal["llama", "qwen2", "qwen3"]
+ModelType = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
 
-MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 """The transformers class of each family (the ``architectures`` entry of its config.json)."""
 
-HEAD_DIM_FAMILIES: tuple[str, ...] = ("qwen3",)
+HEAD_DIM_FAMILIES: tuple[str, ...] = ("qwen3", "qwen3_moe")
 """Families whose ``head_dim`` is a field of its own rather than hidden_size / heads."""
+
+QK_NORM_FAMILIES: tuple[str, ...] = ("qwen3", "qwen3_moe")
+"""Families with an RMSNorm of each query and key head (HF ``q_norm`` / ``k_norm``)."""
+
+MOE_FAMILIES: tuple[str, ...] = tuple(MOE_FAMILY_FIELDS)
+"""Families whose sparse layers are experts (they need a ``model.moe`` section)."""
 
 MOE_FIELDS: tuple[str, ...] = (
     "num_experts",
@@ -97,10 +105,16 @@ def model_fields_from_hf(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     layer_types = hf.get("layer_types")
     if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
         refuse("layer_types", "only full attention is implemented, in every layer")
-    for key in MOE_FIELDS:
-        if hf.get(key):
-            refuse(key, "mixture-of-experts layers are not implemented; the MLP is dense")
-    if model_type in ("llama", "qwen3") and hf.get("attention_bias"):
+    if model_type not in MOE_FAMILIES:
+        for key in MOE_FIELDS:
+            if hf.get(key):
+                refuse(
+                    key,
+                    f"mixture-of-experts fields in a dense {model_type} config; the experts "
+                    f"families are {list(MOE_FAMILIES)}",
+                )
+    moe = moe_fields_from_hf(hf, model_type, where)
+    if model_type in ("llama", "qwen3", "qwen3_moe") and hf.get("attention_bias"):
         # Their attention_bias puts a bias on o_proj as well; Megatron can bias q/k/v only
         # (add_qkv_bias) or every linear layer including the MLP (add_bias_linear).
         refuse(
@@ -133,6 +147,7 @@ def model_fields_from_hf(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
         "qkv_bias": model_type == "qwen2",
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "max_position_embeddings": need("max_position_embeddings"),
+        **({} if moe is None else {"moe": moe}),
     }
 
 
@@ -156,7 +171,9 @@ def hf_config_fields(model: ModelConfig) -> dict[str, Any]:
         "hidden_act": "silu",
         "torch_dtype": model.params_dtype,
     }
-    if model.model_type in ("llama", "qwen3"):
+    if model.moe is not None:
+        fields.update(hf_moe_fields(model.moe))
+    if model.model_type in ("llama", "qwen3", "qwen3_moe"):
         if model.qkv_bias:
             raise ValueError(
                 f"model.qkv_bias=true has no {model.model_type} config.json equivalent (its "

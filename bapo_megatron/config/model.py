@@ -11,11 +11,14 @@ from typing import Any, Literal
 from bapo_megatron.config.hf_model import (
     HEAD_DIM_FAMILIES,
     MODEL_TYPES,
+    MOE_FAMILIES,
+    QK_NORM_FAMILIES,
     ModelType,
     hf_config_fields,
     model_fields_from_hf,
     read_hf_config,
 )
+from bapo_megatron.config.moe import MoeConfig
 from bapo_megatron.config.rope import Llama3RopeScaling
 from bapo_megatron.config.value_types import build_dataclass
 
@@ -25,24 +28,27 @@ ParamsDtype = Literal["float32", "bfloat16"]
 @dataclass(kw_only=True)
 class ModelConfig:
     """The policy's architecture: the dense decoder-only families the paper trains and compares
-    with (Qwen2/Qwen2.5, Qwen3 and Llama 3.x). All are pre-norm RMSNorm transformers with rotary
-    embeddings, grouped-query attention, a SwiGLU MLP (implied, not configurable) and no bias
-    except, for Qwen2, on q/k/v. Qwen3 adds an RMSNorm of each query and key head before the
-    rotary embedding (:attr:`qk_layernorm`) and sets its head size apart from the hidden size;
-    Llama 3.x scales the rotary frequencies (:attr:`rope_scaling`).
+    with (Qwen2/Qwen2.5, Qwen3 and Llama 3.x), and Qwen3-MoE (Qwen3 with experts, :attr:`moe`).
+    All are pre-norm RMSNorm transformers with rotary embeddings, grouped-query attention, a
+    SwiGLU MLP (implied, not configurable) and no bias except, for Qwen2, on q/k/v. Qwen3 adds
+    an RMSNorm of each query and key head before the rotary embedding (:attr:`qk_layernorm`)
+    and sets its head size apart from the hidden size; Llama 3.x scales the rotary frequencies
+    (:attr:`rope_scaling`).
 
     Usually read from a Hugging Face ``config.json`` with :meth:`from_hf_config`.
     """
 
     model_type: ModelType
     """Hugging Face ``model_type``: `llama` (Llama 2 and 3.x), `qwen2` (Qwen2, Qwen2.5 and the
-    DeepSeek-R1-Distill-Qwen models) or `qwen3` (the dense Qwen3 models)."""
+    DeepSeek-R1-Distill-Qwen models), `qwen3` (the dense Qwen3 models) or `qwen3_moe`
+    (Qwen3-30B-A3B, Qwen3-235B-A22B; needs :attr:`moe`)."""
     num_layers: int
     """Transformer layers (HF ``num_hidden_layers``)."""
     hidden_size: int
     """Width of the residual stream (HF ``hidden_size``)."""
     ffn_hidden_size: int
-    """Width of the SwiGLU MLP, per gate/up projection (HF ``intermediate_size``)."""
+    """Width of the SwiGLU MLP, per gate/up projection (HF ``intermediate_size``); in a
+    mixture-of-experts model, of the dense layers only (the experts' is in :attr:`moe`)."""
     num_attention_heads: int
     """Query heads (HF ``num_attention_heads``); hidden_size must be a multiple."""
     num_query_groups: int
@@ -70,6 +76,9 @@ class ModelConfig:
     Qwen2.5 models tie, Llama and larger Qwen2.5 do not)."""
     max_position_embeddings: int = 4096
     """Longest sequence the model is run on (HF ``max_position_embeddings``)."""
+    moe: MoeConfig | None = None
+    """The experts of a mixture-of-experts family (`qwen3_moe`): required there, null for the
+    dense families."""
     params_dtype: ParamsDtype = "float32"
     """Dtype of the parameters Megatron allocates: `float32`, or `bfloat16` (Megatron's bf16 mode:
     bf16 parameters and activations, fp32 main weights in the optimizer)."""
@@ -116,6 +125,17 @@ class ModelConfig:
             )
         if self.qkv_bias is None:
             self.qkv_bias = self.model_type == "qwen2"
+        if self.model_type in MOE_FAMILIES:
+            if self.moe is None:
+                raise ValueError(
+                    f"{prefix}.moe is required for model_type {self.model_type!r} (its experts)"
+                )
+            self.moe.validate(self.num_layers, prefix=f"{prefix}.moe")
+        elif self.moe is not None:
+            raise ValueError(
+                f"{prefix}.moe is set, but model_type {self.model_type!r} is dense; the "
+                f"mixture-of-experts families are {list(MOE_FAMILIES)}"
+            )
         if self.params_dtype not in ("float32", "bfloat16"):
             raise ValueError(
                 f"{prefix}.params_dtype must be 'float32' or 'bfloat16', got {self.params_dtype!r}"
@@ -135,7 +155,12 @@ class ModelConfig:
     def qk_layernorm(self) -> bool:
         """Whether each query and key head is RMS-normalized before the rotary embedding (HF
         ``q_norm`` / ``k_norm``, Megatron ``q_layernorm`` / ``k_layernorm``): Qwen3's."""
-        return self.model_type == "qwen3"
+        return self.model_type in QK_NORM_FAMILIES
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layers' MLP is a mixture of experts."""
+        return self.moe is not None
 
     @classmethod
     def from_hf_config(

@@ -9,6 +9,7 @@ Fp8Format = Literal["e4m3", "hybrid"]
 Fp8Recipe = Literal["delayed", "tensorwise", "mxfp8", "blockwise"]
 Fp8AmaxAlgo = Literal["most_recent", "max"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
+TokenDispatcher = Literal["alltoall", "allgather"]
 
 
 @dataclass(kw_only=True)
@@ -39,7 +40,20 @@ class ParallelConfig:
     """Ranks each sequence is split over (needs Transformer Engine's attention)."""
     sequence_parallel: bool = False
     """Shard norm and dropout activations over the tensor-parallel ranks along the sequence
-    (Megatron's sequence parallelism; needs tensor_model_parallel_size > 1)."""
+    (Megatron's sequence parallelism; needs tensor_model_parallel_size > 1, and is required
+    with it for a mixture-of-experts model)."""
+    expert_model_parallel_size: int = 1
+    """Ranks the experts of each MoE layer are divided over (each holds num_experts / this
+    many). Megatron carves it out of the data-parallel x tensor-parallel ranks of a pipeline
+    stage: expert_tensor_parallel_size x this must divide tensor x context x data parallel."""
+    expert_tensor_parallel_size: int = 1
+    """Ranks each expert's matrices are split over (Megatron's expert tensor parallelism); 1
+    keeps every expert whole on its rank, the usual choice (Megatron's own default is the
+    tensor-parallel size)."""
+    moe_token_dispatcher: TokenDispatcher = "alltoall"
+    """How tokens reach the experts of other expert-parallel ranks: `alltoall` (each rank sends
+    exactly the tokens routed to the others' experts) or `allgather` (every rank gathers every
+    token). Only used by mixture-of-experts models."""
     fp8: Fp8Format | None = None
     """FP8 format for Transformer Engine GEMMs: `e4m3`, or `hybrid` (e4m3 forward, e5m2
     gradients); None: no FP8. Passed through to Megatron."""
@@ -70,6 +84,8 @@ class ParallelConfig:
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
             "context_parallel_size",
+            "expert_model_parallel_size",
+            "expert_tensor_parallel_size",
             "fp8_amax_history_len",
         ):
             value = getattr(self, name)
@@ -93,6 +109,11 @@ class ParallelConfig:
                 f"{prefix}.sequence_parallel=true needs {prefix}.tensor_model_parallel_size > 1 "
                 "(it shards activations over the tensor-parallel ranks)"
             )
+        if self.moe_token_dispatcher not in ("alltoall", "allgather"):
+            raise ValueError(
+                f"{prefix}.moe_token_dispatcher must be 'alltoall' or 'allgather', "
+                f"got {self.moe_token_dispatcher!r}"
+            )
         if self.fp8 not in (None, "e4m3", "hybrid"):
             raise ValueError(f"{prefix}.fp8 must be 'e4m3', 'hybrid' or null, got {self.fp8!r}")
         if self.fp8_recipe not in ("delayed", "tensorwise", "mxfp8", "blockwise"):
@@ -106,6 +127,12 @@ class ParallelConfig:
                 f"{prefix}.fp8_amax_compute_algo must be 'most_recent' or 'max', "
                 f"got {self.fp8_amax_compute_algo!r}"
             )
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks of one pipeline stage that together hold every expert once: expert tensor x
+        expert model parallel."""
+        return self.expert_tensor_parallel_size * self.expert_model_parallel_size
 
     @property
     def model_parallel_size(self) -> int:

@@ -74,6 +74,7 @@ class RewardConfig:
 
 
 OldLogprobs = Literal["engine", "recompute"]
+RoutingReplayMode = Literal["none", "trainer", "rollout"]
 OffPolicyCorrection = Literal["none", "token-truncate", "sequence-truncate", "sequence-mask"]
 
 
@@ -117,6 +118,13 @@ class AlgorithmConfig:
     the training batch is put together: its later mini-batches and epochs train the replayed
     groups up to ``optimizer_steps_per_rollout * epochs - 1`` versions later still (the
     ``staleness/*`` metrics report what was trained)."""
+    routing_replay: RoutingReplayMode = "none"
+    """Mixture-of-experts models only: force the actor's routers to recorded experts in its
+    training passes, so that the ratio compares the policies on the same experts. `none`: live
+    routing; `trainer` (R2): the routes of the actor's own old-log-prob pass (needs
+    ``old_logprobs=recompute``); `rollout` (R3): the routes the engine recorded for every token
+    (the embedded engine records them). Missing routes (the last sampled token) are routed
+    live."""
     max_staleness: int = 0
     """eta of asynchronous training (``rollout.placement=disaggregated``): a group trains in a
     rollout step whose policy version is v only if every token of it was sampled at version
@@ -131,6 +139,11 @@ class AlgorithmConfig:
         if self.old_logprobs not in ("engine", "recompute"):
             raise ValueError(
                 f"{prefix}.old_logprobs must be 'engine' or 'recompute', got {self.old_logprobs!r}"
+            )
+        if self.routing_replay not in get_args(RoutingReplayMode):
+            raise ValueError(
+                f"{prefix}.routing_replay must be one of {list(get_args(RoutingReplayMode))}, "
+                f"got {self.routing_replay!r}"
             )
         if self.off_policy_correction not in (None, *get_args(OffPolicyCorrection)):
             raise ValueError(

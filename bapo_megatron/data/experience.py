@@ -97,7 +97,9 @@ def prompts_at(position: int, count: int, num_prompts: int, seed: int, shuffle: 
 def to_policy_batch(groups: list[Group], pad_token_id: int) -> tuple[PolicyBatch, torch.Tensor]:
     """The actor's batch of ``groups`` (one row per sample, right-padded) with behaviour
     log-probs as ``old_logprobs`` and each sample's advantage, and the [n, s] int64 tensor of
-    the policy version of every response token (-1 elsewhere)."""
+    the policy version of every response token (-1 elsewhere). When the engine recorded routes
+    (``RolloutSample.routes``), the batch carries them (-1: no route, the last sampled token
+    and padding)."""
     samples = [(s, adv) for g in groups for s, adv in zip(g.samples, g.advantages)]
     length = max((len(s.prompt_token_ids) + len(s.token_ids) for s, _ in samples), default=2)
     rows = len(samples)
@@ -114,8 +116,26 @@ def to_policy_batch(groups: list[Group], pad_token_id: int) -> tuple[PolicyBatch
         old[row, start:end] = torch.tensor(sample.logprobs, dtype=torch.float32)
         versions[row, start:end] = torch.tensor(sample.versions)
         advantages[row] = advantage
-    batch = PolicyBatch(tokens=tokens, response_mask=mask, old_logprobs=old, advantages=advantages)
+    batch = PolicyBatch(
+        tokens=tokens,
+        response_mask=mask,
+        old_logprobs=old,
+        advantages=advantages,
+        routes=_routes(samples, length),
+    )
     return batch, versions
+
+
+def _routes(samples: list, length: int) -> torch.Tensor | None:
+    """[n, length, moe_layers, topk] expert ids of the samples that have routes, or None."""
+    shape = next((torch.tensor(s.routes).shape[1:] for s, _ in samples if s.routes), None)
+    if shape is None:
+        return None
+    routes = torch.full((len(samples), length, *shape), -1, dtype=torch.long)
+    for row, (sample, _) in enumerate(samples):
+        if sample.routes:
+            routes[row, : len(sample.routes)] = torch.tensor(sample.routes)
+    return routes
 
 
 def split_groups(groups: list[Group], parts: int) -> list[list[Group]]:

@@ -71,6 +71,7 @@ class RemoteEngine:
         for mine, theirs in zip(samples, continued, strict=True):
             mine.token_ids, mine.logprobs = theirs.token_ids, theirs.logprobs
             mine.versions, mine.finish_reason = theirs.versions, theirs.finish_reason
+            mine.routes = theirs.routes
         return samples
 
     def abort(self) -> None:

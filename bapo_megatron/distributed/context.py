@@ -6,7 +6,9 @@ context and data parallel groups, and returns a frozen :class:`ParallelContext` 
 the code receives explicitly: groups, ranks, sizes, pipeline position and the device. One process
 is the degenerate case of the same code: a gloo world of one rank, every group of size one.
 
-Rank order is Megatron's default ``tp-cp-ep-dp-pp``: tensor-parallel ranks are adjacent.
+Rank order is Megatron's default ``tp-cp-ep-dp-pp``: tensor-parallel ranks are adjacent. The
+experts of a mixture-of-experts model are laid out by Megatron's second decomposition of each
+pipeline stage's ranks, expert tensor x expert model x expert data parallel (``etp-ep-dp-pp``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,21 @@ class ParallelContext:
     owns_process_group: bool
     """Whether :meth:`initialize` created the torch.distributed world (then teardown destroys
     it)."""
+    ep_group: dist.ProcessGroup
+    """Expert-parallel group: the ranks of a pipeline stage that divide each MoE layer's experts
+    among them (tokens travel between them to reach their experts)."""
+    etp_group: dist.ProcessGroup
+    """Expert tensor-parallel group: the ranks one expert's matrices are split over."""
+    expert_dp_group: dist.ProcessGroup
+    """Expert data-parallel group: the ranks holding the same experts, whose expert gradients
+    are summed (the dense parameters' is dp_group)."""
+    ep_rank: int
+    ep_size: int
+    etp_rank: int
+    etp_size: int
+    """Expert tensor parallel: rank and size of the group an expert's matrices are split over."""
+    edp_rank: int
+    """Rank in expert_dp_group (0: the copy of this rank's experts that exports them)."""
 
     @classmethod
     def initialize(
@@ -116,11 +133,20 @@ class ParallelContext:
                 f"world size {world_size} is not divisible by tensor x pipeline x context parallel "
                 f"= {config.model_parallel_size}"
             )
+        stage_ranks = world_size // config.pipeline_model_parallel_size
+        if stage_ranks % config.expert_parallel_size:
+            raise ValueError(
+                f"world size {world_size} / pipeline {config.pipeline_model_parallel_size} is not "
+                "divisible by expert tensor x expert model parallel = "
+                f"{config.expert_parallel_size}"
+            )
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=config.tensor_model_parallel_size,
             pipeline_model_parallel_size=config.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
             context_parallel_size=config.context_parallel_size,
+            expert_model_parallel_size=config.expert_model_parallel_size,
+            expert_tensor_parallel_size=config.expert_tensor_parallel_size,
             distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60)),
             create_gloo_process_groups=gloo_groups,
         )
@@ -148,6 +174,14 @@ class ParallelContext:
             dp_size=ps.get_data_parallel_world_size(),
             vpp_size=config.virtual_pipeline_model_parallel_size,
             owns_process_group=owns,
+            ep_group=ps.get_expert_model_parallel_group(),
+            etp_group=ps.get_expert_tensor_parallel_group(),
+            expert_dp_group=ps.get_expert_data_parallel_group(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            ep_size=ps.get_expert_model_parallel_world_size(),
+            etp_rank=ps.get_expert_tensor_parallel_rank(),
+            etp_size=ps.get_expert_tensor_parallel_world_size(),
+            edp_rank=ps.get_expert_data_parallel_rank(),
         )
 
     @property

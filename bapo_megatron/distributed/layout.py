@@ -68,6 +68,7 @@ def validate_layout(
                 f"model.{name} ({value}) is not divisible by "
                 f"parallel.tensor_model_parallel_size ({tp}){why}"
             )
+    _validate_experts(model, parallel, world_size)
     chunks = pp * (vpp or 1)
     if model.num_layers % chunks:
         what = f"pipeline x virtual pipeline = {pp} x {vpp}" if vpp else f"pipeline = {pp}"
@@ -97,6 +98,50 @@ def validate_layout(
                 "set parallel.fp8=null"
             )
     return world_size // parallel.model_parallel_size
+
+
+def _validate_experts(model: ModelConfig, parallel: ParallelConfig, world_size: int) -> None:
+    """The expert-parallel checks of :func:`validate_layout`. Megatron decomposes the ranks of a
+    pipeline stage twice: tensor x context x data parallel for attention and dense layers, and
+    expert tensor x expert model x expert data parallel for the experts; both products are
+    world / pipeline."""
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
+    if not model.is_moe:
+        for name, value in (
+            ("expert_model_parallel_size", ep),
+            ("expert_tensor_parallel_size", etp),
+        ):
+            if value > 1:
+                raise ValueError(
+                    f"parallel.{name}={value} needs a mixture-of-experts model; "
+                    f"model.model_type {model.model_type!r} is dense (set it to 1)"
+                )
+        return
+    moe = model.moe
+    if moe.num_experts % ep:
+        raise ValueError(
+            f"model.moe.num_experts ({moe.num_experts}) is not divisible by "
+            f"parallel.expert_model_parallel_size ({ep}); every rank holds as many experts"
+        )
+    if moe.moe_intermediate_size % etp:
+        raise ValueError(
+            f"model.moe.moe_intermediate_size ({moe.moe_intermediate_size}) is not divisible by "
+            f"parallel.expert_tensor_parallel_size ({etp})"
+        )
+    stage_ranks = world_size // parallel.pipeline_model_parallel_size
+    if stage_ranks % (ep * etp):
+        raise ValueError(
+            f"the {stage_ranks} ranks of a pipeline stage (world size {world_size} / "
+            f"pipeline {parallel.pipeline_model_parallel_size}) are not divisible by expert "
+            f"tensor x expert model parallel = {etp} x {ep} "
+            "(parallel.expert_tensor_parallel_size, expert_model_parallel_size)"
+        )
+    if parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:
+        raise ValueError(
+            f"parallel.tensor_model_parallel_size={parallel.tensor_model_parallel_size} with a "
+            "mixture-of-experts model needs parallel.sequence_parallel=true (Megatron's MoE "
+            "layer refuses tensor parallelism without it)"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,6 +28,7 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.core.tensor_parallel import random as megatron_random
 from megatron.core.transformer import torch_norm
 from megatron.core.transformer import utils as transformer_utils
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
 SUPPORTED_MEGATRON_CORE = "0.16.1"
 
@@ -173,6 +174,65 @@ def _patch_torch_norm_sequence_parallel() -> None:
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
 
 
+def _patch_moe_router_gemm_without_te() -> None:
+    """``moe_utils.RouterGatingLinearFunction`` tests ``te_general_gemm is not None``, but the
+    name is bound only inside the ``try: import transformer_engine`` block, so without TE the
+    router's forward raises ``NameError`` (fixed upstream in core 0.17). Bind it to None: the
+    function then takes its own ``torch.mm`` branch."""
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+class _NoStream:
+    """Stands in for the alltoall dispatcher's device-to-host CUDA stream: on the CPU there is
+    nothing to overlap, so it is never used (see ``_patch_alltoall_dispatcher_without_streams``)."""
+
+
+def _patch_alltoall_dispatcher_without_streams() -> None:
+    """``MoEAlltoAllTokenDispatcher.__init__`` creates a class-wide ``torch.cuda.Stream`` for
+    device-to-host copies of the split sizes, and ``_maybe_dtoh_and_synchronize`` enters it and
+    records/waits on CUDA events. Give the class a placeholder stream (so none is created) and
+    a synchronization step that makes the same host copies (through
+    ``moe_utils.maybe_move_tensor_to_cpu``, as the original does) without streams or events."""
+
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
+
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        if self.drop_and_pad or point != self.cuda_dtoh_point:
+            return tokens_per_expert
+        move = token_dispatcher.maybe_move_tensor_to_cpu
+        tokens_per_expert = move(tokens_per_expert)
+        self.input_splits = move(self.input_splits, as_numpy=True)
+        self.output_splits = move(self.output_splits, as_numpy=True)
+        self.output_splits_tp = move(self.output_splits_tp, as_numpy=True)
+        self.num_out_tokens = move(self.num_out_tokens)
+        if self.num_local_experts > 1 and not self.config.moe_permute_fusion:
+            self.num_global_tokens_per_local_expert = move(self.num_global_tokens_per_local_expert)
+        return tokens_per_expert
+
+    token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = (
+        _maybe_dtoh_and_synchronize
+    )
+
+
+def _patch_moe_split_sizes_on_cpu() -> None:
+    """``moe_utils.maybe_move_tensor_to_cpu(t, as_numpy=True)`` converts only CUDA tensors, so on
+    the CPU the alltoall dispatcher's split sizes stay tensors and ``all_to_all_single`` refuses
+    them (``incompatible function arguments``). Rebind it (in ``moe_utils`` and in
+    ``token_dispatcher``, which imported it by name) to one that also turns a CPU tensor into
+    the numpy array the CUDA path produces when ``as_numpy``."""
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy() if as_numpy else tensor
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
 def _is_cuda_device(device: object) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"
@@ -229,6 +289,9 @@ CPU_PATCHES: dict[str, Callable[[], None]] = {
     "tied_embedding_setup_without_cuda": _patch_tied_embedding_setup_without_cuda,
     "cuda_synchronize_noop": _patch_cuda_synchronize_noop,
     "torch_norm_sequence_parallel": _patch_torch_norm_sequence_parallel,
+    "moe_router_gemm_without_te": _patch_moe_router_gemm_without_te,
+    "alltoall_dispatcher_without_streams": _patch_alltoall_dispatcher_without_streams,
+    "moe_split_sizes_on_cpu": _patch_moe_split_sizes_on_cpu,
 }
 
 

@@ -122,6 +122,13 @@ def plan_layout(
     except ValueError as err:
         plan.problems.append(f"layout: {err}")
         return plan
+    if model.is_moe:
+        plan.problems.append(
+            f"model.model_type {model.model_type!r}: the planner does not model "
+            "mixture-of-experts layers yet (expert shards per expert-parallel rank, their "
+            "optimizer state over the expert data-parallel group, dispatcher buffers)"
+        )
+        return plan
     if parallel.context_parallel_size > 1:
         plan.problems.append(
             f"parallel.context_parallel_size={parallel.context_parallel_size}: the planner does "

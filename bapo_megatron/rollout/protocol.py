@@ -88,6 +88,10 @@ class RolloutSample:
     """Policy version of the weights each generated token was sampled with."""
     finish_reason: FinishReason | None = None
     """None while generating; see :data:`FinishReason`."""
+    routes: list[list[list[int]]] | None = None
+    """Mixture-of-experts models, engines that record them: the expert ids each token (prompt
+    tokens, then generated ones) was routed to, per MoE layer, as the engine ran it; one entry
+    per token except the last sampled one, which the engine never ran. None otherwise."""
 
     @property
     def resumable(self) -> bool:

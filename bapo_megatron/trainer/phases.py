@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from bapo_megatron.actor.batch import PolicyBatch
-from bapo_megatron.actor.logprobs import compute_logprobs
+from bapo_megatron.actor.logprobs import compute_logprobs, compute_logprobs_and_routes
 from bapo_megatron.algo.advantages import grpo_advantages, informative_groups
 from bapo_megatron.algo.importance_weights import importance_weights
 from bapo_megatron.data.experience import Group, prompts_at, split_groups, to_policy_batch
@@ -23,6 +23,7 @@ from bapo_megatron.distributed.collectives import sum_over
 from bapo_megatron.trainer.admission import mixed_version_samples, stale_groups
 from bapo_megatron.trainer.metrics import LogprobGap, RolloutCounts, rollout_metrics
 from bapo_megatron.trainer.replicas import share_from_engine_rank
+from bapo_megatron.trainer.router_metrics import RouterAgreement
 from bapo_megatron.trainer.setup import Run, watched
 from bapo_megatron.trainer.state import PausedGroup
 
@@ -238,6 +239,18 @@ def old_logprobs(
     measure_gap = (
         cfg.logging.logprob_diff_interval and step % cfg.logging.logprob_diff_interval == 0
     )
+    if measure_gap and run.actor.routing_replay is not None:
+        agreement = RouterAgreement(num_experts=run.actor.model_config.moe.num_experts)
+        with run.timer.phase("old_logprobs"):
+            for batch, versions in minibatches:
+                agreement.add(
+                    run.actor,
+                    batch,
+                    versions == run.state.version,
+                    temperature=cfg.actor.temperature,
+                )
+        metrics.update(agreement.metrics(context))
+    minibatches = [_engine_routes_kept(item, algo.routing_replay) for item in minibatches]
     if minibatches and (algo.old_logprobs == "recompute" or measure_gap):
         gap = LogprobGap()
         with run.timer.phase("old_logprobs"):
@@ -249,21 +262,46 @@ def old_logprobs(
     return minibatches, metrics
 
 
+def _engine_routes_kept(
+    batch_and_versions: tuple[PolicyBatch, torch.Tensor], routing_replay: str
+) -> tuple[PolicyBatch, torch.Tensor]:
+    """The engine's routes stay with the batch (and are replayed) under routing replay
+    `rollout` only."""
+    batch, versions = batch_and_versions
+    if routing_replay != "rollout" and batch.routes is not None:
+        batch = dataclasses.replace(batch, routes=None)
+    return batch, versions
+
+
 def recompute(run: Run, batch: PolicyBatch, current: torch.Tensor, gap: LogprobGap) -> PolicyBatch:
     """``batch`` with the actor's log-probs as old log-probs (``recompute``; with an off-policy
-    correction, its importance weights, added to ``gap``) or unchanged (``engine``). The
+    correction, its importance weights, added to ``gap``) or unchanged (``engine``); under
+    routing replay `trainer`, with the routes of this pass. The
     actor/engine gap is added to ``gap`` either way, over the tokens sampled with the actor's
     current weights (``current``): on older tokens it would also hold the policy's own drift
     since they were sampled."""
     cfg = run.cfg
-    recomputed, _ = compute_logprobs(
-        run.actor.chunks,
-        batch,
-        run.actor.context,
-        micro_batch_size=cfg.actor.micro_batch_size,
-        temperature=cfg.actor.temperature,
-        with_entropy=False,
-    )
+    if cfg.algorithm.routing_replay == "trainer" and cfg.algorithm.old_logprobs == "recompute":
+        # R2: the routes of this pass are the ones the step's training passes replay
+        recomputed, routes = compute_logprobs_and_routes(
+            run.actor.chunks,
+            batch,
+            run.actor.context,
+            run.actor.routing_replay,
+            micro_batch_size=cfg.actor.micro_batch_size,
+            temperature=cfg.actor.temperature,
+        )
+        batch = dataclasses.replace(batch, routes=routes)
+    else:  # with routing replay `rollout`, the engine's routes (batch.routes) are replayed
+        recomputed, _ = compute_logprobs(
+            run.actor.chunks,
+            batch,
+            run.actor.context,
+            micro_batch_size=cfg.actor.micro_batch_size,
+            temperature=cfg.actor.temperature,
+            with_entropy=False,
+            routing=run.actor.routing_replay,
+        )
     mask = batch.response_mask
     same_policy = mask & current
     gap.add_gap((recomputed - batch.old_logprobs)[same_policy], same_policy)

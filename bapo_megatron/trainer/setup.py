@@ -18,6 +18,7 @@ import torch.distributed as dist
 from bapo_megatron.actor.actor import Actor, build_actor
 from bapo_megatron.algo.search_plan import SearchPlan
 from bapo_megatron.config import Config
+from bapo_megatron.config.checks import check_experts
 from bapo_megatron.data.experience import ReplayBuffer
 from bapo_megatron.data.task import Task, load_task
 from bapo_megatron.disaggregated.link import EngineLink
@@ -164,6 +165,7 @@ def _build_run(
         watchdog.start()
     watchdog.enter("setup")
     task = load_task(cfg)
+    check_experts(cfg, task.model)  # a model read from train.model_path is known only now
     validate_layout(task.model, cfg.parallel, context.world_size)
     rollout, algo = cfg.rollout, cfg.algorithm
     if rollout.prompts_per_step % context.dp_size:

@@ -137,11 +137,17 @@ def load_hf_weights(
                 f"{model.model_type!r} name map"
             )
         parts = []
+        # an expert's matrices are split over the expert tensor-parallel group
+        rank, size = (
+            (context.tp_rank, context.tp_size)
+            if rule.expert is None
+            else (context.etp_rank, context.etp_size)
+        )
         for hf_name, shape in zip(rule.hf, hf_tensor_shapes(rule, model)):
             if rule.tp_dim is None:
                 parts.append(hf.read(hf_name))
             else:
-                part = tp_slice(rule, shape[rule.tp_dim], context.tp_rank, context.tp_size)
+                part = tp_slice(rule, shape[rule.tp_dim], rank, size)
                 parts.append(hf.read(hf_name, rule.tp_dim, part))
         shard = merge(rule, parts, model)
         if tuple(shard.shape) != tuple(param.shape):
@@ -219,10 +225,13 @@ def write_hf_folder(
 ) -> None:
     """Write the weights of ``chunks`` as an HF folder (collective over the world): each stage's
     first TP rank of data-parallel replica 0 writes its export buckets as shards of at most
-    ``max_shard_bytes``; ``files`` (config, tokenizer...) are copied."""
+    ``max_shard_bytes``, and (a mixture-of-experts model) each rank of expert data-parallel rank
+    0 the experts it holds; ``files`` (config, tokenizer...) are copied."""
     with staged_folder(out_folder, overwrite=overwrite) as staging:
-        written: list[tuple[int, int, str, list[str], int]] = []
-        if context.dp_rank == 0 and context.cp_rank == 0:
+        written: list[tuple[int, int, int, str, list[str], int]] = []
+        dense = context.dp_rank == 0 and context.cp_rank == 0
+        experts = model.is_moe and context.edp_rank == 0
+        if dense or experts:
             # each bucket is written before the next is asked for: one kept buffer will do
             device = next(chunks[0].parameters()).device
             buckets = export_weights(
@@ -232,7 +241,12 @@ def write_hf_folder(
                 version=0,
                 bucket_bytes=max_shard_bytes,
                 dtype=dtype,
-                transport=make_transport("auto", context, device, False, reuse=True),
+                # collective over the TP group: only where the group exports dense tensors
+                transport=make_transport("auto", context, device, False, reuse=True)
+                if dense
+                else "collective",
+                dense=dense,
+                experts=experts,
             )
             for bucket in tqdm(
                 buckets,
@@ -240,10 +254,12 @@ def write_hf_folder(
                 unit="shard",
                 disable=not progress,
             ):
-                file = f"part-{bucket.pipeline_rank:05d}-{bucket.index:05d}.safetensors"
+                expert = -1 if bucket.expert_rank is None else bucket.expert_rank
+                part = "" if bucket.expert_rank is None else f"ep{bucket.expert_rank:03d}-"
+                file = f"part-{bucket.pipeline_rank:05d}-{part}{bucket.index:05d}.safetensors"
                 size = write_shard(staging / file, bucket.tensors)
                 written.append(
-                    (bucket.pipeline_rank, bucket.index, file, list(bucket.tensors), size)
+                    (bucket.pipeline_rank, expert, bucket.index, file, list(bucket.tensors), size)
                 )
         everyone: list[list] = [written]
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -251,7 +267,7 @@ def write_hf_folder(
             dist.all_gather_object(everyone, written)
         if _is_rank0():
             shards = sorted(entry for rank_written in everyone for entry in rank_written)
-            name_shards(staging, [(file, names, size) for _, _, file, names, size in shards])
+            name_shards(staging, [(file, names, size) for *_, file, names, size in shards])
             copy_files(files, staging)
             _set_config_dtype(staging / CONFIG_FILE, dtype)
 

@@ -16,7 +16,11 @@ the model plus about two buckets. Two layers:
   writer) is not this module's concern.
 
 Call it on the ranks of one data-parallel replica (the others hold the same weights); with
-virtual pipelining a stage exports all of its chunks.
+virtual pipelining a stage exports all of its chunks. A mixture-of-experts model's experts are
+divided over the expert-parallel ranks, which Megatron carves out of data (and tensor) parallel:
+each rank exports the experts it holds, on the ranks of expert data-parallel rank 0
+(``experts``), after the stage's dense tensors: without any exchange, or with expert tensor
+parallelism gathered over the expert-TP group onto its first rank.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.distributed.context import ParallelContext
@@ -34,6 +39,8 @@ from bapo_megatron.weights.name_maps import (
     chunk_parameters,
     hf_tensor_shapes,
     name_map_for,
+    place_shard,
+    split,
 )
 from bapo_megatron.weights.transports import ShardTransport, TransportKind, make_transport
 
@@ -54,6 +61,9 @@ class WeightBucket:
     """Whether it is the stage's last bucket of this export."""
     tensors: dict[str, torch.Tensor]
     """HF name -> whole tensor, in HF order."""
+    expert_rank: int | None = None
+    """The expert-parallel rank whose experts these are; None for a bucket of dense tensors
+    (``index`` counts each kind apart)."""
 
     @property
     def nbytes(self) -> int:
@@ -99,6 +109,9 @@ def export_weights(
     dtype: torch.dtype | None = None,
     to_all_tp_ranks: bool = False,
     transport: TransportKind | ShardTransport = "auto",
+    dense: bool = True,
+    experts: bool = True,
+    all_experts: bool = False,
 ) -> Iterator[WeightBucket]:
     """Yield this stage's parameters as whole HF tensors in buckets of at most ``bucket_bytes``
     (a single larger tensor group, e.g. a big embedding, comes alone).
@@ -107,7 +120,11 @@ def export_weights(
     exchange over the TP group). The buckets are yielded on the first TP rank of the stage, or on
     every TP rank with ``to_all_tp_ranks``; other ranks yield nothing. ``dtype`` (default:
     ``model.params_dtype``) is the dtype of the yielded tensors. ``version`` is stamped on every
-    bucket.
+    bucket. ``dense`` / ``experts`` choose what this rank exports (``dense`` must agree over the
+    TP group); an MoE model's expert buckets come after the dense ones, from this rank alone,
+    or with ``all_experts`` every expert of the stage on every rank of the expert-parallel group
+    (each rank's buckets broadcast over it in turn; collective over the group, expert tensor
+    parallel 1): what an engine that runs the whole model needs.
     ``transport`` moves the shards (:mod:`~bapo_megatron.weights.transports`): `auto` takes
     shared memory for CPU ranks on one host, else the torch.distributed collective; or a
     transport built once with :func:`~bapo_megatron.weights.transports.make_transport` and
@@ -129,7 +146,135 @@ def export_weights(
     dtype = dtype or getattr(torch, model.params_dtype)  # the same on every stage
     owned = [r for r in rules if r.megatron in params]
     element_size = torch.empty((), dtype=dtype).element_size()
-    buckets = plan_buckets(owned, model, bucket_bytes, element_size)
+    expert_rules = [r for r in owned if r.expert is not None] if experts else []
+    expert_buckets = plan_buckets(expert_rules, model, bucket_bytes, element_size)
+    buckets = (
+        plan_buckets([r for r in owned if r.expert is None], model, bucket_bytes, element_size)
+        if dense
+        else []
+    )
+    yield from _export_dense(
+        buckets,
+        params,
+        model,
+        context,
+        version,
+        dtype,
+        to_all_tp_ranks,
+        transport,
+        more_after=bool(expert_buckets) and context.etp_rank == 0,
+    )
+    own = (
+        WeightBucket(
+            version=version,
+            pipeline_rank=context.pp_rank,
+            index=index,
+            last=index == len(expert_buckets) - 1,
+            tensors=tensors,
+            expert_rank=context.ep_rank,
+        )
+        for index, bucket in enumerate(expert_buckets)
+        if (tensors := _whole_experts(bucket, params, model, context, dtype)) is not None
+    )
+    if all_experts and experts and context.ep_size > 1:
+        if context.etp_size > 1:
+            raise ValueError(
+                "export: gathering every expert (all_experts) needs "
+                f"parallel.expert_tensor_parallel_size 1, got {context.etp_size}"
+            )
+        yield from _every_rank_experts(own, context, version)
+    else:
+        yield from own
+
+
+def _every_rank_experts(
+    own: Iterator[WeightBucket], context: ParallelContext, version: int
+) -> Iterator[WeightBucket]:
+    """This rank's expert buckets, and those of the other ranks of the expert-parallel group:
+    rank by rank, the source broadcasts each bucket's (name, shape, dtype) list, then the
+    tensors; an empty list ends its turn."""
+    group = context.ep_group
+    for source in range(context.ep_size):
+        root = dist.get_global_rank(group, source)
+        mine = source == context.ep_rank
+        index = 0
+        while True:
+            bucket = next(own, None) if mine else None
+            header: list = [
+                None
+                if not mine
+                else []
+                if bucket is None
+                else [(n, tuple(t.shape), t.dtype) for n, t in bucket.tensors.items()]
+            ]
+            dist.broadcast_object_list(header, src=root, group=group)
+            if not header[0]:
+                break
+            tensors = {}
+            for name, shape, dtype in header[0]:
+                tensor = (
+                    bucket.tensors[name].contiguous()
+                    if mine
+                    else torch.empty(shape, dtype=dtype, device=context.device)
+                )
+                dist.broadcast(tensor, src=root, group=group)
+                tensors[name] = tensor
+            yield WeightBucket(
+                version=version,
+                pipeline_rank=context.pp_rank,
+                index=index,
+                last=False,
+                tensors=tensors,
+                expert_rank=source,
+            )
+            index += 1
+
+
+def _whole_experts(
+    rules: list[ParamRule],
+    params: dict[str, torch.Tensor],
+    model: ModelConfig,
+    context: ParallelContext,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor] | None:
+    """The whole HF tensors of these expert ``rules``: this rank's own, or with expert tensor
+    parallelism the shards of the expert-TP group gathered (collective over it) onto its first
+    rank (None on the others)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for rule in rules:
+        shard = params[rule.megatron].to(dtype).contiguous()
+        if context.etp_size == 1:
+            tensors.update(zip(rule.hf, (t.clone() for t in split(rule, shard, model))))
+            continue
+        pieces = [torch.empty_like(shard) for _ in range(context.etp_size)]
+        dist.all_gather(pieces, shard, group=context.etp_group)
+        if context.etp_rank != 0:
+            continue
+        wholes = [
+            torch.empty(shape, dtype=dtype, device=shard.device)
+            for shape in hf_tensor_shapes(rule, model)
+        ]
+        for rank, piece in enumerate(pieces):
+            place_shard(rule, wholes, piece, rank, model)
+        tensors.update(zip(rule.hf, wholes))
+    return tensors if context.etp_rank == 0 else None
+
+
+def _export_dense(
+    buckets: list[list[ParamRule]],
+    params: dict[str, torch.Tensor],
+    model: ModelConfig,
+    context: ParallelContext,
+    version: int,
+    dtype: torch.dtype,
+    to_all_tp_ranks: bool,
+    transport: TransportKind | ShardTransport,
+    *,
+    more_after: bool,
+) -> Iterator[WeightBucket]:
+    """The dense buckets of :func:`export_weights`, through the TP group's transport."""
+    if not buckets:
+        return
     if isinstance(transport, str):
         mover = make_transport(
             transport, context, next(iter(params.values())).device, to_all_tp_ranks
@@ -148,6 +293,6 @@ def export_weights(
                 version=version,
                 pipeline_rank=context.pp_rank,
                 index=index,
-                last=index == len(buckets) - 1,
+                last=index == len(buckets) - 1 and not more_after,
                 tensors=tensors,
             )

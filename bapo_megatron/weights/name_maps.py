@@ -25,6 +25,15 @@ So a rank's shard of every parameter is ``merge(tp_slice(hf) for each hf tensor)
 HF tensor is the concatenation over ranks of ``split(shard)`` along ``tp_dim``: the offline
 conversion, the live export and the tests all use exactly these functions.
 
+Mixture-of-experts layers (Qwen3-MoE) replace the MLP's two rules with the router
+(``mlp.router.weight`` <- ``mlp.gate.weight``) and, per expert e, Megatron's ``SequentialMLP``
+weights ``mlp.experts.local_experts.{e}.linear_fc1/fc2.weight`` <- the per-expert names HF writes
+on disk (``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``). Expert numbers in these rules are
+global (the EP1 model). An expert's matrices are split by *expert* tensor parallelism
+(``parallel.expert_tensor_parallel_size``), not by tensor parallelism: ``tp_dim`` of an expert
+rule (``ParamRule.expert`` set) is along the expert-TP group, fc1 by rows ([gate_r; up_r]) and
+fc2 by columns as the dense MLP's.
+
 With tied embeddings the last pipeline stage of a PP > 1 model holds ``output_layer.weight``, a
 copy of the embedding matrix: it is loaded from ``model.embed_tokens.weight`` and never exported
 (``ParamRule.exported``). HF checkpoints of tied models usually carry no ``lm_head.weight``.
@@ -60,6 +69,9 @@ class ParamRule:
     Megatron tensor); None: every rank holds the whole tensor."""
     exported: bool = True
     """False for the tied output layer: a copy of the embedding that HF does not store."""
+    expert: int | None = None
+    """Global index of the expert this parameter belongs to; None for every other parameter
+    (the expert-parallel rank holding expert e is e // (num_experts / EP))."""
 
 
 # Per-layer entries: (Megatron suffix, HF suffixes, layout, tp_dim). Prefixes are added by
@@ -105,6 +117,37 @@ _QWEN3_LAYER: tuple[_LayerEntry, ...] = (
     + _LLAMA_LAYER[3:]
 )
 
+# Qwen3-MoE: Qwen3's attention and norms; the MLP entries of a sparse layer are built per expert
+# by _moe_mlp_rules.
+_QWEN3_MOE_ATTENTION = _QWEN3_LAYER[:-2]
+_EXPERT_PREFIX = "mlp.experts.local_experts."
+
+
+def _moe_mlp_rules(megatron_prefix: str, hf_prefix: str, num_experts: int) -> list[ParamRule]:
+    """The router and per-expert rules of one sparse layer (global expert numbers)."""
+    rules = [
+        ParamRule(
+            f"{megatron_prefix}mlp.router.weight", (f"{hf_prefix}mlp.gate.weight",), "same", None
+        )
+    ]
+    for e in range(num_experts):
+        hf = f"{hf_prefix}mlp.experts.{e}."
+        megatron = f"{megatron_prefix}{_EXPERT_PREFIX}{e}."
+        rules += [
+            ParamRule(
+                megatron + "linear_fc1.weight",
+                (hf + "gate_proj.weight", hf + "up_proj.weight"),
+                "gate_up",
+                0,  # along the expert tensor-parallel group
+                expert=e,
+            ),
+            ParamRule(
+                megatron + "linear_fc2.weight", (hf + "down_proj.weight",), "same", 1, expert=e
+            ),
+        ]
+    return rules
+
+
 # Transformer Engine's fused layers own the pre-norm weights; the local spec (CPU) has separate
 # norm modules. Megatron's own checkpoints use the TE names as keys for both.
 TE_NAME_ALIASES: dict[str, str] = {
@@ -120,7 +163,10 @@ class NameMap:
     model_type: str
     """HF ``model_type`` this map is registered under."""
     layer: tuple[_LayerEntry, ...]
-    """The decoder layer's parameters, in HF order."""
+    """The decoder layer's parameters, in HF order (of a dense layer, for an MoE family)."""
+    moe_layer: tuple[_LayerEntry, ...] | None = None
+    """An MoE family's sparse layer without its MLP (router and experts are added per expert);
+    None for dense families."""
 
     def rules(self, model: ModelConfig) -> list[ParamRule]:
         """Every Megatron parameter of the whole ``model``, in HF order: embedding, layers, final
@@ -139,6 +185,16 @@ class NameMap:
         rules = [
             ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "same", 0)
         ]
+        if (self.moe_layer is not None) != model.is_moe:
+            raise ValueError(
+                f"name map {self.model_type!r}: model.moe must be "
+                f"{'set' if self.moe_layer is not None else 'null'}"
+            )
+        sparse = (
+            model.moe.moe_layer_pattern(model.num_layers)
+            if model.moe is not None
+            else [False] * model.num_layers
+        )
         for i in range(model.num_layers):
             rules += [
                 ParamRule(
@@ -147,8 +203,12 @@ class NameMap:
                     layout,
                     tp_dim,
                 )
-                for megatron, hf, layout, tp_dim in self.layer
+                for megatron, hf, layout, tp_dim in (self.moe_layer if sparse[i] else self.layer)
             ]
+            if sparse[i]:
+                rules += _moe_mlp_rules(
+                    f"decoder.layers.{i}.", f"model.layers.{i}.", model.moe.num_experts
+                )
         rules.append(
             ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "same", None)
         )
@@ -175,6 +235,7 @@ NAME_MAPS: dict[str, NameMap] = {
     "llama": NameMap("llama", _LLAMA_LAYER),
     "qwen2": NameMap("qwen2", _QWEN2_LAYER),
     "qwen3": NameMap("qwen3", _QWEN3_LAYER),
+    "qwen3_moe": NameMap("qwen3_moe", _QWEN3_LAYER, moe_layer=_QWEN3_MOE_ATTENTION),
 }
 """The registry: HF ``model_type`` -> its family's name map."""
 
@@ -197,6 +258,9 @@ def hf_tensor_shapes(rule: ParamRule, model: ModelConfig) -> tuple[tuple[int, ..
         if rule.megatron.startswith("decoder.layers.")
         else rule.megatron
     )
+    if rule.expert is not None:  # drop the expert number: every expert has the same shapes
+        suffix = "expert." + suffix.rsplit(".", 2)[-2]
+    moe = model.moe
     shapes = {
         "embedding.word_embeddings.weight": ((model.vocab_size, h),),
         "output_layer.weight": ((model.vocab_size, h),),
@@ -211,6 +275,14 @@ def hf_tensor_shapes(rule: ParamRule, model: ModelConfig) -> tuple[tuple[int, ..
         "mlp.linear_fc1.weight": ((model.ffn_hidden_size, h),) * 2,
         "mlp.linear_fc2.weight": ((h, model.ffn_hidden_size),),
     }
+    if moe is not None:
+        shapes.update(
+            {
+                "mlp.router.weight": ((moe.num_experts, h),),
+                "expert.linear_fc1": ((moe.moe_intermediate_size, h),) * 2,
+                "expert.linear_fc2": ((h, moe.moe_intermediate_size),),
+            }
+        )
     return shapes[suffix]
 
 
@@ -311,13 +383,18 @@ def place_shard(
 def chunk_parameters(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """``(whole-model Megatron name, parameter)`` for every parameter of a model chunk (or a
     wrapper with ``.module``, such as DDP): decoder layers renumbered by their global
-    ``layer_number``, Transformer Engine's norm names mapped to the local spec's."""
+    ``layer_number``, the experts of an expert-parallel rank by their global index,
+    Transformer Engine's norm names mapped to the local spec's."""
     while hasattr(chunk, "module"):
         chunk = chunk.module
     layers = chunk.decoder.layers
     for name, param in chunk.named_parameters():
         parts = name.split(".", 3)
         if parts[:2] == ["decoder", "layers"]:
+            layer = layers[int(parts[2])]
             suffix = TE_NAME_ALIASES.get(parts[3], parts[3])
-            name = f"decoder.layers.{layers[int(parts[2])].layer_number - 1}.{suffix}"
+            if suffix.startswith(_EXPERT_PREFIX):
+                local, rest = suffix[len(_EXPERT_PREFIX) :].split(".", 1)
+                suffix = f"{_EXPERT_PREFIX}{layer.mlp.local_expert_indices[int(local)]}.{rest}"
+            name = f"decoder.layers.{layer.layer_number - 1}.{suffix}"
         yield name, param

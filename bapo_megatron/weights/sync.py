@@ -7,7 +7,9 @@ loads with ``update_weights``.
   model replica; the export gathers each pipeline stage's tensors on the stage's first
   tensor-parallel rank, and the engine loads them bucket by bucket: its own stage's first, then
   each later stage's, sent over the pipeline group as that stage exports them. No rank collects
-  a whole stage (only the engine keeps what it loads).
+  a whole stage (only the engine keeps what it loads). A mixture-of-experts model's experts,
+  divided over the expert-parallel ranks, are broadcast over that group bucket by bucket, so
+  that every replica's engine gets them all.
 - :func:`push_weights_to_engines`: the same for engines on ranks of their own (disaggregated
   placement): data-parallel replica 0 exports, and each of its stages broadcasts its own tensors
   to every engine replica (:mod:`~bapo_megatron.weights.broadcast`).
@@ -53,8 +55,15 @@ def push_weights(
     If the engine refuses the update, the engine rank still drains the stream (every other rank
     is in the middle of it), then every rank raises :class:`EngineFailure`."""
     context = actor.context
+    # with experts divided over the expert-parallel ranks (across replicas), every replica's
+    # engine needs them all: each exporting rank gathers its stage's over the EP group
     buckets = export_weights(
-        actor.chunks, actor.model_config, context, version=version, bucket_bytes=bucket_bytes
+        actor.chunks,
+        actor.model_config,
+        context,
+        version=version,
+        bucket_bytes=bucket_bytes,
+        all_experts=True,
     )
     # Ranks other than TP rank 0 only take part in the export's TP exchanges; with context
     # parallelism, CP rank 0's stages are the ones that send.

@@ -199,3 +199,30 @@ def test_async_benchmark_smoke():
     assert "async_at_least_1_5x" not in targets["colocated"]
     assert isinstance(targets["eta1"]["async_at_least_1_5x"], bool)
     assert report["colocated_rollout_over_train"] > 0
+
+
+def test_moe_step_benchmark_smoke():
+    report = benchmark_report(
+        "bench_moe_step.py",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--sequences",
+        "2",
+        "--length",
+        "16",
+        "--layers",
+        "2",
+        "--hidden",
+        "32",
+        "--experts",
+        "4",
+        "--vocab",
+        "128",
+    )
+    assert report["benchmark"] == "moe_step"
+    for name in ("ep1", "ep2"):
+        layout = report["layouts"][name]
+        assert layout["processes"] == 2 and layout["step_ms"] > 0 and layout["replay_ratio"] > 0
+    assert report["ep2_vs_ep1"] > 0

@@ -96,6 +96,57 @@ def build_hf_model(
     return model.to(dtype).eval()
 
 
+# Qwen3-MoE: Qwen3's attention, the first layer dense, the others 4 experts of width 32, top-2.
+MOE_EXPERTS, MOE_TOPK, MOE_FFN = 4, 2, 32
+
+
+def build_hf_moe_model(seed: int = 0, layers: int = 4) -> torch.nn.Module:
+    """A random transformers ``Qwen3MoeForCausalLM`` (untied, q/k norms, head size 32, layer 0
+    dense) in eval mode, float32; norms and routers drawn at random so that a swapped tensor or
+    expert changes the logits."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=QWEN3_HEAD_DIM,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        num_experts=MOE_EXPERTS,
+        num_experts_per_tok=MOE_TOPK,
+        moe_intermediate_size=MOE_FFN,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+        router_aux_loss_coef=0.001,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1.0, 0.2)
+            elif "experts" in name or name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.2)  # transformers 5 leaves fused experts uninitialised
+    return model.eval()
+
+
+def save_hf_moe_folder(folder: Path, seed: int = 0, layers: int = 4) -> torch.nn.Module:
+    """:func:`build_hf_moe_model` saved with a tokenizer to ``folder`` (per-expert tensor names
+    on disk, as transformers writes them)."""
+    model = build_hf_moe_model(seed, layers)
+    model.save_pretrained(str(folder), safe_serialization=True, max_shard_size="40KB")
+    save_tokenizer(folder)
+    return model
+
+
 def save_tokenizer(folder: Path) -> None:
     """A word-level tokenizer over ``VOCAB`` words, saved as transformers saves a fast one."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from bapo_megatron.config import ModelConfig
-from bapo_megatron.weights.name_maps import name_map_for
+from bapo_megatron.weights.name_maps import hf_tensor_shapes, name_map_for
 
 PUBLISHED_CONFIGS = Path(__file__).resolve().parents[1] / "data" / "published_configs"
 
@@ -25,6 +25,16 @@ PUBLISHED_PARAMETERS = {
     "Qwen3-8B": 8_190_735_360,
     "Qwen3-32B": 32_762_123_264,
     "Llama-3.2-3B": 3_212_749_824,
+    "Qwen3-30B-A3B": 30_532_122_624,
+    "Qwen3-235B-A22B": 235_093_634_560,
+}
+
+# The mixture-of-experts models' activated parameters per token as their model cards state them
+# ("30.5B in total and 3.3B activated", "235B in total and 22B activated"): (value, the unit it is
+# truncated to).
+PUBLISHED_ACTIVE_PARAMETERS = {
+    "Qwen3-30B-A3B": (3.3e9, 0.1e9),
+    "Qwen3-235B-A22B": (22e9, 1e9),
 }
 
 
@@ -66,3 +76,19 @@ def parameter_count(model: ModelConfig) -> int:
     layer unless it is tied to the embedding)."""
     shapes = name_map_for(model.model_type).hf_shapes(model)
     return sum(math.prod(shape) for shape in shapes.values())
+
+
+def active_parameter_count(model: ModelConfig) -> int:
+    """Parameters one token passes through: every tensor of the name map except the experts,
+    plus ``num_experts_per_tok`` experts of each MoE layer (embedding and output layer counted,
+    as the model cards count them)."""
+    total = 0
+    for rule in name_map_for(model.model_type).rules(model):
+        if not rule.exported:
+            continue
+        size = sum(math.prod(shape) for shape in hf_tensor_shapes(rule, model))
+        if rule.expert is None:
+            total += size
+        elif rule.expert < model.moe.num_experts_per_tok:  # all experts have the same size
+            total += size
+    return total

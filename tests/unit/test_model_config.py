@@ -130,7 +130,8 @@ def test_missing_kv_heads_means_multi_head_attention():
         ({"num_hidden_layers": None}, "required field 'num_hidden_layers' is missing"),
         (
             {"model_type": "mistral"},
-            "model_type 'mistral' is not supported; supported: ['llama', 'qwen2', 'qwen3']",
+            "model_type 'mistral' is not supported; "
+            "supported: ['llama', 'qwen2', 'qwen3', 'qwen3_moe']",
         ),
         (
             {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},

@@ -19,6 +19,12 @@ FAMILY = "embedded"
 
 
 def start_in_process(setup: EngineSetup) -> RolloutEngine:
-    """An embedded engine with random weights (the trainer pushes its own before rolling out)."""
+    """An embedded engine with random weights (the trainer pushes its own before rolling out);
+    for a mixture-of-experts model it records each token's experts."""
 
-    return EmbeddedEngine(setup.model, pad_token_id=setup.pad_token_id, device=setup.device)
+    return EmbeddedEngine(
+        setup.model,
+        pad_token_id=setup.pad_token_id,
+        record_routes=setup.model.is_moe,
+        device=setup.device,
+    )

@@ -19,6 +19,7 @@ import transformers
 
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.rollout.checksum import Checksum
+from bapo_megatron.rollout.embedded.experts import RouteRecorder, fused_expert_view
 from bapo_megatron.rollout.embedded.sampling import next_tokens
 from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams, check_prompts, check_ready
 
@@ -28,7 +29,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class EmbeddedEngine:
-    """A :class:`~bapo_megatron.rollout.protocol.RolloutEngine` on transformers' Llama/Qwen2/Qwen3.
+    """A :class:`~bapo_megatron.rollout.protocol.RolloutEngine` on transformers' Llama/Qwen2/Qwen3
+    and Qwen3-MoE (per-expert weight names accepted; ``record_routes`` fills each sample's
+    ``routes``).
 
     Built from a :class:`ModelConfig` with random weights (the trainer then pushes its own with
     :meth:`update_weights`), or from an HF folder with :meth:`from_pretrained`.
@@ -41,6 +44,7 @@ class EmbeddedEngine:
         dtype: torch.dtype | None = None,
         pad_token_id: int = 0,
         device: str | torch.device = "cpu",
+        record_routes: bool = False,
     ) -> None:
         hf_config = transformers.AutoConfig.for_model(**model.to_hf_config())
         self.model_config = model
@@ -53,6 +57,12 @@ class EmbeddedEngine:
             .eval()
         )
         self.pad_token_id = pad_token_id
+        if record_routes and not model.is_moe:
+            raise ValueError(
+                f"record_routes: model_type {model.model_type!r} has no experts to route to"
+            )
+        self.routes = RouteRecorder(self.model) if record_routes else None
+        """Records each token's experts into ``RolloutSample.routes`` (MoE models)."""
         self.version = -1
         self._abort = threading.Event()
         self._pause = threading.Event()
@@ -151,6 +161,8 @@ class EmbeddedEngine:
             if self._abort.is_set() or self._pause.is_set():
                 break
             positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
+            if self.routes is not None:
+                self.routes.start()
             out = self.model(
                 input_ids=step_ids,
                 attention_mask=attention,
@@ -159,6 +171,8 @@ class EmbeddedEngine:
                 use_cache=True,
             )
             cache = out.past_key_values
+            if self.routes is not None:
+                self._add_routes(samples, contexts, step_ids, alive, first=step_ids is input_ids)
             tokens, logprobs = next_tokens(
                 out.logits[:, -1],
                 temperature=params.temperature,
@@ -188,6 +202,26 @@ class EmbeddedEngine:
         cut = "abort" if self._abort.is_set() else "paused"
         for row in alive.nonzero().flatten().tolist():
             samples[row].finish_reason = cut
+
+    def _add_routes(
+        self,
+        samples: list[RolloutSample],
+        contexts: list[list[int]],
+        step_ids: torch.Tensor,
+        alive: torch.Tensor,
+        *,
+        first: bool,
+    ) -> None:
+        """The routes of the tokens this model call ran: the whole (left-padded) context on the
+        first call of a round, which replaces what the samples held (a continued sample is
+        re-run under the current weights), then the token each alive row was fed."""
+        routes = self.routes.take(*step_ids.shape)  # [batch, tokens, layers, topk]
+        for row, sample in enumerate(samples):
+            if first:
+                width = len(contexts[row])
+                sample.routes = routes[row, routes.shape[1] - width :].tolist()
+            elif alive[row]:
+                sample.routes.append(routes[row, -1].tolist())
 
     # -------------------------------------------------------------- control
 
@@ -223,22 +257,28 @@ class EmbeddedEngine:
         # Check every tensor before copying any, so a bad update leaves the weights untouched.
         # (The tensors are the engine-side copies anyway; holding them briefly costs no more.)
         named_tensors = list(named_tensors)
+        targets = {}
         for name, tensor in named_tensors:
-            if name not in params:
+            fused = fused_expert_view(name, params)
+            if fused is not None:  # a per-expert tensor of transformers' fused experts
+                targets[name] = fused
+            elif name in params:
+                targets[name] = params[name]
+            if name not in targets:
                 if name == "lm_head.weight" and self.model_config.tie_word_embeddings:
                     continue  # tied: the embedding is the output layer
                 raise ValueError(
                     f"update_weights: {name!r} is not a parameter of this "
                     f"{self.model_config.model_type} model"
                 )
-            if tuple(tensor.shape) != tuple(params[name].shape):
+            if tuple(tensor.shape) != tuple(targets[name].shape):
                 raise ValueError(
                     f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model "
-                    f"expects {tuple(params[name].shape)}"
+                    f"expects {tuple(targets[name].shape)}"
                 )
         for name, tensor in named_tensors:
-            if name in params:
-                params[name].copy_(tensor.to(params[name].dtype))
+            if name in targets:
+                targets[name].copy_(tensor.to(targets[name].dtype))
             if total is not None:
                 total.add(name, tensor)
         self.version = int(version)

@@ -1,0 +1,355 @@
+"""The mixture-of-experts actor's train step gives the single-process result at every expert
+layout, load-balancing term included.
+
+A tiny Qwen3-MoE (4 layers, the first dense, the others 4 experts with top-2 routing, q/k norms,
+untied embeddings) is trained for 3 optimizer steps on the same 8 sequences in one process, and
+in 2 gloo workers at
+
+- EP2 (expert parallel carved out of data parallel 2), with the alltoall and with the allgather
+  token dispatcher, and with Megatron's distributed optimizer;
+- DP2 with EP1 (every rank holds every expert: expert gradients are summed over the expert
+  data-parallel group), also with the distributed optimizer;
+- TP2 with sequence parallelism and EP2 (attention split over the ranks, experts divided);
+- TP2 with sequence parallelism and expert tensor parallel 2 (each expert split over the ranks);
+- PP2 (the dense layer and one MoE layer per stage),
+
+all from the same initial weights, with granularity `step` and one sequence per micro-batch, so
+that every run's micro-batches hold the same sequences and the load-balancing term (weighted by
+each micro-batch's share of the step's tokens) is the same sum. Compared: log-probs of the
+initial policy, per-step loss, grad norm, entropy, bounds, rho, the aux term and every
+parameter after the 3 steps. The term is large enough to matter: the reference run without it
+ends with different router weights.
+
+Routing replay at the same layouts: the routes each layout records for the initial policy equal
+the one-process ones (sequence-parallel slices and pipeline stages merged back), and training
+with given routes (random experts, the last token of each sequence missing) equals the
+one-process run with those routes, also at PP2 with activation recompute, where the 1F1B
+schedule runs two forwards before the first backward, so the recompute must take its routes
+from Megatron's first-in-first-out queue.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":  # a worker: pin thread pools before torch loads
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ[_var] = "1"
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import argparse
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("megatron.core")
+
+from bapo_megatron.actor.actor import build_actor  # noqa: E402
+from bapo_megatron.actor.batch import PolicyBatch  # noqa: E402
+from bapo_megatron.actor.logprobs import (  # noqa: E402
+    compute_logprobs,
+    compute_logprobs_and_routes,
+)
+from bapo_megatron.actor.model import (  # noqa: E402
+    global_parameter_name,
+    load_whole_model_weights,
+    parameter_shard,
+)
+from bapo_megatron.actor.train_step import train_step  # noqa: E402
+from bapo_megatron.algo.search_plan import SearchPlan  # noqa: E402
+from bapo_megatron.config import (  # noqa: E402
+    ActorConfig,
+    ClipSearchConfig,
+    LossConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+)
+from bapo_megatron.config.moe import MoeConfig  # noqa: E402
+from bapo_megatron.distributed.context import ParallelContext  # noqa: E402
+from tests.helpers import gloo_launch  # noqa: E402
+
+AUX_COEF = 0.05
+MODEL = ModelConfig(
+    model_type="qwen3_moe",
+    num_layers=4,
+    hidden_size=32,
+    ffn_hidden_size=48,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=8,
+    vocab_size=64,
+    max_position_embeddings=32,
+    rope_theta=1e6,
+    moe=MoeConfig(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        mlp_only_layers=(0,),
+        router_aux_loss_coef=AUX_COEF,
+    ),
+)
+ACTOR = ActorConfig(micro_batch_size=1, temperature=0.8, seed=5)
+OPTIMIZER = OptimizerConfig(lr=3e-3, weight_decay=0.01, clip_grad=0.5)
+DISTRIBUTED_OPTIMIZER = dataclasses.replace(OPTIMIZER, use_distributed_optimizer=True)
+LOSS = LossConfig(aggregation="token-mean")
+STEPS = 3
+NUM_SEQUENCES = 8
+SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+LAYOUTS = {
+    "ep2": (ParallelConfig(expert_model_parallel_size=2), OPTIMIZER),
+    "ep2-allgather": (
+        ParallelConfig(expert_model_parallel_size=2, moe_token_dispatcher="allgather"),
+        OPTIMIZER,
+    ),
+    "ep2-distributed-optimizer": (
+        ParallelConfig(expert_model_parallel_size=2),
+        DISTRIBUTED_OPTIMIZER,
+    ),
+    "dp2": (ParallelConfig(), OPTIMIZER),
+    "dp2-distributed-optimizer": (ParallelConfig(), DISTRIBUTED_OPTIMIZER),
+    "tp2-sp-ep2": (ParallelConfig(**SP, expert_model_parallel_size=2), OPTIMIZER),
+    "tp2-sp-etp2": (ParallelConfig(**SP, expert_tensor_parallel_size=2), OPTIMIZER),
+    "pp2": (ParallelConfig(pipeline_model_parallel_size=2), OPTIMIZER),
+}
+REPLAY_LAYOUTS = {
+    "ep2": LAYOUTS["ep2"][0],
+    "tp2-sp-ep2": LAYOUTS["tp2-sp-ep2"][0],
+    "tp2-sp-etp2": LAYOUTS["tp2-sp-etp2"][0],
+    "pp2": LAYOUTS["pp2"][0],
+    "pp2-recompute": LAYOUTS["pp2"][0],
+}
+COMPARED = (
+    "loss",
+    "grad_norm",
+    "entropy",
+    "bapo/c_low",
+    "bapo/c_high",
+    "bapo/rho_before",
+    "bapo/rho_after",
+    "bapo/search_steps",
+    "response_tokens",
+    "moe/aux_loss",
+    "moe/load_balancing_loss",
+)
+PARAM_TOLERANCE = 0.01 * OPTIMIZER.lr * STEPS  # as the dense layouts' test
+LAUNCH_TIMEOUT_S = 600.0
+needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo workers")
+
+
+def plan() -> SearchPlan:
+    return SearchPlan.from_config(ClipSearchConfig.from_preset("paper", granularity="step"))
+
+
+def sequences(initial_logprobs_of) -> PolicyBatch:
+    """8 right-padded sequences of lengths 9-16 with 3-6 prompt tokens; old log-probs are the
+    initial policy's plus noise; one advantage per sequence."""
+    g = torch.Generator().manual_seed(20261126)
+    length = 16
+    tokens = torch.randint(0, MODEL.vocab_size, (NUM_SEQUENCES, length), generator=g)
+    mask = torch.zeros(NUM_SEQUENCES, length, dtype=torch.bool)
+    for i in range(NUM_SEQUENCES):
+        prompt = int(torch.randint(3, 7, (), generator=g))
+        end = int(torch.randint(9, length + 1, (), generator=g))
+        mask[i, prompt:end] = True
+        tokens[i, end:] = 0
+    logprobs = initial_logprobs_of(PolicyBatch(tokens=tokens, response_mask=mask))
+    old = torch.where(mask, logprobs + 0.4 * torch.randn(NUM_SEQUENCES, length, generator=g), 0.0)
+    advantages = torch.randn(NUM_SEQUENCES, generator=g) - 0.8  # mostly negative: the search moves
+    return PolicyBatch(tokens=tokens, response_mask=mask, old_logprobs=old, advantages=advantages)
+
+
+def train(
+    context: ParallelContext,
+    weights: dict[str, torch.Tensor],
+    batch: PolicyBatch,
+    optimizer: OptimizerConfig = OPTIMIZER,
+    model: ModelConfig = MODEL,
+    actor_config: ActorConfig = ACTOR,
+) -> dict:
+    """Build an actor with ``weights``, train STEPS steps on ``batch``: metrics per step and the
+    final parameters by global name (this rank's shards)."""
+    actor = build_actor(model, actor_config, optimizer, context)
+    load_whole_model_weights(actor.chunks, weights, context)
+    step_plan = plan()
+    metrics = [train_step(actor, batch, LOSS, step_plan) for _ in range(STEPS)]
+    params = {}
+    for chunk in actor.chunks:
+        for name, param in chunk.module.named_parameters():
+            params[global_parameter_name(chunk, name)] = (name, param)
+    return dict(metrics=metrics, params=params)
+
+
+# ------------------------------------------------------------------------ worker
+
+
+def worker(args: argparse.Namespace) -> None:
+    gloo_launch.join_group(args, timeout_s=300)
+    data = torch.load(args.data, weights_only=False)
+    weights, batch, final = data["weights"], data["batch"], data["final_weights"]
+    routes, final_replay = data["routes"], data["final_replay_weights"]
+    results: dict[str, object] = {}
+    for layout_name, (layout, optimizer) in LAYOUTS.items():
+        context = ParallelContext.initialize(layout)
+        per_rank = NUM_SEQUENCES // context.dp_size
+        rows = slice(context.dp_rank * per_rank, (context.dp_rank + 1) * per_rank)
+        local = batch.select(rows)
+        run = train(context, weights, local, optimizer)
+        actor = build_actor(MODEL, ACTOR, OPTIMIZER, context)
+        load_whole_model_weights(actor.chunks, weights, context)
+        logprobs, _ = compute_logprobs(
+            actor.chunks, local, context, micro_batch_size=2, temperature=ACTOR.temperature
+        )
+        _, recorded = compute_logprobs_and_routes(
+            actor.chunks,
+            local,
+            context,
+            actor.routing_replay,
+            micro_batch_size=2,
+            temperature=ACTOR.temperature,
+        )
+        replay_runs = {}
+        for replay_name, replay_layout in REPLAY_LAYOUTS.items():
+            if replay_layout != layout or layout_name not in REPLAY_LAYOUTS:
+                continue
+            actor_config = dataclasses.replace(
+                ACTOR, recompute_activations=replay_name.endswith("recompute")
+            )
+            replayed = train(
+                context,
+                weights,
+                dataclasses.replace(local, routes=routes[rows]),
+                actor_config=actor_config,
+            )
+            replay_runs[replay_name] = dict(
+                metrics=replayed["metrics"],
+                param_error=_param_error(replayed["params"], final_replay, context),
+            )
+        results[layout_name] = dict(
+            recorded=recorded,
+            replay_runs=replay_runs,
+            metrics=run["metrics"],
+            param_error=_param_error(run["params"], final, context),
+            experts_here=sorted({n.split(".")[6] for n in run["params"] if ".local_experts." in n}),
+            logprobs=logprobs,
+            rows=rows,
+            ranks=(context.tp_rank, context.pp_rank, context.dp_rank, context.ep_rank),
+        )
+        context.teardown()
+    gloo_launch.save_result(results, args.out)
+    dist.destroy_process_group()
+
+
+def _param_error(params: dict, final: dict[str, torch.Tensor], context: ParallelContext) -> float:
+    """Largest absolute difference between this rank's shards and the reference's weights."""
+    worst = 0.0
+    for global_name, (local_name, shard) in params.items():
+        expected = parameter_shard(local_name, final[global_name], shard, context)
+        worst = max(worst, float((shard.detach() - expected).abs().max()))
+    return worst
+
+
+# ------------------------------------------------------------------------ test
+
+
+def _assert_metrics_match(got: list[dict], want: list[dict], what: str) -> None:
+    assert len(got) == len(want) == STEPS
+    for step, (g, w) in enumerate(zip(got, want)):
+        for key in COMPARED:
+            assert g[key] == pytest.approx(w[key], rel=2e-5, abs=2e-6), f"{what} step {step} {key}"
+        assert g["skipped"] == 0.0
+
+
+@needs_cpu
+@pytest.mark.multiprocess
+def test_moe_layouts_match_the_single_process_run(tmp_path, single_process):
+    context = single_process
+    reference_actor = build_actor(MODEL, ACTOR, OPTIMIZER, context)
+    weights = {
+        global_parameter_name(c, n): p.detach().clone()
+        for c in reference_actor.chunks
+        for n, p in c.module.named_parameters()
+    }
+
+    def initial_logprobs(batch: PolicyBatch) -> torch.Tensor:
+        return compute_logprobs(
+            reference_actor.chunks, batch, context, micro_batch_size=3, temperature=0.8
+        )[0]
+
+    batch = sequences(initial_logprobs)
+    ref_logprobs = initial_logprobs(batch)
+    _, ref_routes = compute_logprobs_and_routes(
+        reference_actor.chunks,
+        batch,
+        context,
+        reference_actor.routing_replay,
+        micro_batch_size=2,
+        temperature=ACTOR.temperature,
+    )
+    # replayed routes: random distinct experts, none for the last token of each sequence
+    g = torch.Generator().manual_seed(99)
+    routes = (
+        torch.rand(*ref_routes.shape[:3], MODEL.moe.num_experts, generator=g)
+        .topk(MODEL.moe.num_experts_per_tok, dim=-1)
+        .indices
+    )
+    last = batch.response_mask.long().cumsum(1).argmax(1)
+    routes[torch.arange(NUM_SEQUENCES), last] = -1
+    replay_reference = train(context, weights, dataclasses.replace(batch, routes=routes))
+    final_replay = {name: p.detach().clone() for name, (_, p) in replay_reference["params"].items()}
+    reference = train(context, weights, batch)
+    final = {name: p.detach().clone() for name, (_, p) in reference["params"].items()}
+    # The term matters: without it the routers end elsewhere, and it is reported.
+    no_aux = dataclasses.replace(MODEL, moe=dataclasses.replace(MODEL.moe, router_aux_loss_coef=0))
+    without = train(context, weights, batch, model=no_aux)
+    router = "decoder.layers.1.mlp.router.weight"
+    moved = (final[router] - without["params"][router][1].detach()).abs().max()
+    # (measured: 0.017, so a layout that dropped the term would fail the parameter comparison)
+    assert moved > 10 * PARAM_TOLERANCE
+    assert all(m["moe/aux_loss"] > 0 for m in reference["metrics"])
+    assert all(m["moe/aux_loss"] == 0 for m in without["metrics"])
+    assert any(m["bapo/search_steps"] > 0 for m in reference["metrics"])
+    torch.save(
+        dict(
+            weights=weights,
+            batch=batch,
+            final_weights=final,
+            routes=routes,
+            final_replay_weights=final_replay,
+        ),
+        tmp_path / "data.pt",
+    )
+
+    results = gloo_launch.launch(
+        __file__, 2, tmp_path, ["--data", tmp_path / "data.pt"], LAUNCH_TIMEOUT_S
+    )
+    errors = {}
+    for rank, result in enumerate(results):
+        for layout_name in LAYOUTS:
+            got = result[layout_name]
+            what = f"rank {rank} {layout_name} (tp, pp, dp, ep) = {got['ranks']}"
+            torch.testing.assert_close(
+                got["logprobs"], ref_logprobs[got["rows"]], rtol=1e-5, atol=1e-5, msg=what
+            )
+            _assert_metrics_match(got["metrics"], reference["metrics"], what)
+            errors[what] = got["param_error"]
+            assert torch.equal(got["recorded"], ref_routes[got["rows"]]), what + " recorded"
+            for replay_name, run in got["replay_runs"].items():
+                _assert_metrics_match(
+                    run["metrics"], replay_reference["metrics"], f"{what} replay {replay_name}"
+                )
+                errors[f"{what} replay {replay_name}"] = run["param_error"]
+    assert set(results[0]["pp2"]["replay_runs"]) == {"pp2", "pp2-recompute"}
+    # expert parallel: each rank holds its half of the experts, numbered globally
+    assert results[0]["ep2"]["experts_here"] == ["0", "1"]
+    assert results[1]["ep2"]["experts_here"] == ["2", "3"]
+    assert results[1]["dp2"]["experts_here"] == ["0", "1", "2", "3"]
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < PARAM_TOLERANCE, f"{worst}: parameters differ by {errors[worst]:.3g}"
+
+
+if __name__ == "__main__":
+    worker(gloo_launch.worker_arguments(sys.argv[1:], data=str))
