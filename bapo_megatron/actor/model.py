@@ -41,7 +41,10 @@ DEFAULT_SEED = 1234
 
 def uses_transformer_engine(device: str = "auto") -> bool:
     """Whether models are built from Transformer Engine layers: TE is installed and the run's
-    ``parallel.device`` setting ``device`` resolves to CUDA."""
+    ``parallel.device`` setting ``device`` resolves to CUDA. A model built on the meta device
+    (the layout planner's dry runs) gets the local spec."""
+    if device == "meta":
+        return False
     return uses_cuda(device) and importlib.util.find_spec("transformer_engine") is not None
 
 
