@@ -39,6 +39,7 @@ from bapo_megatron.trainer.phases import (
     select_off_policy,
 )
 from bapo_megatron.trainer.replicas import call_engine, engine_failures_stop_every_rank
+from bapo_megatron.trainer.run_summary import RunSummary
 from bapo_megatron.trainer.setup import Run, push_policy, start_run, watched
 from bapo_megatron.trainer.state import run_identity
 
@@ -46,24 +47,29 @@ from bapo_megatron.trainer.state import run_identity
 def train(cfg: Config, context: ParallelContext, engines: EngineLink | None = None) -> None:
     """Run ``cfg`` on this rank (collective over the world); see the module docstring.
     ``engines``: the links to a disaggregated run's engine ranks (None: colocated engines)."""
+    clip = cfg.loss.clip
+    summary = RunSummary(c_low=clip.c_low_start, c_high=clip.c_high_start)  # clock starts now
     run = start_run(cfg, context, engines)
+    run.summary = summary
     try:
-        rewards_seen = [rollout_step(run, step) for step in range(run.state.step, cfg.train.steps)]
+        for step in range(run.state.step, cfg.train.steps):
+            summary.rewards.append(rollout_step(run, step))
     except Exception as error:
         # a collective that timed out names only itself: add where every rank is
         run.watchdog.annotate(error)
         run.close()
         raise
-    if context.rank == 0 and rewards_seen:
-        window = max(1, min(10, len(rewards_seen) // 2))
-        first, last = rewards_seen[:window], rewards_seen[-window:]
-        print(
-            f"mean reward of the first {window} rollout steps {sum(first) / window:.3f}, "
-            f"of the last {window} {sum(last) / window:.3f} "
-            f"(TensorBoard: tensorboard --logdir {run.output / 'tensorboard'})",
-            flush=True,
-        )
+    if context.rank == 0 and summary.rewards:
+        for line in summary.lines(_target_share(run)):
+            print(line, flush=True)
+        print(f"TensorBoard: tensorboard --logdir {run.output / 'tensorboard'}", flush=True)
     run.close()
+
+
+def _target_share(run: Run) -> float | None:
+    """The bound search's target share rho0 (None for a fixed clip or a ratio target)."""
+    clip = run.cfg.loss.clip
+    return None if run.plan.is_fixed or clip.target_unit != "share" else clip.target
 
 
 def rollout_step(run: Run, step: int) -> float:
@@ -113,6 +119,8 @@ def train_minibatches(
                 )
                 run.state.version += 1
                 update.update(rollout_step=step, epoch=epoch)
+                if run.summary is not None:
+                    run.summary.add_update(update, _target_share(run))
                 run.logger.log(run.state.version, update, console=False)
     return last_update, trained_tokens
 
