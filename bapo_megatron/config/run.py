@@ -27,8 +27,9 @@ class DataConfig:
     """Generate the prompts instead (:mod:`bapo_megatron.data.synthetic_task`): `walk` ("7>12" ->
     "8 9 10 11 12"), `seek` (count up a ring to the first number ending in a digit; a miss that
     keeps counting runs to the length cap) or `runon` (`walk` upwards, warmed up on references
-    that often run on past the target to the cap, so failures run long). All bring their own character tokenizer; the model
-    must then be given in the ``model`` section with ``vocab_size`` at least the tokenizer's."""
+    that often run on past the target to the cap, so failures run long). All bring their own
+    character tokenizer; the model must then be given in the ``model`` section with
+    ``vocab_size`` at least the tokenizer's."""
     synthetic_size: int = 2000
     """Prompts generated for the synthetic task."""
     skip_bad_rows: bool = False
