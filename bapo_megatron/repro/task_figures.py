@@ -57,9 +57,7 @@ def read_records(run: str | Path) -> list[dict]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
-def task_figures(
-    records: list[dict], *, rho0: float, c_low: float, c_high: float
-) -> TaskFigures:
+def task_figures(records: list[dict], *, rho0: float, c_low: float, c_high: float) -> TaskFigures:
     """The figures of the first half of the rollout steps in ``records`` (metrics.jsonl lines)."""
     rollouts = [r for r in records if "reward/mean" in r and r.get("rollout_step", 0) > 0]
     if not rollouts:
@@ -81,9 +79,7 @@ def task_figures(
     length_wrong = weighted("response_length/wrong", "reward/accuracy", False)
     # a step whose advantages are all zero (every group scored alike) has no rho to speak of
     informative = [
-        u
-        for u in updates
-        if u["bapo/positive_contribution"] + u["bapo/negative_contribution"] > 0
+        u for u in updates if u["bapo/positive_contribution"] + u["bapo/negative_contribution"] > 0
     ]
     below = [u for u in informative if u["bapo/rho_before"] < rho0]
 
