@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bapo_megatron.repro.plots import resolve_log_dir
+from bapo_megatron.trainer.run_summary import bounds_moved
 
 
 @dataclass(kw_only=True)
@@ -84,7 +85,7 @@ def task_figures(records: list[dict], *, rho0: float, c_low: float, c_high: floa
     below = [u for u in informative if u["bapo/rho_before"] < rho0]
 
     def moved(update: dict) -> bool:
-        return update["bapo/c_low"] != c_low or update["bapo/c_high"] != c_high
+        return bounds_moved(update, c_low, c_high)
 
     return TaskFigures(
         rollout_steps=half,

@@ -17,6 +17,12 @@ def peak_memory_gb() -> float:
     return peak / 1e9 if sys.platform == "darwin" else peak * 1024 / 1e9
 
 
+def bounds_moved(metrics: dict[str, float], c_low: float, c_high: float) -> bool:
+    """Whether a step's ``bapo/c_low`` / ``bapo/c_high`` left (c_low, c_high); the bounds are
+    built as start + k x step, so a difference below 1e-9 is rounding (0.8 logs as 0.79999...)."""
+    return abs(metrics["bapo/c_low"] - c_low) > 1e-9 or abs(metrics["bapo/c_high"] - c_high) > 1e-9
+
+
 @dataclass
 class RunSummary:
     """Accumulates a run's rollout-step rewards and optimizer-step bounds; :meth:`lines` says
@@ -38,7 +44,7 @@ class RunSummary:
         if "bapo/c_high" not in metrics:
             return
         self.updates += 1
-        moved = metrics["bapo/c_low"] != self.c_low or metrics["bapo/c_high"] != self.c_high
+        moved = bounds_moved(metrics, self.c_low, self.c_high)
         self.moved += moved
         self.c_high_sum += metrics["bapo/c_high"]
         informative = (
