@@ -9,7 +9,8 @@
 Panels: training reward, entropy, positive contribution (rho after and before the bound search),
 clip fractions (positive tokens above c_high, negative tokens below c_low), gradient norm, response
 length of right and wrong answers, c_low and c_high; one PNG each and overview.png with all
-(``--panels`` picks some, in its order). Tags a run lacks are skipped with a note. The library code is :mod:`bapo_megatron.repro.plots`; ``python tools/plot_runs.py`` is the same command.
+(``--panels`` picks some, in its order). Tags a run lacks are skipped with a note. The library
+code is :mod:`bapo_megatron.repro.plots`; ``python tools/plot_runs.py`` is the same command.
 """
 
 from __future__ import annotations
