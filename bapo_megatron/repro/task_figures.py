@@ -20,7 +20,6 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bapo_megatron.repro.plots import resolve_log_dir
 from bapo_megatron.trainer.run_summary import bounds_moved
 
 
@@ -51,9 +50,11 @@ class TaskFigures:
 
 def read_records(run: str | Path) -> list[dict]:
     """The records of ``run``'s ``metrics.jsonl`` (a run folder or its ``tensorboard/``)."""
-    path = resolve_log_dir(run) / "metrics.jsonl"
-    if not path.is_file():
-        raise ValueError(f"{run}: no metrics.jsonl in {path.parent}")
+    run = Path(run)
+    candidates = [run / "metrics.jsonl", run / "tensorboard" / "metrics.jsonl"]
+    path = next((c for c in candidates if c.is_file()), None)
+    if path is None:
+        raise ValueError(f"{run}: no metrics.jsonl in it or in {run / 'tensorboard'}")
     with path.open() as handle:
         return [json.loads(line) for line in handle if line.strip()]
 
