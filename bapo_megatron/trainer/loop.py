@@ -108,10 +108,18 @@ def train_minibatches(
     algo = run.cfg.algorithm
     # asynchronous: the share of tokens each number of versions behind, up to the most possible
     bins = algo.max_staleness + algo.optimizer_steps_per_rollout if algo.max_staleness else 0
+    # recomputed old log-probs are the current weights' until the first update: ratio 1 exactly
+    recomputed_at = run.state.version if algo.old_logprobs == "recompute" else None
     with run.timer.phase("train"):
         for epoch in range(run.cfg.algorithm.epochs):
             for batch, versions in minibatches:
-                update = train_step(run.actor, batch, run.cfg.loss, run.plan)
+                update = train_step(
+                    run.actor,
+                    batch,
+                    run.cfg.loss,
+                    run.plan,
+                    ratios_are_one=run.state.version == recomputed_at,
+                )
                 trained_tokens += update["response_tokens"]
                 last_update = update
                 update.update(
