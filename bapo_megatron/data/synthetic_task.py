@@ -1,4 +1,6 @@
-"""A synthetic verifiable task whose failures are long: walk from one number to another.
+"""Synthetic verifiable tasks whose failures are long: walk from one number to another (`walk`),
+count up a ring to a digit (`seek`), or walk upwards from a policy that often runs on (`runon`,
+the main job's; its section below).
 
 Prompt ``"7>12"``; the one right response counts there one step at a time, ``"8 9 10 11 12"``,
 then ends. A policy that walks past the target without stopping keeps counting until the length
@@ -169,8 +171,13 @@ def runon_rows(count: int, seed: int) -> list[PromptRow]:
     RUN_ON_DISTANCE above it; the answer is the right (upward) walk.
 
     Measured by ``tools/task_figures.py`` on the main job (``examples/tiny_cpu/train.yaml``:
-    cap 32 tokens, 32 prompts x 8 samples per rollout step), over the first half of the run:
-    TASK_FIGURES
+    300 warm-up steps, cap 32 tokens, 32 prompts x 8 samples per rollout step, 4 optimizer steps
+    each; commit 0581fa8), over the first half of the run (50 rollout steps): wrong responses
+    17.4 tokens on average against 6.8 for right ones (2.56x), 40% of the wrong ones at the cap,
+    and rho before the bound search below rho0 = 0.4 in 65% of the optimizer steps with a
+    non-zero advantage (the bounds moved in all of those). The first rollout step after the
+    warm-up scores 0.46; RL raises the reward to 0.97 within the run, mostly by teaching the
+    policy to stop.
     """
     rng = random.Random(seed)
     rows = []
