@@ -5,10 +5,11 @@ target while a fixed clip's stay put.
 
 Why these numbers: after its warm-up the policy answers about 46% of the `runon` prompts right
 (it often does not stop); 8 rollout steps of 32 x 8 samples (32 optimizer steps) raise that to
-0.82 over the last 3 (measured on 2 cores, one thread). The margin of 0.2 is well above the
-sampling noise of one step's mean (256 samples: a standard deviation near 0.03), and the run is
-deterministic in one thread, so the test is not flaky; with the advantages' sign flipped or a
-learning rate of 0 the reward does not rise and the test fails (checked by hand when written).
+0.80 over the last 3 (0.465 -> 0.801, measured on 2 cores, one thread). The margin of 0.2 is well
+above the sampling noise of one step's mean (256 samples: a standard deviation near 0.03), and
+the run is deterministic in one thread, so the test is not flaky. Checked by hand when written:
+with the advantages' sign flipped (in ``grpo_advantages``) the reward falls to 0.100, with
+``optimizer.lr=0`` it drifts to 0.535, and the test fails in both.
 """
 
 from __future__ import annotations
