@@ -3,15 +3,21 @@
 For each layout in ``--layouts`` (default tp1, tp2, pp2, tp2-pp2; data parallel 1), this script
 starts tp x pp gloo processes under torchrun (one thread each) that build the same small Qwen2-style
 model, train ``--warmup`` untimed steps and then ``--steps`` timed steps on random off-policy data
-(``--sequences`` sequences of ``--length`` tokens, micro-batches of ``--micro-batch-size``), once
-with the `paper` preset at granularity `step` (search statistics from a no-grad forward pass, one
-reduce, then the bounds) and once with fixed `grpo` clips (no search, no extra pass), the two
-interleaved step by step so machine noise hits both.
+(``--sequences`` sequences of ``--length`` tokens, micro-batches of ``--micro-batch-size``), in
+four cases interleaved step by step so machine noise hits all of them: the `paper` preset at
+granularity `step` on stale data (search statistics from a no-grad forward pass, one reduce, then
+the bounds), the same when the ratios are known to be 1 (the first mini-batch after recomputed
+old log-probs: no extra pass), the `reference` preset on stale data, and fixed `grpo` clips (no
+search, no extra pass). With one micro-batch per step (``--sequences`` <= ``--micro-batch-size``,
+as in the main job) the stale cases skip the extra pass too: the loss searches on the step's
+statistics.
 
 Per layout it reports the median step time, tokens/s (all tokens of the step, prompt and
 response, over the median step), the share of the `paper` step spent in the BAPO search itself
-(statistics + bound choice, timed around those calls on the last stage), and the ratio of the
-`paper` step to the fixed-clip step (what the search and its extra forward pass cost).
+(statistics + bound choice, timed around those calls on the last stage; 0 with one micro-batch,
+where the search runs inside the loss, untimed), and the ratio of the
+`paper` step to the fixed-clip step (what the search and its extra forward pass cost), and under
+``cases`` each case's median step and its ratio to the fixed-clip step.
 The last line printed is one JSON object with those numbers.
 
 Usage: python3 tools/bench_actor_step.py [--layouts tp1,tp2,pp2,tp2-pp2] [--steps 5]
@@ -121,19 +127,26 @@ def worker(args: argparse.Namespace) -> None:
     train_step_module.search_statistics = timed(train_step_module.search_statistics)
     train_step_module.choose_bounds = timed(train_step_module.choose_bounds)
 
-    presets = {
-        "paper": ClipSearchConfig.from_preset("paper", granularity="step"),
-        "grpo": ClipSearchConfig.from_preset("grpo"),
+    paper = ClipSearchConfig.from_preset("paper", granularity="step")
+    cases = {  # name: (clip, the caller knows every ratio is 1)
+        "paper": (paper, False),
+        "paper_ratios_known": (paper, True),
+        "reference": (ClipSearchConfig.from_preset("reference", granularity="step"), False),
+        "grpo": (ClipSearchConfig.from_preset("grpo"), False),
     }
-    times = {name: [] for name in presets}
+    times = {name: [] for name in cases}
     search_share = []
     for step in range(args.warmup + args.steps):
-        for name, clip in presets.items():
+        for name, (clip, ratios_are_one) in cases.items():
             search_seconds[0] = 0.0
             torch.distributed.barrier()
             start = time.perf_counter()
             train_step_module.train_step(
-                actor, batch, LossConfig(clip=clip), SearchPlan.from_config(clip)
+                actor,
+                batch,
+                LossConfig(clip=clip),
+                SearchPlan.from_config(clip),
+                ratios_are_one=ratios_are_one,
             )
             elapsed = time.perf_counter() - start
             if step >= args.warmup:
@@ -188,7 +201,7 @@ def run_layout(name: str, args: argparse.Namespace, argv: list[str], workdir: Pa
     # A step ends when its slowest rank ends: per step, the max over ranks.
     step = {
         name_: [max(r["times"][name_][i] for r in results) for i in range(args.steps)]
-        for name_ in ("paper", "grpo")
+        for name_ in results[0]["times"]
     }
     shares = [x for r in results if r["last_stage"] for x in r["search_share"]]
     paper, grpo = statistics.median(step["paper"]), statistics.median(step["grpo"])
@@ -199,6 +212,13 @@ def run_layout(name: str, args: argparse.Namespace, argv: list[str], workdir: Pa
         tokens_per_s=round(results[0]["tokens"] / paper, 1),
         search_share=round(statistics.median(shares), 4),
         step_vs_fixed_clip=round(paper / grpo, 3),
+        cases={
+            case: dict(
+                step_ms=round(1e3 * statistics.median(seconds), 2),
+                vs_fixed_clip=round(statistics.median(seconds) / grpo, 3),
+            )
+            for case, seconds in step.items()
+        },
     )
 
 
@@ -221,7 +241,9 @@ def main(argv: list[str]) -> None:
                 f"fixed-clip step {r['fixed_clip_step_ms']:9.2f} ms  "
                 f"{r['tokens_per_s']:10.1f} tok/s  "
                 f"search {100 * r['search_share']:5.2f}% of step  "
-                f"paper/fixed {r['step_vs_fixed_clip']:.3f}",
+                f"paper/fixed {r['step_vs_fixed_clip']:.3f}  ("
+                + ", ".join(f"{c} {v['vs_fixed_clip']:.3f}" for c, v in r["cases"].items())
+                + ")",
                 flush=True,
             )
     config = {k: v for k, v in vars(args).items() if k != "worker_out"}

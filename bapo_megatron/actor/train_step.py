@@ -9,6 +9,11 @@ Order of events, the same on every rank (collectives must line up):
    the search statistics; summed locally, reduced once over data x context parallel on the last
    stage, they fix the bounds for the whole step. Granularity `microbatch` (or fixed clips):
    each micro-batch's loss searches on its own statistics, reduced over the same group.
+   The extra forward pass of granularity `step` is skipped where it would tell nothing new:
+   when the step has one micro-batch (its loss sees the whole step's statistics, so searching
+   there decides the same bounds from the same numbers), and when the caller knows every ratio
+   is 1 (``ratios_are_one``: old log-probs recomputed with the current weights, so the
+   statistics follow from them without a forward pass).
 3. Forward/backward through Megatron's schedule, the BAPO loss on the last stage.
 4. Optimizer step (skipped when the gradient norm is not finite).
 5. Metrics for the whole step, reduced over data x context parallel on the last stage and
@@ -45,7 +50,13 @@ _COUNT_METRICS = ("bapo/tokens", "bapo/positive_tokens", "bapo/negative_tokens")
 
 
 def train_step(
-    actor: Actor, batch: PolicyBatch, loss: LossConfig, plan: SearchPlan
+    actor: Actor,
+    batch: PolicyBatch,
+    loss: LossConfig,
+    plan: SearchPlan,
+    *,
+    ratios_are_one: bool = False,
+    skip_known_forward: bool = True,
 ) -> dict[str, float]:
     """Train on ``batch`` (this data-parallel rank's sequences; ranks may hold different numbers,
     including none) for one optimizer step and return the step's metrics, the same on every
@@ -54,7 +65,12 @@ def train_step(
     `skipped_steps` (so far), `num_microbatches`, and the `bapo/*` search metrics. A
     mixture-of-experts actor adds `moe/aux_loss` (the term added to the loss, coefficient
     included) and `moe/load_balancing_loss` (its value per MoE layer without the coefficient:
-    1 when the routers spread tokens evenly)."""
+    1 when the routers spread tokens evenly).
+
+    ``ratios_are_one``: ``batch.old_logprobs`` are this actor's log-probs under its current
+    weights (recomputed since its last optimizer step, the same on every rank), so every ratio
+    is exactly 1. ``skip_known_forward=False`` runs granularity `step`'s extra forward pass
+    even where its result is known (module docstring, step 2), for tests and benchmarks."""
     batch.require_training_fields()
     context = actor.context
     micro_batch_size = actor.actor_config.micro_batch_size
@@ -71,8 +87,14 @@ def train_step(
 
     decision, extremes = None, None
     if plan.config.granularity == "step" and not plan.is_fixed:
-        with replay.replaying() if replay is not None else contextlib.nullcontext():
-            decision, extremes = _decide_for_step(actor, microbatches, plan, reduce, before_forward)
+        if skip_known_forward and ratios_are_one and context.cp_size == 1:
+            decision, extremes = _decide_at_ratio_one(microbatches, plan, reduce, context)
+        elif not skip_known_forward or count > 1:
+            with replay.replaying() if replay is not None else contextlib.nullcontext():
+                decision, extremes = _decide_for_step(
+                    actor, microbatches, plan, reduce, before_forward
+                )
+        # else one micro-batch: its loss searches on the step's statistics (decision None)
 
     def per_microbatch(microbatch: PolicyBatch, logits: torch.Tensor):
         logprobs, entropy = token_logprobs(
@@ -242,6 +264,31 @@ def _decide_for_step(
     return choose_bounds(reduce(stats), plan), extremes
 
 
+def _decide_at_ratio_one(
+    microbatches: list[PolicyBatch], plan: SearchPlan, reduce, context
+) -> tuple[BoundDecision | None, torch.Tensor | None]:
+    """Granularity `step` when every ratio is 1: the statistics of the old log-probs against
+    themselves (r = exp(0) = 1 exactly, what the forward pass would give), reduced once, then
+    the bounds. Last stage only (elsewhere: None, None), as :func:`_decide_for_step`."""
+    if not context.is_last_stage():
+        return None, None
+    parts = [
+        search_statistics(
+            mb.old_logprobs.to(context.device),
+            mb.old_logprobs.to(context.device),
+            mb.advantages.to(context.device),
+            mb.response_mask.to(context.device),
+            plan=plan,
+            is_weights=None if mb.is_weights is None else mb.is_weights.to(context.device),
+        )
+        for mb in microbatches
+    ]
+    stats = torch.stack([part[0] for part in parts]).sum(0)
+    extremes = torch.stack([part[1] for part in parts])
+    extremes = torch.stack([extremes[:, 0].min(), extremes[:, 1].max()])
+    return choose_bounds(reduce(stats), plan), extremes
+
+
 def _step_metrics(
     outputs: list[dict[str, torch.Tensor]],
     decision: BoundDecision | None,
@@ -283,6 +330,8 @@ def _combine_microbatch_decisions(
     outputs: list[dict[str, torch.Tensor]],
 ) -> dict[str, torch.Tensor]:
     keys = [key for key in outputs[0] if key.startswith("bapo/") and not key.endswith("_local")]
+    if len(outputs) == 1:  # one decision: its metrics as they are (no x * w / w rounding)
+        return {key: outputs[0][key].double() for key in keys}
     weights = torch.stack([out["bapo/tokens"].double() for out in outputs])
     total = weights.sum()
     combined = {}

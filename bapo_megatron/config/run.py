@@ -15,7 +15,7 @@ from bapo_megatron.config.ranges import require_at_least
 from bapo_megatron.config.rollout import RolloutConfig
 from bapo_megatron.config.trackers import MlflowConfig, WandbConfig
 
-SyntheticTask = Literal["walk", "seek"]
+SyntheticTask = Literal["walk", "seek", "runon"]
 
 
 @dataclass(kw_only=True)
@@ -26,9 +26,11 @@ class DataConfig:
     """JSONL or parquet prompt set (fields ``prompt``, ``answer``, optional ``id``)."""
     synthetic_task: SyntheticTask | None = None
     """Generate the prompts instead (:mod:`bapo_megatron.data.synthetic_task`): `walk` ("7>12" ->
-    "8 9 10 11 12") or `seek` (count up a ring to the first number ending in a digit; a miss that
-    keeps counting runs to the length cap). Both bring their own character tokenizer; the model
-    must then be given in the ``model`` section with ``vocab_size`` at least the tokenizer's."""
+    "8 9 10 11 12"), `seek` (count up a ring to the first number ending in a digit; a miss that
+    keeps counting runs to the length cap) or `runon` (`walk` upwards, warmed up on references
+    that often run on past the target to the cap, so failures run long). All bring their own
+    character tokenizer; the model must then be given in the ``model`` section with
+    ``vocab_size`` at least the tokenizer's."""
     synthetic_size: int = 2000
     """Prompts generated for the synthetic task."""
     skip_bad_rows: bool = False
@@ -44,9 +46,9 @@ class DataConfig:
             raise ValueError(
                 f"{prefix}: give exactly one of {prefix}.train_file and {prefix}.synthetic_task"
             )
-        if self.synthetic_task not in (None, "walk", "seek"):
+        if self.synthetic_task not in (None, *get_args(SyntheticTask)):
             raise ValueError(
-                f"{prefix}.synthetic_task must be 'walk', 'seek' or null, "
+                f"{prefix}.synthetic_task must be 'walk', 'seek', 'runon' or null, "
                 f"got {self.synthetic_task!r}"
             )
         require_at_least(self.synthetic_size, 1, f"{prefix}.synthetic_size")

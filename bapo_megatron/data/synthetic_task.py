@@ -1,4 +1,6 @@
-"""A synthetic verifiable task whose failures are long: walk from one number to another.
+"""Synthetic verifiable tasks whose failures are long: walk from one number to another (`walk`),
+count up a ring to a digit (`seek`), or walk upwards from a policy that often runs on (`runon`,
+the main job's; its section below).
 
 Prompt ``"7>12"``; the one right response counts there one step at a time, ``"8 9 10 11 12"``,
 then ends. A policy that walks past the target without stopping keeps counting until the length
@@ -148,8 +150,74 @@ def seek_longest_response_tokens() -> int:
     )
 
 
+# ------------------------------------------------------------------ the `runon` variant
+# `walk` upwards, from a policy that often does not stop (the main job's task). What differs from
+# `walk` is the warm-up's reference: for a share RUN_ON_SHARE of the warm-up's examples (drawn
+# afresh each time, so no prompt is tied to either), it walks past the target without the end
+# token to the length cap, as a pretrained model that has not learned to stop does. The
+# warmed-up policy then fails mostly by running on to the cap, as failed reasoning attempts run
+# long, and RL must teach it to stop: the situation the BAPO paper describes, where the
+# negative-advantage tokens outweigh the positive ones in the loss.
+
+RUN_ON_SHARE = 0.35
+"""Share of the `runon` warm-up's references that run on past the target to the length cap."""
+RUN_ON_DISTANCE = 4
+"""Largest distance from start to target of a `runon` problem: right responses stay short, so
+that a run-on to the cap is several times as long as a success."""
+
+
+def runon_rows(count: int, seed: int) -> list[PromptRow]:
+    """``count`` `runon` problems ``"<start>><target>"``: start in [0, MAX_NUMBER], target 1 to
+    RUN_ON_DISTANCE above it; the answer is the right (upward) walk.
+
+    Measured by ``tools/task_figures.py`` on the main job (``examples/tiny_cpu/train.yaml``:
+    300 warm-up steps, cap 32 tokens, 32 prompts x 8 samples per rollout step, 4 optimizer steps
+    each; commit 0581fa8), over the first half of the run (50 rollout steps): wrong responses
+    17.4 tokens on average against 6.8 for right ones (2.56x), 40% of the wrong ones at the cap,
+    and rho before the bound search below rho0 = 0.4 in 65% of the optimizer steps with a
+    non-zero advantage (the bounds moved in all of those). The first rollout step after the
+    warm-up scores 0.46; RL raises the reward to 0.97 within the run, mostly by teaching the
+    policy to stop.
+    """
+    rng = random.Random(seed)
+    rows = []
+    for index in range(count):
+        start = rng.randint(0, MAX_NUMBER)
+        target = start + rng.randint(1, RUN_ON_DISTANCE)
+        rows.append(
+            PromptRow(
+                id=f"runon-{index}", prompt=f"{start}>{target}", answer=walk_response(start, target)
+            )
+        )
+    return rows
+
+
+def run_on_response(row: PromptRow, max_new_tokens: int) -> str:
+    """The run-on reference of a `runon` ``row``: the walk from its start upwards, past the
+    target, cut at ``max_new_tokens`` characters (one token each), where a capped generation
+    ends."""
+    start = int(row.prompt.split(">")[0])
+    numbers, n = [], start
+    while len(" ".join(numbers)) < max_new_tokens:
+        n += 1
+        numbers.append(str(n))
+    return " ".join(numbers)[:max_new_tokens]
+
+
+def warmup_reference(
+    task: str, row: PromptRow, rng: random.Random, max_new_tokens: int
+) -> tuple[str, bool]:
+    """(reference response, whether the end token follows it) for one warm-up example of
+    ``row`` of the synthetic task ``task``: the row's answer and the end token, except for
+    `runon`, whose reference runs on to the cap with probability :data:`RUN_ON_SHARE`
+    (``rng`` draws it)."""
+    if task == "runon" and rng.random() < RUN_ON_SHARE:
+        return run_on_response(row, max_new_tokens), False
+    return row.answer, True
+
+
 # Rows of each synthetic task (all of them use :func:`walk_tokenizer` and the `exact_match` reward).
-SYNTHETIC_TASKS = {"walk": walk_rows, "seek": seek_rows}
+SYNTHETIC_TASKS = {"walk": walk_rows, "seek": seek_rows, "runon": runon_rows}
 
 
 def synthetic_rows(task: str, count: int, seed: int) -> list[PromptRow]:

@@ -2,7 +2,8 @@
 
 Each panel is one PNG with the runs overlaid, one colour per run: training reward, entropy, the
 positive contribution rho (after and before the bound search), the clip fractions (positive
-tokens above c_high, negative tokens below c_low), the gradient norm, and c_low / c_high. A run
+tokens above c_high, negative tokens below c_low), the gradient norm, the response length of
+right and wrong answers (BAPO's premise: failures run long), and c_low / c_high. A run
 given as a group of log directories (seeds) is drawn as the mean over its seeds with a band
 (min-max or +-1 standard deviation) around it, on the steps that every seed logged. The x axis
 is the step the trainer logs at: the policy version, i.e. optimizer steps.
@@ -67,6 +68,12 @@ PANELS: tuple[Panel, ...] = (
         "fraction of tokens",
     ),
     Panel("grad_norm", "Gradient norm", (("grad_norm", None),), "global norm", log_y=True),
+    Panel(
+        "response_length",
+        "Response length",
+        (("response_length/right", "right"), ("response_length/wrong", "wrong")),
+        "mean tokens",
+    ),
     Panel(
         "clip_bounds",
         "Clip bounds",

@@ -7,9 +7,10 @@
         grpo=runs/grpo-s0,runs/grpo-s1,runs/grpo-s2 --out plots/ --smooth 0.6
 
 Panels: training reward, entropy, positive contribution (rho after and before the bound search),
-clip fractions (positive tokens above c_high, negative tokens below c_low), gradient norm, c_low
-and c_high; one PNG each and overview.png with all. Tags a run lacks are skipped with a note. The
-library code is :mod:`bapo_megatron.repro.plots`; ``python tools/plot_runs.py`` is the same command.
+clip fractions (positive tokens above c_high, negative tokens below c_low), gradient norm, response
+length of right and wrong answers, c_low and c_high; one PNG each and overview.png with all
+(``--panels`` picks some, in its order). Tags a run lacks are skipped with a note. The library
+code is :mod:`bapo_megatron.repro.plots`; ``python tools/plot_runs.py`` is the same command.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bapo_megatron.repro.plots import parse_run_spec, plot_runs
+from bapo_megatron.repro.plots import PANELS, Panel, parse_run_spec, plot_runs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +47,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="draw the bound search's target rho0 in the positive-contribution panel",
     )
+    parser.add_argument(
+        "--panels",
+        default=None,
+        help="comma-separated panels to draw, in that order (default all: "
+        + ",".join(panel.name for panel in PANELS)
+        + ")",
+    )
     return parser
+
+
+def chosen_panels(names: str | None) -> tuple[Panel, ...]:
+    """The panels named in ``names`` (comma-separated), in that order; None: all of them."""
+    if names is None:
+        return PANELS
+    known = {panel.name: panel for panel in PANELS}
+    chosen = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in known]
+    if unknown or not chosen:
+        raise ValueError(f"--panels: unknown or no panel {unknown}; known: {sorted(known)}")
+    return tuple(known[name] for name in chosen)
 
 
 def run(argv: list[str] | None = None) -> list[str]:
@@ -57,7 +77,13 @@ def run(argv: list[str] | None = None) -> list[str]:
     try:
         groups = [parse_run_spec(spec) for spec in args.runs]
         result = plot_runs(
-            groups, args.out, band=args.band, smooth=args.smooth, dpi=args.dpi, rho0=args.rho0
+            groups,
+            args.out,
+            panels=chosen_panels(args.panels),
+            band=args.band,
+            smooth=args.smooth,
+            dpi=args.dpi,
+            rho0=args.rho0,
         )
     except ValueError as err:  # a bad run spec or folder, or bad options
         print(f"{parser.prog}: error: {err}", file=sys.stderr, flush=True)

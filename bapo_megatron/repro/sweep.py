@@ -10,7 +10,7 @@ task, on the CPU, all from one shared warm-up, then a markdown report
    tokenizer) next to the task's prompts as a JSONL file. Every run starts from that folder
    (``train.model_path``) on that file (``data.train_file``), so runs differ only in their method,
    staleness and seed. (The folder, not ``data.synthetic_task`` plus ``train.load_checkpoint``,
-   because the trainer's task loader only generates `walk` rows.)
+   because the run's prompts and weights are then fixed files every run shares.)
 2. Each run is its own ``python -m bapo_megatron.train`` process (``OMP_NUM_THREADS=1``), up to
    ``--jobs`` processes at a time, in ``<out>/runs/<staleness>/<method>/seed<k>``; an `async<k>`
    run is two processes under torchrun (a trainer and an engine rank) and counts twice. A
@@ -100,6 +100,8 @@ def _tiny_config(settings: SweepSettings, overrides: list[str]):
             f"actor.micro_batch_size={settings.micro_batch_size}",
             f"actor.temperature={settings.temperature}",
             f"rollout.max_new_tokens={settings.max_new_tokens}",
+            # the warm-up's references are the task's (`runon`'s often run on to the cap)
+            f"data.synthetic_task={settings.task}",
             "train.seed=0",
             *overrides,
         ],

@@ -1,6 +1,6 @@
 """Run the staleness sweep on the CPU and write its markdown report.
 
-    # the full sweep: 5 methods x 9 staleness settings x 3 seeds, 2 processes at a time
+    # the full sweep: 5 methods x 8 staleness settings x 3 seeds, 2 processes at a time
     bapo-sweep --out runs/sweep
     # the CI configuration: 2 methods x 2 staleness settings x 1 seed x 4 rollout steps
     bapo-sweep --minimal --out /tmp/sweep
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="training processes at a time, an async run counting 2 (default 2)",
     )
-    parser.add_argument("--task", default=None, help="synthetic task: seek (default) or walk")
+    parser.add_argument("--task", default=None, help="synthetic task: runon (default), seek, walk")
     parser.add_argument("--methods", nargs="+", default=None, help="subset of the methods")
     parser.add_argument(
         "--staleness", nargs="+", default=None, help="subset of the staleness settings"

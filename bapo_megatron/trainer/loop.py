@@ -39,6 +39,7 @@ from bapo_megatron.trainer.phases import (
     select_off_policy,
 )
 from bapo_megatron.trainer.replicas import call_engine, engine_failures_stop_every_rank
+from bapo_megatron.trainer.run_summary import RunSummary
 from bapo_megatron.trainer.setup import Run, push_policy, start_run, watched
 from bapo_megatron.trainer.state import run_identity
 
@@ -46,24 +47,29 @@ from bapo_megatron.trainer.state import run_identity
 def train(cfg: Config, context: ParallelContext, engines: EngineLink | None = None) -> None:
     """Run ``cfg`` on this rank (collective over the world); see the module docstring.
     ``engines``: the links to a disaggregated run's engine ranks (None: colocated engines)."""
+    clip = cfg.loss.clip
+    summary = RunSummary(c_low=clip.c_low_start, c_high=clip.c_high_start)  # clock starts now
     run = start_run(cfg, context, engines)
+    run.summary = summary
     try:
-        rewards_seen = [rollout_step(run, step) for step in range(run.state.step, cfg.train.steps)]
+        for step in range(run.state.step, cfg.train.steps):
+            summary.rewards.append(rollout_step(run, step))
     except Exception as error:
         # a collective that timed out names only itself: add where every rank is
         run.watchdog.annotate(error)
         run.close(failed=True)
         raise
-    if context.rank == 0 and rewards_seen:
-        window = max(1, min(10, len(rewards_seen) // 2))
-        first, last = rewards_seen[:window], rewards_seen[-window:]
-        print(
-            f"mean reward of the first {window} rollout steps {sum(first) / window:.3f}, "
-            f"of the last {window} {sum(last) / window:.3f} "
-            f"(TensorBoard: tensorboard --logdir {run.output / 'tensorboard'})",
-            flush=True,
-        )
+    if context.rank == 0 and summary.rewards:
+        for line in summary.lines(_target_share(run)):
+            print(line, flush=True)
+        print(f"TensorBoard: tensorboard --logdir {run.output / 'tensorboard'}", flush=True)
     run.close()
+
+
+def _target_share(run: Run) -> float | None:
+    """The bound search's target share rho0 (None for a fixed clip or a ratio target)."""
+    clip = run.cfg.loss.clip
+    return None if run.plan.is_fixed or clip.target_unit != "share" else clip.target
 
 
 def rollout_step(run: Run, step: int) -> float:
@@ -102,10 +108,18 @@ def train_minibatches(
     algo = run.cfg.algorithm
     # asynchronous: the share of tokens each number of versions behind, up to the most possible
     bins = algo.max_staleness + algo.optimizer_steps_per_rollout if algo.max_staleness else 0
+    # recomputed old log-probs are the current weights' until the first update: ratio 1 exactly
+    recomputed_at = run.state.version if algo.old_logprobs == "recompute" else None
     with run.timer.phase("train"):
         for epoch in range(run.cfg.algorithm.epochs):
             for batch, versions in minibatches:
-                update = train_step(run.actor, batch, run.cfg.loss, run.plan)
+                update = train_step(
+                    run.actor,
+                    batch,
+                    run.cfg.loss,
+                    run.plan,
+                    ratios_are_one=run.state.version == recomputed_at,
+                )
                 trained_tokens += update["response_tokens"]
                 last_update = update
                 update.update(
@@ -113,6 +127,8 @@ def train_minibatches(
                 )
                 run.state.version += 1
                 update.update(rollout_step=step, epoch=epoch)
+                if run.summary is not None:
+                    run.summary.add_update(update, _target_share(run))
                 run.logger.log(run.state.version, update, console=False)
     return last_update, trained_tokens
 

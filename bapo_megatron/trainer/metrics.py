@@ -31,6 +31,7 @@ class RolloutCounts:
     length_wrong: float = 0.0
     wrong: float = 0.0
     truncated: float = 0.0
+    truncated_wrong: float = 0.0
     groups: float = 0.0
     informative_groups: float = 0.0
     reward_timeouts: float = 0.0
@@ -67,6 +68,8 @@ def rollout_metrics(
         "response_length/right": totals["length_right"] / max(totals["right"], 1.0),
         "response_length/wrong": totals["length_wrong"] / max(totals["wrong"], 1.0),
         "rollout/truncated_fraction": totals["truncated"] / samples,
+        # how many failures run to the length cap (the premise of BAPO: failures run long)
+        "rollout/wrong_truncated_fraction": totals["truncated_wrong"] / max(totals["wrong"], 1.0),
         "rollout/finished_groups": totals["groups"],
         "rollout/informative_groups": totals["informative_groups"],
         "rollout/generated_tokens": totals["generated_tokens"],

@@ -177,6 +177,9 @@ def _score(run: Run, finished: list[PausedGroup]) -> Experience:
         length_wrong=float(lengths[~right].sum()),
         wrong=float((~right).sum()),
         truncated=float(sum(s.finish_reason == "length" for _, s in flat)),
+        truncated_wrong=float(
+            sum(s.finish_reason == "length" and not ok for (_, s), ok in zip(flat, right.tolist()))
+        ),
         groups=float(len(finished)),
         informative_groups=float(keep.sum()),
         reward_timeouts=float(scored.timed_out),

@@ -35,6 +35,7 @@ from bapo_megatron.rollout.registry import build_engine
 from bapo_megatron.trainer.checkpoint import complete_checkpoints, load_checkpoint
 from bapo_megatron.trainer.checkpoint_integrity import newest_verified_checkpoint
 from bapo_megatron.trainer.replicas import holds_engine
+from bapo_megatron.trainer.run_summary import RunSummary
 from bapo_megatron.trainer.sinks.background import start_trackers
 from bapo_megatron.trainer.state import StreamProgress, TrainerState, run_identity
 from bapo_megatron.trainer.tracking import MetricsLogger, PhaseTimer
@@ -76,6 +77,8 @@ class Run:
     """The links to the engine ranks of a disaggregated run (None: colocated engines)."""
     stream: StreamProgress | None = None
     """Asynchronous training's admission count and last pushed version (None: synchronous)."""
+    summary: RunSummary | None = None
+    """What the run's last console lines sum up (rewards, bounds, time, memory); None: none."""
 
     @property
     def checkpoints(self) -> Path:

@@ -1,6 +1,8 @@
 """Supervised warm-up before RL, for runs that start from random weights: the tiny CPU run
 cannot download a model, so it first teaches its model the synthetic task's format on the
-reference responses, to a success rate well between 0 and 1, where RL has signal.
+reference responses, to a success rate well between 0 and 1, where RL has signal. (The
+`runon` task's references often run on past the target without stopping, so that its failures
+run long: :func:`~bapo_megatron.data.synthetic_task.warmup_reference`.)
 
 The warm-up trains a separate actor (its own Adam state and constant learning rate) through the
 same train step as RL: with the old log-probs recomputed just before each step, the ratio is 1,
@@ -21,16 +23,22 @@ from bapo_megatron.actor.logprobs import compute_logprobs
 from bapo_megatron.actor.train_step import train_step
 from bapo_megatron.algo.search_plan import SearchPlan
 from bapo_megatron.config import ClipSearchConfig, Config, LossConfig, OptimizerConfig
+from bapo_megatron.data.synthetic_task import warmup_reference
 from bapo_megatron.data.task import Task, encode_prompt
 
 
-def supervised_batch(task: Task, rows, system: str | None, max_new_tokens: int) -> PolicyBatch:
-    """Prompt + reference response + end token per row, the response (and end) as targets."""
+def supervised_batch(
+    task: Task, rows, system: str | None, max_new_tokens: int, references=None
+) -> PolicyBatch:
+    """Prompt + reference response + end token per row, the response (and end) as targets.
+    ``references``: (response, ends with the end token) per row instead of (answer, True)."""
     sequences, starts = [], []
-    for row in rows:
+    if references is None:
+        references = [(row.answer, True) for row in rows]
+    for row, (text, ends) in zip(rows, references, strict=True):
         prompt = encode_prompt(task, row, system, max_new_tokens)
-        response = task.tokenizer(row.answer, add_special_tokens=False)["input_ids"]
-        sequences.append(prompt + list(response) + [task.eos_token_id])
+        response = task.tokenizer(text, add_special_tokens=False)["input_ids"]
+        sequences.append(prompt + list(response) + ([task.eos_token_id] if ends else []))
         starts.append(len(prompt))
     length = max(map(len, sequences))
     tokens = torch.full((len(rows), length), task.pad_token_id, dtype=torch.long)
@@ -55,7 +63,9 @@ def run_warmup(cfg: Config, task: Task, actor: Actor, log) -> None:
     for step in range(warm.steps):
         rng = random.Random(f"warmup/{cfg.train.seed}/{step}/{context.dp_rank}")
         rows = rng.sample(task.rows, min(per_rank, len(task.rows)))
-        batch = supervised_batch(task, rows, cfg.data.system_prompt, cfg.rollout.max_new_tokens)
+        cap = cfg.rollout.max_new_tokens
+        references = [warmup_reference(cfg.data.synthetic_task, row, rng, cap) for row in rows]
+        batch = supervised_batch(task, rows, cfg.data.system_prompt, cap, references)
         old, _ = compute_logprobs(
             student.chunks,
             batch,

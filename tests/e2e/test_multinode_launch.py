@@ -1,7 +1,8 @@
 """The launch scripts of a disaggregated run, run for real on this machine:
 
 - ``examples/tiny_cpu/torchrun_async.sh`` (one torchrun, 1 trainer + 1 engine process), at its
-  own eta (2: one rollout step ahead), checked by its admission and staleness metrics;
+  own eta (4 with the example's 4 mini-batches: one rollout step ahead), checked by its
+  admission and staleness metrics;
 - ``examples/launch/torchrun_multinode.sh`` started twice, as on two nodes: two torchrun agents
   meeting in a static rendezvous on 127.0.0.1, node 0 with one trainer process and node 1 (the
   engine node, ``ENGINE_NODES=1``) with one engine process; synchronous
@@ -105,16 +106,23 @@ def logs(paths: list[Path]) -> str:
 
 def test_async_example_script_runs_one_trainer_and_one_engine(tmp_path, warm_start):
     output, log = tmp_path / "run", tmp_path / "torchrun.log"
-    overrides = [*FAST, *warm_start[0], *STEPS, f"train.output_dir={output}"]
+    # the example's own 4 mini-batches per rollout step (FAST runs 2), as its eta is set for
+    overrides = [
+        *FAST,
+        "algorithm.optimizer_steps_per_rollout=4",
+        *warm_start[0],
+        *STEPS,
+        f"train.output_dir={output}",
+    ]
     process = start(["bash", str(ASYNC_SCRIPT), *overrides], log, {})
     assert wait_all([process], TIMEOUT_S) == [0], logs([log])
     assert "engine stopped by its trainer" in log.read_text()
     records = read_metrics(output)
     rollouts = [r for r in records if "async/queued_items" in r]
     assert [r["rollout_step"] for r in rollouts] == [1, 2, 3]
-    assert rollouts[0]["async/queued_items"] == 2  # eta 2 = one rollout step of 2 versions ahead
-    # eta, plus the later mini-batch of the step (counted from the step's first version)
-    assert max(r["staleness/max"] for r in records if "staleness/max" in r) <= 3
+    assert rollouts[0]["async/queued_items"] == 2  # eta 4 = one rollout step of 4 versions ahead
+    # eta, plus the 3 later mini-batches of the step (counted from the step's first version)
+    assert max(r["staleness/max"] for r in records if "staleness/max" in r) <= 7
 
 
 def test_two_agents_one_trainer_node_one_engine_node(tmp_path, warm_start, colocated):

@@ -52,6 +52,8 @@ def test_actor_step_benchmark_smoke():
         "1",
         "--sequences",
         "2",
+        "--micro-batch-size",
+        "1",  # two micro-batches: the stale `paper` step pays the extra forward pass
         "--length",
         "16",
         "--layers",
@@ -65,6 +67,8 @@ def test_actor_step_benchmark_smoke():
     assert report["benchmark"] == "actor_step" and tp1["processes"] == 1
     assert tp1["step_ms"] > 0 and tp1["tokens_per_s"] > 0
     assert 0 < tp1["search_share"] < 1 and tp1["step_vs_fixed_clip"] > 0
+    assert set(tp1["cases"]) == {"paper", "paper_ratios_known", "reference", "grpo"}
+    assert tp1["cases"]["grpo"]["vs_fixed_clip"] == 1.0
 
 
 def test_weights_benchmark_smoke(tmp_path):

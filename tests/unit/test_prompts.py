@@ -247,7 +247,8 @@ def test_a_synthetic_task_that_does_not_fit_the_model_is_a_config_error():
     tiny = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu" / "train.yaml"
     assert load_task(load_config(tiny)).skipped_rows == 0
     cfg = load_config(tiny, ["model.max_position_embeddings=8", "rollout.max_new_tokens=4"])
-    with pytest.raises(ValueError, match="data.synthetic_task 'walk': prompt '.*': the prompt is "):
+    message = "data.synthetic_task 'runon': prompt '.*': the prompt is "
+    with pytest.raises(ValueError, match=message):
         load_task(cfg)
 
 

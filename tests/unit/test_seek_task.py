@@ -52,7 +52,7 @@ def test_fits_the_walk_tokenizer_and_the_cap():
 
 
 def test_registry():
-    assert set(SYNTHETIC_TASKS) == {"walk", "seek"}
+    assert set(SYNTHETIC_TASKS) == {"walk", "seek", "runon"}
     assert synthetic_rows("walk", 20, seed=3) == walk_rows(20, seed=3)
     assert synthetic_rows("seek", 20, seed=3) == seek_rows(20, seed=3)
     with pytest.raises(ValueError, match="unknown synthetic task"):

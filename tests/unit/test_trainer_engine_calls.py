@@ -32,10 +32,13 @@ class _Engine:
         self._call("resume_memory")
 
 
-def _run(engine, context, release: bool = True):
+def _run(engine, context, release: bool = True, old_logprobs: str = "engine", epochs: int = 1):
     cfg = SimpleNamespace(
         rollout=SimpleNamespace(release_memory_during_training=release),
-        algorithm=SimpleNamespace(epochs=1, max_staleness=0),
+        algorithm=SimpleNamespace(
+            epochs=epochs, max_staleness=0, old_logprobs=old_logprobs, optimizer_steps_per_rollout=3
+        ),
+        loss=None,
     )
     return SimpleNamespace(
         cfg=cfg,
@@ -44,6 +47,10 @@ def _run(engine, context, release: bool = True):
         timer=PhaseTimer(),
         state=SimpleNamespace(version=0, step=3),
         watchdog=PhaseWatchdog(None, 0, 1, stall_s=60),
+        actor=None,
+        plan=None,
+        summary=None,
+        logger=SimpleNamespace(log=lambda *args, **kwargs: None),
     )
 
 
@@ -74,3 +81,27 @@ def test_engine_memory_is_left_alone_without_the_setting(single_process):
     engine = _Engine("release_memory")
     assert train_minibatches(_run(engine, single_process, release=False), [], step=0) == ({}, 0.0)
     assert engine.calls == []
+
+
+@pytest.mark.parametrize("old_logprobs", ["recompute", "engine"])
+def test_only_the_first_update_after_recomputed_logprobs_is_told_its_ratios_are_one(
+    single_process, monkeypatch, old_logprobs
+):
+    """Recomputed old log-probs are the current weights' until the first optimizer step: that
+    update alone may skip granularity `step`'s forward pass; engine log-probs never."""
+    import torch
+
+    from bapo_megatron.trainer import loop
+
+    flags = []
+
+    def fake_train_step(actor, batch, loss, plan, *, ratios_are_one):
+        flags.append(ratios_are_one)
+        return {"response_tokens": 1.0}
+
+    monkeypatch.setattr(loop, "train_step", fake_train_step)
+    run = _run(None, single_process, release=False, old_logprobs=old_logprobs, epochs=2)
+    minibatches = [(None, torch.zeros(1, 2, dtype=torch.long)) for _ in range(3)]
+    train_minibatches(run, minibatches, step=0)
+    assert flags == [old_logprobs == "recompute"] + [False] * 5
+    assert run.state.version == 6
