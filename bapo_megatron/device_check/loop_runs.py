@@ -55,9 +55,13 @@ def comparable(records: list[dict]) -> list:
 
 
 def train_command(output: Path, overrides: list[str]) -> list[str]:
+    """The training command; a ``--config=FILE`` entry in ``overrides`` replaces the main job's
+    configuration."""
+    config = next((o.split("=", 1)[1] for o in overrides if o.startswith("--config=")), CONFIG)
+    rest = [o for o in overrides if not o.startswith("--config=")]
     return [
-        sys.executable, "-m", "bapo_megatron.train", "--config", str(CONFIG),
-        f"train.output_dir={output}", "logging.console=false", *overrides,
+        sys.executable, "-m", "bapo_megatron.train", "--config", str(config),
+        f"train.output_dir={output}", "logging.console=false", *rest,
     ]
 
 

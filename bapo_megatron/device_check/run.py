@@ -212,6 +212,23 @@ def loop(checks: Checks, small: bool) -> dict:
     return loop_runs.loop_check(folder, a.device, overrides, checks.env, a.check_timeout)
 
 
+def loop_moe(checks: Checks) -> dict:
+    """The tiny Qwen3-MoE example (routing replay R3) through the loop on the device."""
+    fast = [] if checks.gpu else ["warmup.steps=20", "rollout.prompts_per_step=4",
+                                  "rollout.samples_per_prompt=4", "rollout.max_new_tokens=16",
+                                  "actor.micro_batch_size=16", "warmup.batch_size=16",
+                                  "data.synthetic_size=200"]
+    config = REPO_ROOT / "examples" / "tiny_cpu_moe" / "train.yaml"
+    overrides = [f"--config={config}", *fast, f"train.steps={10 if checks.gpu else 3}",
+                 "checkpoint.interval=0"]
+    folder = checks.work / "loop-moe"
+    folder.mkdir()
+    result = loop_runs.loop_check(folder, checks.args.device, overrides, checks.env,
+                                  checks.args.check_timeout)
+    result["status"] = "passed" if result["rollout_steps"] else "failed"  # no checkpoints asked
+    return result
+
+
 def resume(checks: Checks) -> dict:
     fast = ["warmup.steps=20", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4",
             "rollout.max_new_tokens=16", "actor.micro_batch_size=16", "warmup.batch_size=16",
@@ -283,6 +300,10 @@ def run_all(args: argparse.Namespace, work: Path) -> dict:
         variants = ALL_VARIANTS if gpu else "paper/step,reference/microbatch"
         checks.record("actor_tiny", actor_comparison, checks, "tiny", variants, 3 if gpu else 2,
                       variants, 3 if gpu else 2, 8, 128 if gpu else 32)
+    if want("actor_moe"):
+        variants = "paper/step,paper/microbatch" if gpu else "paper/step"
+        checks.record("actor_moe", actor_comparison, checks, "tiny-moe", variants,
+                      3 if gpu else 2, variants, 3 if gpu else 2, 8, 128 if gpu else 32)
     if want("actor_small"):
         checks.record("actor_small", actor_comparison, checks, "small",
                       ALL_VARIANTS, 3, "paper/step", 1, 8, 256 if gpu else 32)
@@ -314,6 +335,8 @@ def run_all(args: argparse.Namespace, work: Path) -> dict:
         checks.record("resume", resume, checks)
     if want("loop_small"):
         checks.record("loop_small", loop, checks, True)
+    if want("loop_moe"):
+        checks.record("loop_moe", loop_moe, checks)
     return checks.results
 
 

@@ -12,6 +12,7 @@ import transformers
 
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.config.moe import MoeConfig
 
 # Qwen2.5-0.5B's published shapes (24 layers, hidden 896, 14 heads in 2 query groups, MLP 4864,
 # q/k/v bias, tied embeddings, vocabulary 151936): 494M parameters.
@@ -57,13 +58,39 @@ QWEN3_8B_4_LAYERS = dict(
     max_position_embeddings=4096,
 )
 
-SIZES = {"tiny": TINY, "small": QWEN25_05B, "qwen3-8b-4l": QWEN3_8B_4_LAYERS}
+# A tiny Qwen3-MoE: 2 layers, the second with 4 experts of which each token takes 2.
+TINY_MOE = dict(
+    model_type="qwen3_moe",
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=512,
+    moe=MoeConfig(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=(0,)
+    ),
+)
+
+SIZES = {
+    "tiny": TINY,
+    "tiny-moe": TINY_MOE,
+    "small": QWEN25_05B,
+    "qwen3-8b-4l": QWEN3_8B_4_LAYERS,
+}
 """Sizes by name; `small` is the ~0.5B model of the GPU check."""
 
 
+CPU_SIZED = ("small", "qwen3-8b-4l")
+"""The sizes the CPU-sized check replaces by a 2-layer model."""
+
+
 def model_config(size: str, *, cpu_sized: bool, dtype: str = "float32") -> ModelConfig:
-    """The model of ``size``; ``cpu_sized`` replaces every size but `tiny` by a 2-layer Qwen2."""
-    fields = SMALL_ON_CPU if (cpu_sized and size != "tiny") else SIZES[size]
+    """The model of ``size``; ``cpu_sized`` replaces the large ones (:data:`CPU_SIZED`) by a
+    2-layer Qwen2."""
+    fields = SMALL_ON_CPU if (cpu_sized and size in CPU_SIZED) else SIZES[size]
     return ModelConfig(**fields, params_dtype=dtype)
 
 
