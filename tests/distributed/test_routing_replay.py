@@ -10,9 +10,6 @@ import dataclasses
 
 import pytest
 import torch
-
-pytest.importorskip("megatron.core")
-
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 
 from bapo_megatron.actor.actor import build_actor  # noqa: E402
@@ -33,7 +30,6 @@ from bapo_megatron.config import (  # noqa: E402
 )
 from bapo_megatron.config.moe import MoeConfig  # noqa: E402
 
-needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches")
 EXPERTS, TOPK = 8, 2
 MODEL = ModelConfig(
     model_type="qwen3_moe",
@@ -123,7 +119,6 @@ def actor(single_process):
     return build_actor(MODEL, ACTOR, OPTIMIZER, single_process)
 
 
-@needs_cpu
 def test_replay_uses_exactly_the_given_experts(actor):
     data = batch()
     routes = random_routes(*data.tokens.shape, seed=1)
@@ -133,7 +128,6 @@ def test_replay_uses_exactly_the_given_experts(actor):
     assert not torch.equal(live, got)  # random routes are not the live ones
 
 
-@needs_cpu
 def test_recorded_routes_replayed_reproduce_the_logprobs_exactly(actor):
     data = batch()
     plain = logprobs(actor, data)
@@ -148,7 +142,6 @@ def test_recorded_routes_replayed_reproduce_the_logprobs_exactly(actor):
     assert not torch.allclose(logprobs(actor, dataclasses.replace(data, routes=shifted)), plain)
 
 
-@needs_cpu
 def test_missing_routes_are_routed_live(actor):
     data = batch()
     live = routed_experts(actor, data)
@@ -202,7 +195,6 @@ def test_routes_of_the_wrong_shape_are_refused():
         )
 
 
-@needs_cpu
 def test_a_train_step_refuses_bad_routes(actor):
     data = batch()
     routes = random_routes(*data.tokens.shape, seed=4)
@@ -221,7 +213,6 @@ def fixed_plan() -> SearchPlan:
     return SearchPlan.from_config(ClipSearchConfig.from_preset("paper", granularity="step"))
 
 
-@needs_cpu
 def test_near_tie_engine_in_bfloat16_disagrees_and_replay_removes_it(actor):
     """The "engine" is the actor with its router weights rounded to bfloat16 (what a bf16
     engine computes the router with). The routers of experts 0-3 are made nearly equal
@@ -268,7 +259,6 @@ def test_near_tie_engine_in_bfloat16_disagrees_and_replay_removes_it(actor):
     assert gap(logprobs(actor, replayed_data)) < 0.1 * gap(logprobs(actor, data))
 
 
-@needs_cpu
 def test_recompute_under_replay_equals_the_recorded_forward(single_process):
     """Recomputed routers must route as the first forward did: with routes that are not the
     live ones, a wrong recompute would give other gradients."""

@@ -17,11 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
 from tests.helpers.train_runs import TINY_CONFIG, read_metrics, rollout_records  # noqa: E402
-
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs")
 
 STEPS = 8
 """Rollout steps of the learning run (the main job runs 100)."""

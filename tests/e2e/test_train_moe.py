@@ -10,8 +10,6 @@ import math
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
 from bapo_megatron.data.experience import (  # noqa: E402
     Group,
     sample_from_plain,
@@ -30,7 +28,6 @@ from tests.helpers.train_runs import (  # noqa: E402
     training_command,
 )
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU runs")
 MOE_CONFIG = REPO_ROOT / "examples" / "tiny_cpu_moe" / "train.yaml"
 
 

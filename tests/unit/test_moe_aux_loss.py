@@ -7,8 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
 from bapo_megatron.actor.batch import PolicyBatch  # noqa: E402
 from bapo_megatron.actor.moe_aux_loss import (  # noqa: E402
     _AddLossInBackward,

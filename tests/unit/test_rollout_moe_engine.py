@@ -10,8 +10,6 @@ import dataclasses
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
 from bapo_megatron.actor.actor import build_actor  # noqa: E402
 from bapo_megatron.actor.batch import PolicyBatch  # noqa: E402
 from bapo_megatron.actor.logprobs import compute_logprobs, compute_logprobs_and_routes  # noqa: E402
@@ -38,7 +36,6 @@ MODEL = ModelConfig(
     ),
 )
 TEMPERATURE = 0.7
-needs_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU run")
 
 
 def as_batch(samples) -> tuple[PolicyBatch, torch.Tensor, torch.Tensor]:
@@ -60,7 +57,6 @@ def as_batch(samples) -> tuple[PolicyBatch, torch.Tensor, torch.Tensor]:
     return PolicyBatch(tokens=tokens, response_mask=mask, routes=routes), logp, routed
 
 
-@needs_cpu
 def test_engine_runs_qwen3_moe_and_records_routes_the_actor_replays(single_process):
     context = single_process
     actor = build_actor(
@@ -104,7 +100,6 @@ def test_engine_runs_qwen3_moe_and_records_routes_the_actor_replays(single_proce
     torch.testing.assert_close(replayed_logp[mask], engine_logp[mask], rtol=0, atol=2e-5)
 
 
-@needs_cpu
 def test_continued_samples_keep_one_route_per_run_token(single_process):
     actor = build_actor(MODEL, ActorConfig(seed=3), OptimizerConfig(), single_process)
     engine = EmbeddedEngine(MODEL, record_routes=True)

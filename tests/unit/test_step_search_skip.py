@@ -10,15 +10,13 @@ import dataclasses
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
 from bapo_megatron.actor import train_step as train_step_module  # noqa: E402
 from bapo_megatron.actor.logprobs import compute_logprobs  # noqa: E402
 from bapo_megatron.actor.model import global_parameter_name, load_whole_model_weights  # noqa: E402
 from bapo_megatron.actor.train_step import train_step  # noqa: E402
 from bapo_megatron.algo.search_plan import SearchPlan  # noqa: E402
 from bapo_megatron.config import ClipSearchConfig, LossConfig  # noqa: E402
-from tests.unit.test_train_step import make_actor, needs_cpu, random_batch  # noqa: E402
+from tests.unit.test_train_step import make_actor, random_batch  # noqa: E402
 
 
 def same_weights_actors(context, micro_batch_size: int):
@@ -67,7 +65,6 @@ def assert_same_step(skipped: dict, forward: dict) -> None:
         assert skipped[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
 
 
-@needs_cpu
 def test_first_minibatch_after_recompute_skips_the_forward_and_equals_it(context, monkeypatch):
     clip = ClipSearchConfig.from_preset("paper", granularity="step")
     plan = SearchPlan.from_config(clip)
@@ -92,7 +89,6 @@ def test_first_minibatch_after_recompute_skips_the_forward_and_equals_it(context
     assert torch.equal(parameters(skipping), parameters(forwarding))
 
 
-@needs_cpu
 @pytest.mark.parametrize("preset", ["paper", "reference"])
 def test_one_microbatch_step_searches_in_its_loss_and_equals_the_forward(
     context, monkeypatch, preset
@@ -112,7 +108,6 @@ def test_one_microbatch_step_searches_in_its_loss_and_equals_the_forward(
     assert torch.equal(parameters(skipping), parameters(forwarding))
 
 
-@needs_cpu
 def test_several_microbatches_of_stale_data_still_pay_the_forward(context, monkeypatch):
     clip = ClipSearchConfig.from_preset("paper", granularity="step")
     actor = make_actor(context, micro_batch_size=2)
