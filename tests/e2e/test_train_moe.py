@@ -21,6 +21,7 @@ from tests.e2e.test_train_disaggregated import finish  # noqa: E402
 from tests.helpers.train_runs import (  # noqa: E402
     REPO_ROOT,
     assert_same_run,
+    kill_after,
     read_metrics,
     rollout_records,
     run_in_process,
@@ -107,7 +108,7 @@ def test_asynchronous_moe_run_replays_routes_that_crossed_the_queue(tmp_path):
         assert math.isfinite(r["moe/logprob_gap_live"])
 
 
-def test_moe_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, monkeypatch):
+def test_moe_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path):
     """R3 with partial rollout: the experts' weights and optimizer state and the paused samples
     come back from the checkpoint (a continued sample's routes are recorded again when the
     engine re-runs its context)."""
@@ -121,13 +122,8 @@ def test_moe_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path, monkeyp
         "algorithm.optimizer_steps_per_rollout=1",
     ]
     uninterrupted = run_in_process(tmp_path / "whole", *common, config=MOE_CONFIG)
-    monkeypatch.setattr(
-        resume,
-        "training_command",
-        lambda output, *overrides: training_command(output, *overrides, config=MOE_CONFIG),
-    )
     killed = tmp_path / "killed"
-    resume.kill_after(killed, common, checkpoint_step=2, extra_delay=0.2)
+    kill_after(killed, common, checkpoint_step=2, extra_delay=0.2, config=MOE_CONFIG)
     resumed = run_in_process(killed, *common, config=MOE_CONFIG)
     assert resume.comparable(resumed) == resume.comparable(uninterrupted)
     assert [r["rollout_step"] for r in rollout_records(read_metrics(killed))] == [1, 2, 3, 4]

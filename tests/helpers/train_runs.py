@@ -195,13 +195,19 @@ def assert_same_run(
 
 
 def kill_after(
-    output, overrides, checkpoint_step: int, extra_delay: float, *, while_writing: bool = False
+    output,
+    overrides,
+    checkpoint_step: int,
+    extra_delay: float,
+    *,
+    while_writing: bool = False,
+    config: Path = TINY_CONFIG,
 ) -> None:
-    """Start the trainer as a process, SIGKILL it ``extra_delay`` s after checkpoint
-    ``checkpoint_step`` appears, or (``while_writing``) as soon as its staging folder appears,
-    in the middle of writing it."""
+    """Start the trainer (on ``config``) as a process, SIGKILL it ``extra_delay`` s after
+    checkpoint ``checkpoint_step`` appears, or (``while_writing``) as soon as its staging folder
+    appears, in the middle of writing it."""
     proc = subprocess.Popen(
-        training_command(output, *overrides),
+        training_command(output, *overrides, config=config),
         cwd=REPO_ROOT,
         env=subprocess_env(),
         stdout=subprocess.DEVNULL,

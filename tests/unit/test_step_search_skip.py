@@ -41,9 +41,11 @@ def count_forward_only(monkeypatch) -> list[int]:
     calls = []
     original = train_step_module.run_schedule
 
-    def counted(chunks, microbatches, per_microbatch, context, forward_only):
+    def counted(chunks, microbatches, per_microbatch, context, forward_only, **kwargs):
         calls.append(int(forward_only))
-        return original(chunks, microbatches, per_microbatch, context, forward_only=forward_only)
+        return original(
+            chunks, microbatches, per_microbatch, context, forward_only=forward_only, **kwargs
+        )
 
     monkeypatch.setattr(train_step_module, "run_schedule", counted)
     return calls
