@@ -26,6 +26,7 @@ COMPARED = (
     "bapo/rho_after",
     "bapo/c_low",
     "bapo/c_high",
+    "staleness/max",
     "lr",
 )
 # The ~0.5B model's layer shapes (Qwen2.5-0.5B) over the task's own 16-token vocabulary.

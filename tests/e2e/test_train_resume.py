@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from bapo_megatron.device_check import loop_runs
 from bapo_megatron.trainer.checkpoint import latest_checkpoint
 from tests.helpers.gloo_launch import REPO_ROOT
 from tests.helpers.train_runs import (
@@ -19,28 +20,9 @@ from tests.helpers.train_runs import (
     training_command,
 )
 
-# Values that must repeat exactly; times and throughput do not.
-COMPARED = (
-    "reward/mean",
-    "rollout/generated_tokens",
-    "response_length/mean",
-    "loss",
-    "grad_norm",
-    "entropy",
-    "bapo/rho_after",
-    "bapo/c_low",
-    "bapo/c_high",
-    "staleness/max",
-    "lr",
-)
-
-
-def comparable(records):
-    return [
-        (r["step"], {k: r[k] for k in COMPARED if k in r})
-        for r in records
-        if "warmup/cross_entropy" not in r
-    ]
+# Values that must repeat exactly (times and throughput do not), and the records compared: the
+# device check's resume check judges a GPU resume by the same rule.
+comparable = loop_runs.comparable
 
 
 @pytest.mark.parametrize(
