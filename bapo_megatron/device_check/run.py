@@ -93,7 +93,7 @@ def actor_comparison(checks: Checks, size: str, variants: str, steps: int, cpu_v
     common = ["--start", str(start), "--sequences", str(sequences), "--length", str(length),
               "--micro-batch-size", str(min(4, sequences))]
     reference_env = {**checks.env, "CUDA_VISIBLE_DEVICES": "", "BAPO_DEVICE": "cpu"}
-    reference = subprocess_async(checks, reference_env, [
+    reference = BackgroundActorRun(checks, reference_env, [
         "--device", "cpu", "--dtype", "float32", "--variants", cpu_variants,
         "--steps", str(cpu_steps), "--threads", str(a.cpu_threads if checks.gpu else 1), *common,
     ])
@@ -105,7 +105,7 @@ def actor_comparison(checks: Checks, size: str, variants: str, steps: int, cpu_v
     return compare_actor_runs(device_run, reference.result(a.check_timeout), bf16=checks.gpu)
 
 
-class subprocess_async:  # noqa: N801 - used like a function returning a future
+class BackgroundActorRun:
     """An actor_steps process started now (the CPU reference runs while the GPU works)."""
 
     def __init__(self, checks: Checks, env: dict, argv: list[str]) -> None:
