@@ -218,8 +218,11 @@ def loop_moe(checks: Checks) -> dict:
                                   "rollout.samples_per_prompt=4", "rollout.max_new_tokens=16",
                                   "actor.micro_batch_size=16", "warmup.batch_size=16",
                                   "data.synthetic_size=200"]
+    # bf16 with the distributed optimizer on the GPU: expert parameters in its buffers too
+    dtype = ["model.params_dtype=bfloat16", "optimizer.use_distributed_optimizer=true"] if \
+        checks.gpu else []
     config = REPO_ROOT / "examples" / "tiny_cpu_moe" / "train.yaml"
-    overrides = [f"--config={config}", *fast, f"train.steps={10 if checks.gpu else 3}",
+    overrides = [f"--config={config}", *fast, *dtype, f"train.steps={10 if checks.gpu else 3}",
                  "checkpoint.interval=0"]
     folder = checks.work / "loop-moe"
     folder.mkdir()
