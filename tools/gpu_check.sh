@@ -27,11 +27,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 status=0
 python3 -m bapo_megatron.device_check.run --device cuda --out "$out" "$@" || status=1
 if [ -d .whl19 ] && [ -z "${SKIP_MCORE19:-}" ]; then
-    # the same actor and loop checks against megatron-core 0.19.x (math-verify from .whl/)
+    # the same actor and loop checks against megatron-core 0.19.x (math-verify from .whl/); the
+    # float32 CPU references they compare with stay on 0.16.1, which the CPU patches are for
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/bapo-site19 .whl19/*.whl || exit 1
     PYTHONPATH="/tmp/bapo-site19:$PYTHONPATH" python3 -m bapo_megatron.device_check.run \
         --device cuda --out "$out" --label mcore-0.19 \
-        --only "${MCORE19_CHECKS:-actor_tiny,loop_tiny,resume}" || status=1
+        --reference-pythonpath "$PYTHONPATH" \
+        --only "${MCORE19_CHECKS:-actor_tiny,actor_moe,loop_tiny,resume,loop_moe}" || status=1
 fi
 exit $status

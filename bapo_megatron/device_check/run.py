@@ -93,6 +93,9 @@ def actor_comparison(checks: Checks, size: str, variants: str, steps: int, cpu_v
     common = ["--start", str(start), "--sequences", str(sequences), "--length", str(length),
               "--micro-batch-size", str(min(4, sequences))]
     reference_env = {**checks.env, "CUDA_VISIBLE_DEVICES": "", "BAPO_DEVICE": "cpu"}
+    if a.reference_pythonpath is not None:
+        reference_env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO_ROOT), *filter(None, [a.reference_pythonpath])])
     reference = BackgroundActorRun(checks, reference_env, [
         "--device", "cpu", "--dtype", "float32", "--variants", cpu_variants,
         "--steps", str(cpu_steps), "--threads", str(a.cpu_threads if checks.gpu else 1), *common,
@@ -376,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-timeout", type=float, default=300.0, help="seconds per check")
     parser.add_argument("--cpu-threads", type=int, default=8, help="of the CPU reference runs")
     parser.add_argument("--label", default="", help="a name for this run in the report")
+    parser.add_argument(
+        "--reference-pythonpath", default=None,
+        help="PYTHONPATH of the CPU reference runs (default: this process's); the pass against "
+        "a newer megatron-core keeps its CPU references on the pinned one, which the CPU "
+        "patches need")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda, but torch sees no CUDA GPU", file=sys.stderr)

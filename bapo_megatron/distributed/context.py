@@ -25,6 +25,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from bapo_megatron.config import ParallelConfig
 from bapo_megatron.distributed.device import uses_cuda
 from bapo_megatron.megatron_patches.cpu_runtime import apply_cpu_patches
+from bapo_megatron.megatron_patches.without_transformer_engine import apply_without_te_patches
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +113,7 @@ class ParallelContext:
             # cuBLAS reads its workspace setting when CUDA starts; a value the user set wins
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
+        apply_without_te_patches()
         if not use_cuda:
             apply_cpu_patches()
         if timeout is None:

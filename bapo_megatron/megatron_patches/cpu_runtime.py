@@ -174,15 +174,6 @@ def _patch_torch_norm_sequence_parallel() -> None:
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
 
 
-def _patch_moe_router_gemm_without_te() -> None:
-    """``moe_utils.RouterGatingLinearFunction`` tests ``te_general_gemm is not None``, but the
-    name is bound only inside the ``try: import transformer_engine`` block, so without TE the
-    router's forward raises ``NameError`` (fixed upstream in core 0.17). Bind it to None: the
-    function then takes its own ``torch.mm`` branch."""
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 class _NoStream:
     """Stands in for the alltoall dispatcher's device-to-host CUDA stream: on the CPU there is
     nothing to overlap, so it is never used (see ``_patch_alltoall_dispatcher_without_streams``)."""
@@ -289,7 +280,6 @@ CPU_PATCHES: dict[str, Callable[[], None]] = {
     "tied_embedding_setup_without_cuda": _patch_tied_embedding_setup_without_cuda,
     "cuda_synchronize_noop": _patch_cuda_synchronize_noop,
     "torch_norm_sequence_parallel": _patch_torch_norm_sequence_parallel,
-    "moe_router_gemm_without_te": _patch_moe_router_gemm_without_te,
     "alltoall_dispatcher_without_streams": _patch_alltoall_dispatcher_without_streams,
     "moe_split_sizes_on_cpu": _patch_moe_split_sizes_on_cpu,
 }

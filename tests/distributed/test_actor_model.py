@@ -30,6 +30,7 @@ from bapo_megatron.actor.model import build_model, tensor_parallel_shard
 from bapo_megatron.config import ModelConfig, ParallelConfig
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.megatron_patches import cpu_runtime as cpu_patches
+from bapo_megatron.megatron_patches import without_transformer_engine as without_te
 from tests.helpers import gloo_launch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -99,8 +100,26 @@ def test_refused_in_a_process_that_already_uses_cuda(monkeypatch):
 
 def test_patch_table_lists_every_patch():
     table = (REPO_ROOT / "patches" / "README.md").read_text()
-    for name in cpu_patches.CPU_PATCHES:
+    for name in [*cpu_patches.CPU_PATCHES, *without_te.WITHOUT_TE_PATCHES]:
         assert f"`{name}`" in table, name
+
+
+def test_the_router_gemm_name_is_bound_only_where_megatron_left_it_unbound(monkeypatch):
+    """The no-TE patch runs on every device, so it must leave a fixed or TE-equipped
+    megatron-core alone and repair only the 0.16 site (which a GPU image without TE hit)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    monkeypatch.setattr(without_te, "_APPLIED", [])
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
+    assert without_te.apply_without_te_patches() == ("moe_router_gemm_without_te",)
+    assert moe_utils.te_general_gemm is None
+    assert without_te.apply_without_te_patches() == ("moe_router_gemm_without_te",)
+
+    te_gemm = object()  # what a release with TE (or with the upstream fix) binds
+    monkeypatch.setattr(without_te, "_APPLIED", [])
+    monkeypatch.setattr(moe_utils, "te_general_gemm", te_gemm, raising=False)
+    assert without_te.apply_without_te_patches() == ()
+    assert moe_utils.te_general_gemm is te_gemm
 
 
 # ------------------------------------------------------------------------ one process
