@@ -57,17 +57,16 @@ def check_experts(cfg: Config, model: ModelConfig) -> None:
             f"{cfg.rollout.engine!r} is not supported with experts"
         )
     parallel = cfg.parallel
-    if parallel.expert_tensor_parallel_size > 1:
+    etp = parallel.expert_tensor_parallel_size
+    tp_cp = parallel.tensor_model_parallel_size * parallel.context_parallel_size
+    if cfg.rollout.placement == "colocated" and tp_cp % etp:
+        # Megatron numbers expert-TP ranks tp-first: replica d's engine rank (global rank
+        # d x TP x CP of its stage) holds whole experts only where expert-TP divides TP x CP
         raise ValueError(
-            f"parallel.expert_tensor_parallel_size={parallel.expert_tensor_parallel_size}: the "
-            "weight sync gathers the experts of the expert-parallel ranks whole, so an RL run "
-            "needs 1"
-        )
-    if parallel.expert_model_parallel_size > 1 and cfg.rollout.placement == "disaggregated":
-        raise ValueError(
-            f"parallel.expert_model_parallel_size={parallel.expert_model_parallel_size} with "
-            "rollout.placement=disaggregated: data-parallel replica 0 alone sends the weights "
-            "to the engine ranks, and it does not hold every expert (use 1, or colocated)"
+            f"parallel.expert_tensor_parallel_size={etp} must divide "
+            "parallel.tensor_model_parallel_size x parallel.context_parallel_size "
+            f"(= {tp_cp}) in a colocated run: each replica's engine rank must be expert-TP "
+            "rank 0, where the weight sync gathers whole experts"
         )
 
 

@@ -93,7 +93,9 @@ class RemoteEngine:
         checksum: bool = False,
     ) -> str | None:
         """Ask for an update to ``version``, broadcast this stage's ``named_tensors`` (replica
-        0's first rank; elsewhere they must be empty) and wait until the engine has the whole
+        0's first rank; elsewhere they must be empty, and are still run to their end after the
+        request went out: a rank's part in replica 0's export, such as an MoE model's
+        expert-parallel exchanges, travels inside them) and wait until the engine has the whole
         version loaded; returns its checksum (with ``checksum``)."""
         self.link.send(("update_weights", int(version), bool(checksum)), ENGINE)
         if self.weights is not None:

@@ -107,9 +107,11 @@ class StreamingEngine:
         version: int,
         checksum: bool = False,
     ) -> None:
-        """Send the update to ``version`` and, on replica 0's first rank, this stage's tensors;
-        returns once they are sent: the engine loads the version at its next token or item
-        boundary. ``checksum`` is not offered here (no answer is awaited)."""
+        """Send the update to ``version`` and, on replica 0's first rank, this stage's tensors
+        (elsewhere ``named_tensors`` must be empty, and is still run to its end after the
+        request went out, as in the synchronous client); returns once they are sent: the engine
+        loads the version at its next token or item boundary. ``checksum`` is not offered here
+        (no answer is awaited)."""
         if checksum:
             raise ValueError("asynchronous weight updates do not return a checksum")
         self.requests.send(("update_weights", int(version)), ENGINE)

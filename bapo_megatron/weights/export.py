@@ -123,8 +123,8 @@ def export_weights(
     bucket. ``dense`` / ``experts`` choose what this rank exports (``dense`` must agree over the
     TP group); an MoE model's expert buckets come after the dense ones, from this rank alone,
     or with ``all_experts`` every expert of the stage on every rank of the expert-parallel group
-    (each rank's buckets broadcast over it in turn; collective over the group, expert tensor
-    parallel 1): what an engine that runs the whole model needs.
+    of expert-TP rank 0 (each rank's buckets broadcast over it in turn; collective over the
+    group): what an engine that runs the whole model needs.
     ``transport`` moves the shards (:mod:`~bapo_megatron.weights.transports`): `auto` takes
     shared memory for CPU ranks on one host, else the torch.distributed collective; or a
     transport built once with :func:`~bapo_megatron.weights.transports.make_transport` and
@@ -177,11 +177,8 @@ def export_weights(
         if (tensors := _whole_experts(bucket, params, model, context, dtype)) is not None
     )
     if all_experts and experts and context.ep_size > 1:
-        if context.etp_size > 1:
-            raise ValueError(
-                "export: gathering every expert (all_experts) needs "
-                f"parallel.expert_tensor_parallel_size 1, got {context.etp_size}"
-            )
+        # with expert tensor parallelism only expert-TP rank 0 holds whole tensors; the
+        # expert-parallel groups of the other expert-TP ranks exchange nothing
         yield from _every_rank_experts(own, context, version)
     else:
         yield from own

@@ -12,7 +12,9 @@ loads with ``update_weights``.
   that every replica's engine gets them all.
 - :func:`push_weights_to_engines`: the same for engines on ranks of their own (disaggregated
   placement): data-parallel replica 0 exports, and each of its stages broadcasts its own tensors
-  to every engine replica (:mod:`~bapo_megatron.weights.broadcast`).
+  to every engine replica (:mod:`~bapo_megatron.weights.broadcast`). A mixture-of-experts
+  model's experts are gathered onto those export ranks over the expert-parallel group, whose
+  other members (expert data-parallel rank 0) may belong to other replicas.
 """
 
 from __future__ import annotations
@@ -109,7 +111,13 @@ def push_weights_to_engines(
     context = actor.context
     loaded = failure = None
     stream: Iterator[tuple[str, torch.Tensor]] = iter(())
-    if context.dp_rank == 0:  # the other replicas hold the same weights: no export there
+    # The other replicas hold the same weights: replica 0 exports its dense tensors. Experts are
+    # divided over the expert-parallel group, which Megatron carves out of data (and tensor)
+    # parallel ranks: the group of expert data-parallel rank 0 (replica 0's ranks among them)
+    # gathers every expert onto replica 0's export ranks.
+    dense = context.dp_rank == 0
+    experts = context.edp_rank == 0
+    if dense or experts:
         stream = named_tensors_of(
             export_weights(
                 actor.chunks,
@@ -117,8 +125,16 @@ def push_weights_to_engines(
                 context,
                 version=version,
                 bucket_bytes=bucket_bytes,
+                dense=dense,
+                experts=experts,
+                all_experts=True,
             )
         )
+        if not dense:
+            # This rank only helps replica 0's export. Its engine client (another replica's
+            # first rank) sends the update request first and then runs the stream to its end,
+            # so the engines are receiving while this rank's experts travel.
+            stream = _drained(stream)
     try:
         if engine is not None:
             loaded = engine.update_weights(stream, version=version, checksum=checksum)
@@ -138,6 +154,12 @@ def push_weights_to_engines(
 def _drain(items: Iterable) -> None:
     for _ in items:
         pass
+
+
+def _drained(items: Iterable) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stream that yields nothing and, when iterated, runs ``items`` to its end."""
+    _drain(items)
+    yield from ()
 
 
 def _engine_stream(

@@ -15,7 +15,10 @@ data-parallel ranks), TP2 with sequence parallelism and EP2, TP2 with sequence p
   gathered over the expert tensor-parallel group):
   bitwise the original folder's tensors; at EP2 the live export yields each rank's own experts;
 - load the checkpoint saved at EP2 at that layout (Megatron resharding on load) and write it
-  as HF: bitwise again.
+  as HF: bitwise again;
+- export as the weight sync does, colocated and disaggregated (experts gathered over the
+  expert-parallel group, also across replicas and with expert tensor parallelism): each
+  engine's stream holds the whole model, bitwise.
 """
 
 from __future__ import annotations
@@ -68,6 +71,22 @@ def reference_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return torch.cat([zero, chosen], 1).float(), torch.cat([zero, entropy], 1).float()
 
 
+def engine_view(chunks, model, context, placement: str) -> dict[str, torch.Tensor] | None:
+    """What the weight sync hands an engine from this rank, exporting as it does
+    (``weights/sync.py``): colocated, every rank with all experts, each replica's tensor rank 0
+    the engine's side; disaggregated, replica 0's dense tensors and the experts of expert
+    data-parallel rank 0, replica 0's tensor rank 0 the sender. None on the other ranks."""
+    disaggregated = placement == "disaggregated"
+    dense = context.dp_rank == 0 if disaggregated else True
+    experts = context.edp_rank == 0 if disaggregated else True
+    buckets = export_weights(
+        chunks, model, context, version=0, dense=dense, experts=experts, all_experts=True
+    )
+    tensors = {n: t.clone() for bucket in buckets for n, t in bucket.tensors.items()}
+    sender = context.tp_rank == 0 and (context.dp_rank == 0 or not disaggregated)
+    return tensors if sender else None
+
+
 def worker(args) -> None:
     gloo_launch.join_group(args, timeout_s=120)
     work = Path(args.workdir)
@@ -85,6 +104,8 @@ def worker(args) -> None:
                     chunks, model, context, version=0, dense=context.dp_rank == 0
                 )
             ]
+        for placement in ("colocated", "disaggregated"):
+            results["engine", name, placement] = engine_view(chunks, model, context, placement)
         megatron_to_hf(work / f"ckpt-{name}", work / f"hf-{name}", context)
         if name != "ep2":
             megatron_to_hf(work / "ckpt-ep2", work / f"hf-{name}-from-ep2", context)
@@ -128,6 +149,22 @@ def test_qwen3_moe_converts_at_every_expert_layout(tmp_path, single_process):
         assert_same_tensors(tmp_path / f"hf-{name}", original)
         if name != "ep2":
             assert_same_tensors(tmp_path / f"hf-{name}-from-ep2", original)
+    # the weight sync's view: each engine (colocated: every replica's; disaggregated: the one
+    # stream of replica 0) gets every tensor of the model, bitwise, whichever rank held it
+    for name in LAYOUTS:
+        for placement in ("colocated", "disaggregated"):
+            views = [r["engine", name, placement] for r in results]
+            if name == "pp2":  # one sender per stage: together the whole model, once
+                assert None not in views
+                assert not set(views[0]) & set(views[1])
+                views = [{**views[0], **views[1]}]
+            views = [view for view in views if view is not None]
+            replicas = 2 if name == "ep2" and placement == "colocated" else 1
+            assert len(views) == replicas, (name, placement)
+            for view in views:
+                assert sorted(view) == sorted(original), (name, placement)
+                for key, value in original.items():
+                    assert torch.equal(view[key], value), (name, placement, key)
     # at EP2 (dense tensors asked of data-parallel rank 0 only) the live export yields on each
     # rank the experts it holds, tagged with its expert-parallel rank
     for rank, result in enumerate(results):

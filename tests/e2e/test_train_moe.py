@@ -134,7 +134,10 @@ def moe_start(tmp_path_factory):
     """The tiny MoE run after its warm-up and one RL step, as a trainer checkpoint that loads at
     any layout (so that two layouts start from bitwise the same weights)."""
     output = tmp_path_factory.mktemp("moe_start")
-    run_in_process(output, "train.steps=1", config=MOE_CONFIG)
+    # a warm-up long enough that the compared runs earn rewards (20 steps of 16 leave them at 0)
+    run_in_process(
+        output, "train.steps=1", "warmup.steps=100", "warmup.batch_size=64", config=MOE_CONFIG
+    )
     return ["warmup.steps=0", f"train.load_checkpoint={output / 'checkpoints' / 'step_00000001'}"]
 
 
@@ -145,19 +148,67 @@ def test_tp2_sp_ep2_run_matches_one_process(tmp_path, moe_start):
     weight sync (broadcast over the expert-parallel group), so it samples exactly what the
     one-process run samples, and the updates agree to float rounding."""
     one = run_in_process(tmp_path / "one", *moe_start, "train.steps=3", config=MOE_CONFIG)
-    command = training_command(
-        tmp_path / "two",
-        *moe_start,
-        "train.steps=3",
+    layout = [
         "parallel.tensor_model_parallel_size=2",
         "parallel.sequence_parallel=true",
         "parallel.expert_model_parallel_size=2",
-        config=MOE_CONFIG,
-    )
-    ranks = start_ranks(command, 2)
+    ]
+    records = run_ranks(tmp_path / "two", [*moe_start, "train.steps=3", *layout], 2)
+    assert_same_run(records, one, rollout_steps=3, updates=6)
+
+
+def run_ranks(output, overrides: list[str], processes: int) -> list[dict]:
+    """The tiny MoE run with ``overrides`` on ``processes`` ranks started as torchrun would;
+    its metrics."""
+    ranks = start_ranks(training_command(output, *overrides, config=MOE_CONFIG), processes)
     outputs = finish(ranks, 900)
-    assert [r.returncode for r in ranks] == [0, 0], "\n".join(o[-4000:] for o in outputs)
-    assert_same_run(read_metrics(tmp_path / "two"), one, rollout_steps=3, updates=6)
+    assert [r.returncode for r in ranks] == [0] * processes, "\n".join(o[-4000:] for o in outputs)
+    return read_metrics(output)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("layout", "processes", "reference_processes"),
+    [
+        pytest.param(
+            [
+                "parallel.expert_model_parallel_size=2",
+                "rollout.placement=disaggregated",
+                "rollout.engine_ranks=2",
+            ],
+            4,
+            2,
+            id="disaggregated-ep2-dp2",
+        ),
+        pytest.param(
+            [
+                "parallel.tensor_model_parallel_size=2",
+                "parallel.sequence_parallel=true",
+                "parallel.expert_tensor_parallel_size=2",
+            ],
+            2,
+            1,
+            id="colocated-tp2-sp-etp2",
+        ),
+    ],
+)
+def test_expert_layouts_feed_whole_experts_to_the_engines(
+    tmp_path, moe_start, layout, processes, reference_processes
+):
+    """disaggregated-ep2-dp2: two data-parallel replicas, each holding half of the experts, and
+    an engine rank per replica; replica 0 sends the weights, the other replica's rank sending its
+    experts over the expert-parallel group inside the update. Against the colocated run of two
+    replicas holding every expert (two engines sample as one cannot): the same samples exactly,
+    so both engines got every expert, and the same updates to float rounding.
+    colocated-tp2-sp-etp2: every expert split over two ranks, gathered whole for the engine on
+    rank 0, against the one-process run."""
+    common = [*moe_start, "train.steps=3"]
+    if reference_processes == 1:
+        reference = run_in_process(tmp_path / "reference", *common, config=MOE_CONFIG)
+    else:
+        reference = run_ranks(tmp_path / "reference", common, reference_processes)
+    records = run_ranks(tmp_path / "experts", [*common, *layout], processes)
+    assert_same_run(records, reference, rollout_steps=3, updates=6)
 
 
 def test_expert_sets_ignore_missing_ids():

@@ -274,16 +274,9 @@ def test_moe_section_and_expert_parallel_load_from_dotted_overrides():
         ),
         (
             [*MOE, "parallel.expert_tensor_parallel_size=2"],
-            "so an RL run needs 1",
-        ),
-        (
-            [
-                *MOE,
-                "parallel.expert_model_parallel_size=2",
-                "rollout.placement=disaggregated",
-                "rollout.engine_ranks=1",
-            ],
-            "data-parallel replica 0 alone sends the weights",
+            "parallel.expert_tensor_parallel_size=2 must divide "
+            "parallel.tensor_model_parallel_size x parallel.context_parallel_size (= 1) in a "
+            "colocated run",
         ),
     ],
 )
@@ -294,6 +287,42 @@ def test_routing_replay_and_moe_runs_are_checked(overrides, message):
     with pytest.raises(ValueError) as raised:
         cfg.check_training()
     assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(
+            [
+                "parallel.tensor_model_parallel_size=2",
+                "parallel.sequence_parallel=true",
+                "parallel.expert_tensor_parallel_size=2",
+            ],
+            id="colocated-etp2-tp2",
+        ),
+        pytest.param(
+            [
+                "parallel.expert_tensor_parallel_size=2",
+                "rollout.placement=disaggregated",
+                "rollout.engine_ranks=1",
+            ],
+            id="disaggregated-etp2",
+        ),
+        pytest.param(
+            [
+                "parallel.expert_model_parallel_size=2",
+                "rollout.placement=disaggregated",
+                "rollout.engine_ranks=1",
+            ],
+            id="disaggregated-ep2",
+        ),
+    ],
+)
+def test_expert_layouts_the_weight_sync_serves_are_accepted(overrides):
+    from bapo_megatron.config import load_config
+
+    cfg = load_config(None, [*TRAINABLE_DENSE, *MOE, *overrides])
+    cfg.check_training()
 
 
 def test_routing_replay_values_are_checked():
