@@ -16,9 +16,14 @@ import types
 import numpy as np
 import pytest
 
-from bapo_megatron.config import ModelConfig
+import bapo_megatron.rollout.vllm as vllm_family
+from bapo_megatron.actor.routing_replay import validate_routes
+from bapo_megatron.config import ModelConfig, RolloutConfig, load_config
+from bapo_megatron.config.checks import records_routes
 from bapo_megatron.config.moe import MoeConfig
+from bapo_megatron.data.experience import Group, to_policy_batch
 from bapo_megatron.rollout.protocol import SamplingParams
+from bapo_megatron.rollout.registry import build_engine
 from bapo_megatron.rollout.routes import (
     decode_routes,
     routes_from_int32_base64,
@@ -165,6 +170,14 @@ def test_vllm_step_loop_fills_each_samples_routes():
     engine.continue_generation(samples, params)  # the whole context again: routes replaced
     assert [s.routes for s in samples] == [expected(6)] * 2 + [expected(5)] * 2
 
+    # what the actor replays: [samples, tokens, 2 MoE layers, top-2], -1 where none (each
+    # sample's last token, padding)
+    batch, _ = to_policy_batch([Group("p", samples, [0.0] * 4, [0.0] * 4)], pad_token_id=0)
+    validate_routes(batch.routes, MOE)
+    assert tuple(batch.routes.shape) == (4, 7, 2, 2)
+    assert batch.routes[0, :6].tolist() == expected(6) and (batch.routes[0, 6] == -1).all()
+    assert batch.routes[2, :5].tolist() == expected(5) and (batch.routes[2, 5:] == -1).all()
+
     # cut requests come back without routes: a sample keeps its earlier ones
     [sample] = engine.generate([[1, 2]], SamplingParams(max_new_tokens=6), round_tokens=2)
     assert sample.routes == expected(3)
@@ -213,6 +226,40 @@ def test_vllm_is_started_with_routed_expert_capture(tmp_path, monkeypatch):
     assert engine.record_routes and started[0]["enable_return_routed_experts"] is True
     engine = VLLMEngine.from_pretrained(tmp_path, full_vocab_logprobs=False)
     assert not engine.record_routes and "enable_return_routed_experts" not in started[1]
+
+
+def test_runs_ask_vllm_and_sglang_for_routes_under_rollout_replay(monkeypatch, tmp_path):
+    overrides = [
+        "model.model_type=qwen3_moe",
+        "model.num_layers=3",
+        "model.hidden_size=64",
+        "model.ffn_hidden_size=96",
+        "model.num_attention_heads=4",
+        "model.num_query_groups=2",
+        "model.vocab_size=128",
+        "model.moe.num_experts=4",
+        "model.moe.num_experts_per_tok=2",
+        "model.moe.moe_intermediate_size=32",
+    ]
+    for replay, asked in (("rollout", True), ("none", False)):
+        cfg = load_config(None, [*overrides, f"algorithm.routing_replay={replay}"])
+        assert records_routes(cfg, cfg.model) is asked
+    assert not records_routes(cfg, dataclasses.replace(MOE, model_type="qwen3", moe=None))
+
+    started = []
+    monkeypatch.setattr(
+        vllm_family.VLLMEngine, "from_pretrained", lambda folder, **kw: started.append(kw)
+    )
+    build_engine(
+        RolloutConfig(engine="vllm"),
+        MOE,
+        model_path="folder",
+        dp_rank=0,
+        work_dir=tmp_path,
+        pad_token_id=0,
+        record_routes=True,
+    )
+    assert started[0]["record_routes"] is True
 
 
 # ------------------------------------------------------------------ vLLM server (fake)
