@@ -34,6 +34,13 @@ def _check_experts(cfg: Config) -> None:
         check_experts(cfg, cfg.model)
 
 
+def records_routes(cfg: Config, model: ModelConfig) -> bool:
+    """Whether the rollout engine must return the experts of every token: routing replay of the
+    rollout (`rollout`, R3) on a mixture-of-experts ``model`` (the embedded engine records them
+    for every such model; vLLM and SGLang only when asked, which costs them)."""
+    return model.is_moe and cfg.algorithm.routing_replay == "rollout"
+
+
 def check_experts(cfg: Config, model: ModelConfig) -> None:
     """Routing replay and what a mixture-of-experts ``model`` needs of the rest of the run;
     ``ValueError`` naming the fields."""
@@ -50,12 +57,6 @@ def check_experts(cfg: Config, model: ModelConfig) -> None:
         )
     if not model.is_moe:
         return
-    if cfg.rollout.engine != "embedded":
-        raise ValueError(
-            f"model.model_type {model.model_type!r}: of the rollout engines only the "
-            f"embedded one loads expert weights and records routes so far; rollout.engine="
-            f"{cfg.rollout.engine!r} is not supported with experts"
-        )
     parallel = cfg.parallel
     etp = parallel.expert_tensor_parallel_size
     tp_cp = parallel.tensor_model_parallel_size * parallel.context_parallel_size

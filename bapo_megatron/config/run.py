@@ -125,8 +125,8 @@ class AlgorithmConfig:
     training passes, so that the ratio compares the policies on the same experts. `none`: live
     routing; `trainer` (R2): the routes of the actor's own old-log-prob pass (needs
     ``old_logprobs=recompute``); `rollout` (R3): the routes the engine recorded for every token
-    (the embedded engine records them). Missing routes (the last sampled token) are routed
-    live."""
+    (the embedded engine always; vLLM and SGLang are started asking for them, see
+    docs/moe.md). Missing routes (the last sampled token) are routed live."""
     max_staleness: int = 0
     """eta of asynchronous training (``rollout.placement=disaggregated``): a group trains in a
     rollout step whose policy version is v only if every token of it was sampled at version

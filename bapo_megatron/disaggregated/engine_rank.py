@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from bapo_megatron.config import Config
+from bapo_megatron.config.checks import records_routes
 from bapo_megatron.data.task import load_task
 from bapo_megatron.disaggregated.engine_gpus import pin_this_process
 from bapo_megatron.disaggregated.server import TRAINER, serve
@@ -34,6 +35,7 @@ def run_engine_rank(cfg: Config, role: Role) -> None:
             dp_rank=index,
             work_dir=Path(cfg.train.output_dir),
             pad_token_id=task.pad_token_id,
+            record_routes=records_routes(cfg, task.model),
         )
     except Exception as error:  # noqa: BLE001 - reported to the trainer, then raised
         failure = error

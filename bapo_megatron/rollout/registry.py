@@ -38,6 +38,10 @@ class EngineSetup:
     device: str = "cpu"
     """Where an embedded engine computes: its rank's device (``cuda`` uses the rank's current
     GPU). vLLM and SGLang choose their own GPUs (``bapo_megatron.rollout.gpus``)."""
+    record_routes: bool = False
+    """Whether vLLM and SGLang ask for the experts of every token (a mixture-of-experts model
+    under ``algorithm.routing_replay=rollout``); the embedded engine records them for every
+    mixture-of-experts model, as it costs it nothing."""
 
     @property
     def http_timeout(self) -> float:
@@ -111,13 +115,15 @@ def build_engine(
     work_dir: Path,
     pad_token_id: int,
     device: str = "cpu",
+    record_routes: bool = False,
 ) -> RolloutEngine:
     """The engine of data-parallel replica ``dp_rank``, of the kind ``rollout.engine`` names.
     ``model_path`` is the HF folder the run started from (vLLM and SGLang load their first
     weights, and their tokenizer-free config, from it; the trainer pushes its own weights before
     the first rollout anyway). ``work_dir`` is where engines that take weights from disk (the
-    vLLM server) get them; ``device`` is where an embedded engine computes. The engine comes
-    guarded: its failures name it, and generation has ``rollout.timeout_s``."""
+    vLLM server) get them; ``device`` is where an embedded engine computes; ``record_routes``
+    asks vLLM and SGLang for each token's experts (:attr:`EngineSetup.record_routes`). The
+    engine comes guarded: its failures name it, and generation has ``rollout.timeout_s``."""
     kind = _KINDS.get(rollout.engine)
     if kind is None:
         raise ValueError(
@@ -144,6 +150,7 @@ def build_engine(
         work_dir=work_dir,
         pad_token_id=pad_token_id,
         device=device,
+        record_routes=record_routes,
     )
     try:
         engine = kind.builder(setup)

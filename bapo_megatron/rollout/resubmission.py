@@ -36,6 +36,7 @@ import torch
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.rollout.checksum import Checksum
 from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams, check_prompts, check_ready
+from bapo_megatron.rollout.routes import decode_routes
 
 EngineFinish = Literal["stop", "length", "abort"]
 """How an engine ended one request, normalized from its own vocabulary."""
@@ -121,6 +122,9 @@ class EngineOutput:
     finish: EngineFinish
     detail: str = ""
     """The engine's own words on an `abort` (an error message), for error reports."""
+    routes: Any = None
+    """The experts the engine routed each token of the request to (``[tokens, layers,
+    top_k]`` as the engine gives them, :mod:`bapo_megatron.rollout.routes`), when asked for."""
 
 
 def apply_output(
@@ -222,10 +226,19 @@ class ResubmittingEngine:
     """
 
     engine_name = "engine"
+    routes_option = "routed-expert capture"
+    """How the engine is started so that it returns routed experts (for error messages)."""
 
-    def __init__(self, model: ModelConfig, *, version: int) -> None:
+    def __init__(self, model: ModelConfig, *, version: int, record_routes: bool = False) -> None:
+        if record_routes and not model.is_moe:
+            raise ValueError(
+                f"record_routes: model_type {model.model_type!r} has no experts to route to"
+            )
         self.model_config = model
         self.version = version
+        self.record_routes = record_routes
+        """Ask the engine for the experts of every token it runs and fill
+        ``RolloutSample.routes`` (mixture-of-experts models, routing replay of the rollout)."""
         self._shapes = expected_shapes(model)
         self._abort = threading.Event()
         self._pause = threading.Event()
@@ -282,6 +295,29 @@ class ResubmittingEngine:
             apply_output(
                 request, output, version=self.version, pausing=self._pause.is_set(), where=where
             )
+            if self.record_routes:
+                self._take_routes(request, output, where)
+
+    def _take_routes(self, request: RoundRequest, output: EngineOutput, where: str) -> None:
+        """The round's routes replace the sample's: the engine ran its whole context again
+        (under the current weights), as the embedded engine does. A cut request the engine
+        returned no routes for keeps the earlier ones (its later tokens have none)."""
+        sample = request.sample
+        where = f"{where} (prompt {sample.prompt_index}, sample {sample.sample_index})"
+        if output.routes is None:
+            if output.finish == "abort":
+                return
+            raise ValueError(
+                f"{where}: no routed experts in the answer; start {self.engine_name} with "
+                f"{self.routes_option}"
+            )
+        sample.routes = decode_routes(
+            output.routes,
+            self.model_config,
+            tokens=len(request.context) + len(output.token_ids),
+            finished=output.finish != "abort",
+            where=where,
+        )
 
     def _submit(self, requests: list[RoundRequest], params: SamplingParams) -> list[EngineOutput]:
         raise NotImplementedError

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from bapo_megatron.actor.actor import Actor, build_actor
 from bapo_megatron.algo.search_plan import SearchPlan
 from bapo_megatron.config import Config
-from bapo_megatron.config.checks import check_experts
+from bapo_megatron.config.checks import check_experts, records_routes
 from bapo_megatron.data.experience import ReplayBuffer
 from bapo_megatron.data.task import Task, load_task
 from bapo_megatron.disaggregated.link import EngineLink
@@ -200,6 +200,7 @@ def _build_run(
             work_dir=output,
             pad_token_id=task.pad_token_id,
             device=str(context.device),
+            record_routes=records_routes(cfg, task.model),
         )
     if holds_engine(context) and algo.max_staleness and engines is None:
         # servers as the engines of asynchronous training: driven from a thread of this rank

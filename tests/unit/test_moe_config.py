@@ -269,10 +269,6 @@ def test_moe_section_and_expert_parallel_load_from_dotted_overrides():
             "pass, which needs algorithm.old_logprobs=recompute",
         ),
         (
-            [*MOE, "algorithm.routing_replay=rollout", "rollout.engine=vllm"],
-            "only the embedded one loads expert weights and records routes so far",
-        ),
-        (
             [*MOE, "parallel.expert_tensor_parallel_size=2"],
             "parallel.expert_tensor_parallel_size=2 must divide "
             "parallel.tensor_model_parallel_size x parallel.context_parallel_size (= 1) in a "
@@ -334,6 +330,18 @@ def test_routing_replay_values_are_checked():
     for replay in ("none", "rollout"):
         load_config(
             None, [*TRAINABLE_DENSE, *MOE, f"algorithm.routing_replay={replay}"]
+        ).check_training()
+    # every engine loads expert weights and returns routes (vLLM, SGLang: when asked)
+    for engine in ("vllm", "vllm-server", "sglang", "sglang-server"):
+        load_config(
+            None,
+            [
+                *TRAINABLE_DENSE,
+                *MOE,
+                "algorithm.routing_replay=rollout",
+                f"rollout.engine={engine}",
+                "rollout.server_urls=[http://localhost:1]",
+            ],
         ).check_training()
     load_config(
         None,

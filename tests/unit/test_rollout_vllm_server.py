@@ -46,12 +46,14 @@ WATCH_TIMEOUT_S = 300
 
 
 class ServerProcess:
-    """A vLLM server in a subprocess on the model in ``folder``, with the RL routes, the worker
-    extension and chunked prefill off (seeded requests crash a CPU vLLM that prefills in
-    chunks: bapo_megatron/rollout/vllm/engine.py). Its output goes to ``server-N.log``."""
+    """A vLLM server in a subprocess on the model in ``folder`` (context ``max_model_len``), with
+    the RL routes, the worker extension and chunked prefill off (seeded requests crash a CPU
+    vLLM that prefills in chunks: bapo_megatron/rollout/vllm/engine.py). Its output goes to
+    ``server-N.log``."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, max_model_len: int = 131072) -> None:
         self.folder = folder
+        self.max_model_len = max_model_len
         self.starts = 0
         self.process: subprocess.Popen | None = None
         self.client: VLLMServerClient | None = None
@@ -94,7 +96,7 @@ class ServerProcess:
                     "--port",
                     str(port),
                     "--max-model-len",
-                    "131072",
+                    str(self.max_model_len),
                 ],
                 env=env,
                 stdout=log_file,

@@ -30,6 +30,7 @@ def start_in_process(setup: EngineSetup) -> RolloutEngine:
         tp_size=rollout.engine_tensor_parallel_size,
         mem_fraction_static=rollout.gpu_memory_utilization,
         bucket_bytes=rollout.weight_bucket_mib * 2**20,
+        record_routes=setup.record_routes,
     )
 
 
@@ -49,4 +50,5 @@ def connect_server(setup: EngineSetup) -> RolloutEngine:
         api_key=api_key,
         bucket_bytes=rollout.weight_bucket_mib * 2**20,
         weight_transport=rollout.weight_transport,
+        record_routes=setup.record_routes,
     )

@@ -35,6 +35,12 @@ What SGLang gives, and how it maps onto the protocol:
   SGLang versions want that for packed/quantized weights).
 - Memory: ``release_memory_occupation`` / ``resume_memory_occupation`` (both weights and KV
   cache; weights must be updated again afterwards, as the protocol says).
+- Experts (Qwen3-MoE): the per-expert names of the live export are the checkpoint names SGLang's
+  ``load_weights`` maps into its fused experts; they travel in the buckets like every tensor.
+- Routes (``record_routes``: routing replay of the rollout): the engine is started with
+  ``enable_return_routed_experts`` and each request sent with ``return_routed_experts``; each
+  answer's ``meta_info["routed_experts"]`` (base64 of int32 ``[tokens, layers, top_k]``) is
+  decoded into ``RolloutSample.routes`` (:mod:`bapo_megatron.rollout.routes`).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import torch
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.resubmission import EngineOutput, ResubmittingEngine, RoundRequest
+from bapo_megatron.rollout.routes import routes_from_int32_base64
 
 log = logging.getLogger(__name__)
 
@@ -79,24 +86,35 @@ def sampling_params_of(request: RoundRequest, params: SamplingParams) -> dict[st
     return body
 
 
-def generate_request(requests: list[RoundRequest], params: SamplingParams) -> dict[str, Any]:
+def generate_request(
+    requests: list[RoundRequest], params: SamplingParams, *, routes: bool = False
+) -> dict[str, Any]:
     """The body of one batched ``/generate`` call (also the keyword arguments of
-    ``Engine.generate``): one entry per request, in order."""
-    return {
+    ``Engine.generate``): one entry per request, in order; with ``routes``, asking for each
+    token's experts."""
+    body: dict[str, Any] = {
         "input_ids": [r.context for r in requests],
         "sampling_params": [sampling_params_of(r, params) for r in requests],
         "return_logprob": True,
         "stream": False,
     }
+    if routes:
+        body["return_routed_experts"] = True
+    return body
 
 
 def parse_generate_response(
-    response: Any, count: int, *, where: str = "SGLang /generate"
+    response: Any,
+    count: int,
+    *,
+    where: str = "SGLang /generate",
+    routes: ModelConfig | None = None,
 ) -> list[EngineOutput]:
     """The :class:`EngineOutput` of each of ``count`` requests from a ``/generate`` answer
     (a list of ``{"output_ids", "meta_info": {"finish_reason", "output_token_logprobs"}}``; one
-    dict for a single request). ``ValueError`` naming the field when anything is missing or
-    inconsistent."""
+    dict for a single request). With ``routes`` (the served model), ``meta_info``'s
+    ``routed_experts`` are decoded too. ``ValueError`` naming the field when anything is missing
+    or inconsistent."""
     if isinstance(response, dict) and count == 1:
         response = [response]
     if not isinstance(response, list) or len(response) != count:
@@ -104,10 +122,10 @@ def parse_generate_response(
             f"a list of {len(response)}" if isinstance(response, list) else type(response).__name__
         )
         raise ValueError(f"{where}: expected a list of {count} outputs, got {got}")
-    return [_parse_one(item, f"{where}[{index}]") for index, item in enumerate(response)]
+    return [_parse_one(item, f"{where}[{index}]", routes) for index, item in enumerate(response)]
 
 
-def _parse_one(item: Any, where: str) -> EngineOutput:
+def _parse_one(item: Any, where: str, model: ModelConfig | None) -> EngineOutput:
     if not isinstance(item, dict):
         raise ValueError(  # noqa: TRY004 - a malformed answer, reported like every other
             f"{where}: expected an output dict, got {type(item).__name__}"
@@ -156,11 +174,15 @@ def _parse_one(item: Any, where: str) -> EngineOutput:
                     f"{where}: 'output_ids'[{position}] = {a} but "
                     f"'meta_info.output_token_logprobs'[{position}] is for token {b}"
                 )
+    routed = meta.get("routed_experts") if model is not None else None
     return EngineOutput(
         token_ids=token_ids,
         logprobs=logprobs,
         finish=kind,
         detail=str(finish.get("message", "")) if isinstance(finish, dict) else "",
+        routes=None
+        if routed is None
+        else routes_from_int32_base64(routed, model, f"{where}: 'meta_info.routed_experts'"),
     )
 
 
@@ -227,10 +249,13 @@ class SGLangEngine(ResubmittingEngine):
     ``model`` describes the served model (vocabulary and HF tensor shapes, checked before any
     tensor is sent). ``version`` is the policy version of the weights the engine starts with
     (-1: none yet, :meth:`update_weights` must come first). With ``weight_update_session``,
-    updates are wrapped in ``begin_weight_update`` / ``end_weight_update``.
+    updates are wrapped in ``begin_weight_update`` / ``end_weight_update``. ``record_routes``:
+    the engine was started with ``enable_return_routed_experts``; each sample's ``routes`` are
+    filled.
     """
 
     engine_name = "SGLang"
+    routes_option = "enable_return_routed_experts=True"
 
     def __init__(
         self,
@@ -240,8 +265,9 @@ class SGLangEngine(ResubmittingEngine):
         version: int = -1,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         weight_update_session: bool = False,
+        record_routes: bool = False,
     ) -> None:
-        super().__init__(model, version=version)
+        super().__init__(model, version=version, record_routes=record_routes)
         self.engine = engine
         self.bucket_bytes = bucket_bytes
         self.weight_update_session = weight_update_session
@@ -253,10 +279,12 @@ class SGLangEngine(ResubmittingEngine):
         *,
         version: int = 0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        record_routes: bool = False,
         **engine_kwargs: Any,
     ) -> SGLangEngine:
         """Start ``sglang.Engine(model_path=..., skip_tokenizer_init=True, **engine_kwargs)``
-        holding the HF folder's weights as policy ``version``."""
+        holding the HF folder's weights as policy ``version`` (with ``record_routes``, also
+        ``enable_return_routed_experts=True``)."""
         try:
             import sglang
         except ImportError as error:
@@ -264,14 +292,22 @@ class SGLangEngine(ResubmittingEngine):
                 "SGLangEngine.in_process needs the optional package sglang "
                 "(see docs/rollout-engines.md)"
             ) from error
+        model = ModelConfig.from_hf_config(model_path)
+        if record_routes:
+            if not model.is_moe:  # before SGLang starts
+                raise ValueError(
+                    f"record_routes: model_type {model.model_type!r} has no experts to route to"
+                )
+            engine_kwargs["enable_return_routed_experts"] = True
         engine = sglang.Engine(
             model_path=str(model_path), skip_tokenizer_init=True, **engine_kwargs
         )
         return cls(
             engine,
-            ModelConfig.from_hf_config(model_path),
+            model,
             version=version,
             bucket_bytes=bucket_bytes,
+            record_routes=record_routes,
         )
 
     # -------------------------------------------------------------- generation and control
@@ -279,13 +315,12 @@ class SGLangEngine(ResubmittingEngine):
     def _submit(self, requests: list[RoundRequest], params: SamplingParams) -> list[EngineOutput]:
         # On the caller's thread: Engine.generate drives the engine's event loop, which stays
         # there; abort and pause reach it through that loop, after the request was submitted.
-        body = generate_request(requests, params)
-        response = self.engine.generate(
-            input_ids=body["input_ids"],
-            sampling_params=body["sampling_params"],
-            return_logprob=body["return_logprob"],
+        body = generate_request(requests, params, routes=self.record_routes)
+        body.pop("stream")
+        response = self.engine.generate(**body)
+        return parse_generate_response(
+            response, len(requests), routes=self.model_config if self.record_routes else None
         )
-        return parse_generate_response(response, len(requests))
 
     def _on_loop(self, call: Callable[[], Any]) -> None:
         """Run the coroutine-or-value factory ``call`` on the engine's loop: thread-safely while

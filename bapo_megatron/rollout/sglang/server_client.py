@@ -11,7 +11,8 @@ except for weight updates, which serialize with SGLang's own serializer.
 Routes used (JSON bodies as SGLang's ``io_struct`` request dataclasses define them):
 
 ==================================== =====================================================
-``POST /generate``                   ``input_ids``, ``sampling_params``, ``return_logprob``
+``POST /generate``                   ``input_ids``, ``sampling_params``, ``return_logprob``,
+                                     ``return_routed_experts`` (``record_routes``)
 ``POST /abort_request``              ``{"rid": "", "abort_all": true}``
 ``POST /pause_generation``           ``{"mode": "abort"}`` (older servers ignore the body)
 ``POST /continue_generation``        ``{}``
@@ -107,10 +108,13 @@ class SGLangServerClient(ResubmittingEngine):
     :func:`sglang_serializer`. ``version``, ``bucket_bytes`` and ``weight_update_session`` are
     as for :class:`~bapo_megatron.rollout.sglang.engine.SGLangEngine` (the same-host route).
     ``weight_transport`` picks the weight route (module docstring); ``timeout`` also bounds
-    joining the process group and each of its broadcasts.
+    joining the process group and each of its broadcasts. ``record_routes``: ask for each
+    token's experts (a server started with ``--enable-return-routed-experts``) and fill each
+    sample's ``routes``.
     """
 
     engine_name = "SGLang"
+    routes_option = "--enable-return-routed-experts"
 
     def __init__(
         self,
@@ -126,8 +130,9 @@ class SGLangServerClient(ResubmittingEngine):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         weight_update_session: bool = False,
         weight_transport: str = "same-host",
+        record_routes: bool = False,
     ) -> None:
-        super().__init__(model, version=version)
+        super().__init__(model, version=version, record_routes=record_routes)
         if weight_transport not in ("same-host", "process-group"):
             raise ValueError(
                 f"weight_transport must be 'same-host' or 'process-group', got {weight_transport!r}"
@@ -167,12 +172,14 @@ class SGLangServerClient(ResubmittingEngine):
         # The call runs on a helper thread so that this one can keep aborting while a pause or
         # abort is pending: a /generate that reaches SGLang just after pause_generation would
         # otherwise wait for continue_generation.
-        body = generate_request(requests, params)
+        body = generate_request(requests, params, routes=self.record_routes)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-generate") as pool:
             [response] = wait_cutting(
                 [pool.submit(self._post, "/generate", body)], self._cut, self._on_abort
             )
-        return parse_generate_response(response, len(requests))
+        return parse_generate_response(
+            response, len(requests), routes=self.model_config if self.record_routes else None
+        )
 
     def _on_abort(self) -> None:
         self._post("/abort_request", {"rid": "", "abort_all": True})

@@ -32,6 +32,7 @@ def start_in_process(setup: EngineSetup) -> RolloutEngine:
         gpu_memory_utilization=rollout.gpu_memory_utilization,
         max_model_len=setup.model.max_position_embeddings,
         enable_sleep_mode=True,
+        record_routes=setup.record_routes,
     )
 
 
@@ -49,4 +50,5 @@ def connect_server(setup: EngineSetup) -> RolloutEngine:
         timeout=setup.http_timeout,
         api_key=api_key,
         weight_transport=setup.rollout.weight_transport,
+        record_routes=setup.record_routes,
     )

