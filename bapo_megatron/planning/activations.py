@@ -20,14 +20,21 @@ parallelism, the others always, since heads and FFN columns are split):
   Recomputation in Large Transformer Models", and Megatron-LM's ``theoretical_memory_usage``),
   not a measurement: there is no GPU here.
 
+A mixture-of-experts layer (:mod:`~bapo_megatron.planning.moe_memory`) saves the same norm-side
+and attention tensors, and instead of the MLP's f-wide ones its router's and experts' tensors.
+
 Outside the layers: the first stage's embedding output, the last stage's final norm input and
 output (norm side), its vocabulary-parallel logits (V/t per token, kept by the log-prob function)
 and, for logits narrower than fp32, the fp32 copy the log-prob function makes while it runs.
 
 Pipelining: with the 1F1B schedule stage p holds min(pp - p, micro-batches) micro-batches at
 once; the interleaved schedule holds more, by the factor 1 + (pp - 1) / (pp · vpp) that
-Megatron-LM's estimate uses. The trainer has no activation recomputation (every layer keeps its
-tensors), so none is modelled.
+Megatron-LM's estimate uses.
+
+Recomputation (``actor.recompute_activations``: Megatron's full, uniform recompute, one layer per
+block): each layer of a micro-batch in flight keeps only its input (norm side, h wide), and the
+backward pass recomputes one layer at a time, which then holds that layer's tensors for one
+micro-batch (the larger of a dense and an MoE layer's) on top.
 """
 
 from __future__ import annotations
@@ -36,9 +43,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from bapo_megatron.config import ModelConfig, ParallelConfig
+from bapo_megatron.planning.moe_memory import moe_mlp_bytes, stage_moe_layers
 
 Attention = Literal["unfused", "flash"]
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+SWIGLU_TENSORS = {"unfused": 5, "flash": 3}
+"""f-wide tensors one token leaves saved in a SwiGLU MLP, per attention model (above)."""
 _FP32 = 4
 
 
@@ -59,21 +69,34 @@ class ActivationShape:
 def layer_bytes(model: ModelConfig, parallel: ParallelConfig, shape: ActivationShape) -> int:
     """Bytes one decoder layer saves for one micro-batch on one tensor-parallel rank."""
     t = parallel.tensor_model_parallel_size
-    e = _DTYPE_BYTES[model.params_dtype]
+    e = DTYPE_BYTES[model.params_dtype]
     tokens = shape.micro_batch_size * shape.sequence_length
-    h, d, f = model.hidden_size, model.head_dim, model.ffn_hidden_size
+    h, d = model.hidden_size, model.head_dim
     heads, groups = model.num_attention_heads // t, model.num_query_groups // t
     norm_tokens = tokens // t if parallel.sequence_parallel else tokens
     norm_side = 4 * norm_tokens * h * e + 2 * norm_tokens * _FP32
     if shape.attention == "unfused":
         attention = 6 * tokens * heads * d * e + tokens * heads * shape.sequence_length * e
-        mlp = 5 * tokens * (f // t) * e
     elif shape.attention == "flash":
         attention = tokens * (2 * heads + 2 * groups) * d * e + tokens * heads * _FP32
-        mlp = 3 * tokens * (f // t) * e
     else:
         raise ValueError(f"attention must be 'unfused' or 'flash', got {shape.attention!r}")
-    return norm_side + attention + mlp
+    return norm_side + attention + dense_mlp_bytes(model, parallel, shape)
+
+
+def dense_mlp_bytes(model: ModelConfig, parallel: ParallelConfig, shape: ActivationShape) -> int:
+    """The f-wide tensors a dense SwiGLU MLP saves for one micro-batch on one tensor-parallel
+    rank (part of :func:`layer_bytes`)."""
+    tokens = shape.micro_batch_size * shape.sequence_length
+    f = model.ffn_hidden_size // parallel.tensor_model_parallel_size
+    return SWIGLU_TENSORS[shape.attention] * tokens * f * DTYPE_BYTES[model.params_dtype]
+
+
+def moe_tokens(parallel: ParallelConfig, shape: ActivationShape) -> int:
+    """Tokens of one micro-batch that reach an MoE layer on one rank (its sequence-parallel
+    slice: Megatron's MoE layer needs sequence parallelism when TP > 1)."""
+    tokens = shape.micro_batch_size * shape.sequence_length
+    return tokens // parallel.tensor_model_parallel_size if parallel.sequence_parallel else tokens
 
 
 def stage_bytes(
@@ -82,15 +105,37 @@ def stage_bytes(
     shape: ActivationShape,
     pp_rank: int,
     layers: int,
+    expert_load: float = 1.0,
+    recompute: bool = False,
 ) -> int:
-    """Peak activation bytes of pipeline stage ``pp_rank`` holding ``layers`` decoder layers."""
+    """Peak activation bytes of pipeline stage ``pp_rank`` holding ``layers`` decoder layers
+    (``expert_load``: see :func:`~bapo_megatron.planning.moe_memory.expert_token_copies`;
+    ``recompute``: ``actor.recompute_activations``)."""
     t = parallel.tensor_model_parallel_size
     pp = parallel.pipeline_model_parallel_size
     vpp = parallel.virtual_pipeline_model_parallel_size
-    e = _DTYPE_BYTES[model.params_dtype]
+    e = DTYPE_BYTES[model.params_dtype]
     tokens = shape.micro_batch_size * shape.sequence_length
     norm_tokens = tokens // t if parallel.sequence_parallel else tokens
-    per_micro_batch = layers * layer_bytes(model, parallel, shape)
+    dense_layer = layer_bytes(model, parallel, shape)
+    sparse = stage_moe_layers(model, parallel, pp_rank)
+    sparse_layer = dense_layer
+    if sparse:
+        moe = moe_mlp_bytes(
+            moe_tokens(parallel, shape),
+            model,
+            parallel,
+            e,
+            SWIGLU_TENSORS[shape.attention],
+            expert_load,
+        )
+        sparse_layer += moe - dense_mlp_bytes(model, parallel, shape)
+    if recompute:
+        per_micro_batch = layers * norm_tokens * model.hidden_size * e
+        recomputed = max(dense_layer if layers > sparse else 0, sparse_layer if sparse else 0)
+    else:
+        per_micro_batch = (layers - sparse) * dense_layer + sparse * sparse_layer
+        recomputed = 0
     if pp_rank == 0:
         per_micro_batch += norm_tokens * model.hidden_size * e
     last = pp_rank == pp - 1
@@ -98,7 +143,7 @@ def stage_bytes(
         per_micro_batch += 2 * norm_tokens * model.hidden_size * e
     in_flight = min(pp - pp_rank, max(1, shape.micro_batches))
     factor = 1 + (pp - 1) / (pp * vpp) if vpp else 1
-    total = int(per_micro_batch * in_flight * factor)
+    total = int(per_micro_batch * in_flight * factor) + recomputed
     if last:  # one micro-batch's logits at a time: the loss runs right after its forward
         vocab = model.vocab_size // t
         total += tokens * vocab * e + (tokens * vocab * _FP32 if e < _FP32 else 0)

@@ -1,10 +1,11 @@
 """``bapo-plan-layout RECIPE.yaml --world-size N [dotted.key=value ...]``: check a recipe's layout
 rank by rank without a GPU (:func:`bapo_megatron.planning.plan.plan_layout`).
 
-Prints the layout, the parameters of each simulated rank, the export check and the memory of the
-fullest GPU; the last line is one JSON object with all of it. Exits 1 when the recipe does not
-pass (the reasons, with the numbers, are printed and in the JSON's ``problems``), 2 on bad
-input.
+Prints the layout (and for a mixture-of-experts model its expert layout), the distinct
+parameters of all shards, the parameters (and experts) of each simulated rank, the export check
+and the memory of the fullest GPU; the last line is one JSON object with all of it. Exits 1 when
+the recipe does not pass (the reasons, with the numbers, are printed and in the JSON's
+``problems``), 2 on bad input.
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--all-ranks", action="store_true", help="simulate every rank, not one replica"
     )
+    parser.add_argument(
+        "--expert-load",
+        type=float,
+        default=1.0,
+        help="MoE: token copies of the fullest rank's experts over the mean (1: balanced routing; "
+        "the trainer logs it as moe/expert_load_max_over_mean)",
+    )
     return parser
 
 
@@ -65,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         model = _model(config, args.hf_config)
         if args.world_size < 1 or args.gpu_memory_gb <= 0 or args.prompt_tokens < 1:
             raise ValueError("--world-size, --gpu-memory-gb and --prompt-tokens must be positive")
+        if not args.expert_load >= 1:
+            raise ValueError(f"--expert-load must be at least 1, got {args.expert_load}")
     except ValueError as err:
         print(f"bapo-plan-layout: {err}", file=sys.stderr)
         print(json.dumps({"ok": False, "problems": [str(err)]}))
@@ -77,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_tokens=args.prompt_tokens,
         attention=args.attention,
         all_ranks=args.all_ranks,
+        expert_load=args.expert_load,
     )
     summary = plan.summary()
     p = config.parallel
@@ -85,8 +96,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{p.pipeline_model_parallel_size} x DP {plan.data_parallel_size}; model "
         f"{plan.model_parameters} parameters ({model.model_type}, {model.params_dtype})"
     )
+    if model.is_moe:
+        print(
+            f"experts: {model.moe.num_experts} per MoE layer over EP "
+            f"{p.expert_model_parallel_size} x expert TP {p.expert_tensor_parallel_size} x "
+            f"expert DP {plan.expert_data_parallel_size} per stage; "
+            f"{p.moe_token_dispatcher} dispatcher"
+        )
+    print(f"shards: {plan.shard_parameters} distinct parameters")
     for rank, count in plan.parameters_per_rank.items():
-        print(f"rank {rank}: {count} parameters")
+        experts = plan.expert_parameters_per_rank.get(rank)
+        print(
+            f"rank {rank}: {count} parameters"
+            + (f" ({experts} of them experts)" if experts is not None else "")
+        )
     if plan.export is not None:
         print(
             f"export: {plan.export.tensors} HF tensors in {plan.export.buckets} buckets, "

@@ -1,11 +1,18 @@
 """Plan a recipe's layout rank by rank: validate it, build every simulated rank's shard on the
 meta device, check the export plan and put each GPU's memory against its capacity.
 
-Ranks of one data-parallel replica hold every distinct model shard (the other replicas hold the
+Ranks of one data-parallel replica hold every distinct dense shard (the other replicas hold the
 same shards), so by default one replica is simulated: the ranks at data-parallel rank 0, one per
-pipeline stage and tensor-parallel rank; ``all_ranks`` simulates the whole world. Memory is then
-evaluated for every rank of the world: a replica's shards, each data-parallel rank's share of the
-distributed optimizer, and the engine on the GPUs that host one.
+pipeline stage and tensor-parallel rank. A mixture-of-experts model's experts are laid out by
+Megatron's second decomposition of each stage (expert tensor x expert model x expert data
+parallel), so the ranks at expert data-parallel rank 0 (every expert-parallel and expert
+tensor-parallel rank of each stage) are simulated too; ``all_ranks`` simulates the whole world.
+Memory is then evaluated for every rank of the world: its dense shard with its data-parallel
+rank's share of the distributed optimizer, its expert shard with its expert data-parallel rank's
+share (:mod:`~bapo_megatron.planning.moe_memory`), activations, the token dispatcher's buffers,
+and the engine on the GPUs that host one. Two checks hold the shards to the model: their distinct
+parameters add up to the name map's total, and each rank's expert parameters equal the analytic
+count (:func:`~bapo_megatron.planning.moe_memory.expert_parameters`).
 """
 
 from __future__ import annotations
@@ -16,11 +23,30 @@ from typing import Any
 
 from bapo_megatron.config import Config, ModelConfig
 from bapo_megatron.distributed.layout import Accelerator, validate_layout
-from bapo_megatron.planning.activations import ActivationShape, Attention, stage_bytes
+from bapo_megatron.planning.activations import (
+    DTYPE_BYTES,
+    ActivationShape,
+    Attention,
+    moe_tokens,
+    stage_bytes,
+)
 from bapo_megatron.planning.engine_memory import COLOCATED, engine_memory, engine_ranks
 from bapo_megatron.planning.export_coverage import ExportCoverage, check_export
+from bapo_megatron.planning.moe_memory import (
+    dispatcher_bytes,
+    expert_data_parallel_size,
+    expert_parameters,
+    stage_moe_layers,
+)
+from bapo_megatron.planning.shard_count import distinct_parameters, expert_parameter_count
 from bapo_megatron.planning.shard_memory import actor_state_bytes
-from bapo_megatron.planning.simulated_rank import build_meta_shard, megatron_rank, simulated_rank
+from bapo_megatron.planning.simulated_rank import (
+    build_meta_shard,
+    expert_coordinates,
+    expert_rank,
+    megatron_rank,
+    simulated_rank,
+)
 from bapo_megatron.weights.name_maps import name_map_for
 
 GB = 10**9
@@ -29,7 +55,8 @@ H100 = Accelerator(transformer_engine=True, cuda=True, fp8_gpu=True)
 
 @dataclass(frozen=True)
 class RankMemory:
-    """One GPU's memory, in bytes."""
+    """One GPU's memory, in bytes; ``weights``, ``gradients`` and ``optimizer`` include the
+    ``expert_*`` parts."""
 
     rank: int
     pp_rank: int
@@ -41,6 +68,13 @@ class RankMemory:
     optimizer_replicated: int
     optimizer_distributed: int
     activations: int
+    ep_rank: int = 0
+    etp_rank: int = 0
+    edp_rank: int = 0
+    expert_weights: int = 0
+    expert_gradients: int = 0
+    expert_optimizer: int = 0
+    dispatcher: int = 0
     engine_weights: int = 0
     engine_kv_cache: int = 0
     engine_budget: int = 0
@@ -50,10 +84,13 @@ class RankMemory:
     def as_gb(self) -> dict[str, float]:
         """Byte fields in GB (1e9 bytes), rounded to 0.01."""
         return {
-            k: round(v / GB, 2) if k not in ("rank", "pp_rank", "tp_rank", "dp_rank") else v
+            k: v if k in _NOT_BYTES else round(v / GB, 2)
             for k, v in dataclasses.asdict(self).items()
-            if k != "engine_kv_tokens"
-        } | {"engine_kv_tokens": self.engine_kv_tokens}
+        }
+
+
+_NOT_BYTES = ("rank", "pp_rank", "tp_rank", "dp_rank", "ep_rank", "etp_rank", "edp_rank")
+_NOT_BYTES += ("engine_kv_tokens",)
 
 
 @dataclass
@@ -62,10 +99,15 @@ class LayoutPlan:
 
     world_size: int
     data_parallel_size: int = 0
+    expert_data_parallel_size: int = 0
     gpu_bytes: int = 0
     simulated_ranks: list[int] = field(default_factory=list)
     parameters_per_rank: dict[int, int] = field(default_factory=dict)
+    expert_parameters_per_rank: dict[int, int] = field(default_factory=dict)
+    """Expert parameters of each simulated rank's meta shard (MoE models)."""
     model_parameters: int = 0
+    shard_parameters: int = 0
+    """Distinct parameters of all simulated shards together (each tensor once)."""
     export: ExportCoverage | None = None
     memory: list[RankMemory] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -83,10 +125,15 @@ class LayoutPlan:
             "problems": self.problems,
             "world_size": self.world_size,
             "data_parallel_size": self.data_parallel_size,
+            "expert_data_parallel_size": self.expert_data_parallel_size,
             "gpu_memory_gb": round(self.gpu_bytes / GB, 2),
             "simulated_ranks": self.simulated_ranks,
             "model_parameters": self.model_parameters,
+            "shard_parameters": self.shard_parameters,
             "parameters_per_rank": {str(k): v for k, v in self.parameters_per_rank.items()},
+            "expert_parameters_per_rank": {
+                str(k): v for k, v in self.expert_parameters_per_rank.items()
+            },
             "export": None
             if self.export is None
             else {
@@ -111,10 +158,12 @@ def plan_layout(
     prompt_tokens: int = 1024,
     attention: Attention = "flash",
     all_ranks: bool = False,
+    expert_load: float = 1.0,
 ) -> LayoutPlan:
     """Check ``config``'s layout of ``model`` over ``world_size`` GPUs of ``gpu_bytes`` each
-    (sequences of ``prompt_tokens`` + ``rollout.max_new_tokens``); never raises for a layout
-    that does not fit, but lists why in :attr:`LayoutPlan.problems`."""
+    (sequences of ``prompt_tokens`` + ``rollout.max_new_tokens``; ``expert_load``: the fullest
+    rank's expert tokens over the mean, 1 = balanced routing); never raises for a layout that
+    does not fit, but lists why in :attr:`LayoutPlan.problems`."""
     plan = LayoutPlan(world_size=world_size, gpu_bytes=gpu_bytes)
     parallel = config.parallel
     try:
@@ -122,13 +171,7 @@ def plan_layout(
     except ValueError as err:
         plan.problems.append(f"layout: {err}")
         return plan
-    if model.is_moe:
-        plan.problems.append(
-            f"model.model_type {model.model_type!r}: the planner does not model "
-            "mixture-of-experts layers yet (expert shards per expert-parallel rank, their "
-            "optimizer state over the expert data-parallel group, dispatcher buffers)"
-        )
-        return plan
+    plan.expert_data_parallel_size = expert_data_parallel_size(parallel, world_size)
     if parallel.context_parallel_size > 1:
         plan.problems.append(
             f"parallel.context_parallel_size={parallel.context_parallel_size}: the planner does "
@@ -136,33 +179,75 @@ def plan_layout(
         )
         return plan
     shards: dict[int, dict[int, list]] = {}
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    replica = sorted(
-        megatron_rank(parallel, world_size, t, 0, p) for t in range(tp) for p in range(pp)
-    )
-    for rank in range(world_size) if all_ranks else replica:
+    experts: dict[int, dict[int, dict[int, list]]] = {}  # [pp][ep][etp] at edp rank 0
+    for rank in range(world_size) if all_ranks else _replica(parallel, world_size):
         with simulated_rank(parallel, world_size, rank) as context:
-            expected = megatron_rank(
-                parallel, world_size, context.tp_rank, context.dp_rank, context.pp_rank
-            )
-            if expected != rank:  # the rank arithmetic below relies on Megatron's order
-                raise RuntimeError(f"Megatron placed rank {rank} at {expected}'s coordinates")
+            _check_coordinates(parallel, world_size, rank, context)
             chunks = build_meta_shard(model, parallel, context)
             plan.simulated_ranks.append(rank)
             plan.parameters_per_rank[rank] = sum(p.numel() for c in chunks for p in c.parameters())
             if context.dp_rank == 0:
                 shards.setdefault(context.pp_rank, {})[context.tp_rank] = chunks
+            if context.edp_rank == 0:
+                stage = experts.setdefault(context.pp_rank, {})
+                stage.setdefault(context.ep_rank, {})[context.etp_rank] = chunks
+            if model.is_moe:
+                counted = expert_parameter_count(chunks)
+                plan.expert_parameters_per_rank[rank] = counted
+                if counted != expert_parameters(model, parallel, context.pp_rank):
+                    raise RuntimeError(
+                        f"rank {rank}'s shard holds {counted} expert parameters, the planner "
+                        f"counts {expert_parameters(model, parallel, context.pp_rank)}"
+                    )
     plan.model_parameters = sum(
         _numel(shape) for shape in name_map_for(model.model_type).hf_shapes(model).values()
     )
-    plan.export = check_export(shards, model, config.rollout.weight_bucket_mib * 2**20)
+    plan.shard_parameters = distinct_parameters(shards, experts if model.is_moe else {})
+    if plan.shard_parameters != plan.model_parameters:
+        plan.problems.append(
+            f"parameters: the shards hold {plan.shard_parameters} distinct parameters, the "
+            f"model has {plan.model_parameters}"
+        )
+    plan.export = check_export(
+        shards,
+        model,
+        config.rollout.weight_bucket_mib * 2**20,
+        experts if model.is_moe else None,
+    )
     if not plan.export.complete:
         plan.problems.append(
             f"export: missing {plan.export.missing[:5]}, duplicated {plan.export.duplicated[:5]}, "
             f"wrong shapes {plan.export.wrong_shape[:5]}"
         )
-    _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention)
+    _plan_memory(plan, config, model, (shards, experts), dp, prompt_tokens, attention, expert_load)
     return plan
+
+
+def _replica(parallel, world_size: int) -> list[int]:
+    """The ranks that hold every distinct shard: data-parallel rank 0 of each stage's
+    tensor-parallel ranks, and expert data-parallel rank 0 of its expert ranks."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    etp, ep = parallel.expert_tensor_parallel_size, parallel.expert_model_parallel_size
+    dense = {megatron_rank(parallel, world_size, t, 0, p) for t in range(tp) for p in range(pp)}
+    sparse = {
+        expert_rank(parallel, world_size, t, e, 0, p)
+        for t in range(etp)
+        for e in range(ep)
+        for p in range(pp)
+    }
+    return sorted(dense | sparse)
+
+
+def _check_coordinates(parallel, world_size: int, rank: int, context) -> None:
+    """The rank arithmetic of this module relies on Megatron's orders; check them on every
+    simulated rank."""
+    dense = megatron_rank(parallel, world_size, context.tp_rank, context.dp_rank, context.pp_rank)
+    sparse = (context.etp_rank, context.ep_rank, context.edp_rank)
+    if dense != rank or expert_coordinates(parallel, world_size, rank) != sparse:
+        raise RuntimeError(
+            f"Megatron placed rank {rank} at tp/dp/pp {context.tp_rank}/{context.dp_rank}/"
+            f"{context.pp_rank} and etp/ep/edp {sparse}: the planner's rank order disagrees"
+        )
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -172,9 +257,11 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention) -> None:
+def _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention, expert_load) -> None:
     parallel, rollout = config.parallel, config.rollout
-    world = plan.world_size
+    dense_shards, expert_shards = shards
+    world, edp = plan.world_size, plan.expert_data_parallel_size
+    distributed = config.optimizer.use_distributed_optimizer
     sequences = rollout.prompts_per_step * rollout.samples_per_prompt
     per_rank = -(-sequences // (dp * config.algorithm.optimizer_steps_per_rollout))
     shape = ActivationShape(
@@ -187,28 +274,66 @@ def _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention) -> N
     colocated = rollout.engine in COLOCATED
     firsts = [megatron_rank(parallel, world, 0, d, 0) for d in range(dp)]
     hosts = engine_ranks(firsts, rollout.engine_tensor_parallel_size) if colocated else set()
+    if colocated and len(hosts) < len(firsts) * rollout.engine_tensor_parallel_size:
+        plan.problems.append(
+            f"rollout.engine_tensor_parallel_size={rollout.engine_tensor_parallel_size}: each "
+            "replica's engine spans that many GPUs from its first rank, and the replicas' first "
+            f"ranks {firsts[:4]} lie closer than that, so engines would share GPUs"
+        )
     short: dict[str, list[int]] = {}  # engine problem -> the ranks that have it
     for rank in range(world):
         tp_rank = rank % parallel.tensor_model_parallel_size
         rest = rank // (parallel.tensor_model_parallel_size * parallel.context_parallel_size)
         dp_rank, pp_rank = rest % dp, rest // dp
-        state = actor_state_bytes(
-            shards[pp_rank][tp_rank], dp, dp_rank, config.optimizer.use_distributed_optimizer
+        etp_rank, ep_rank, edp_rank = expert_coordinates(parallel, world, rank)
+        # The dense part at this rank's data-parallel coordinates, the experts at its expert
+        # data-parallel ones (DDP's and the distributed optimizer's two groups of buffers).
+        dense = actor_state_bytes(dense_shards[pp_rank][tp_rank], dp, dp_rank, distributed, "dense")
+        sparse = actor_state_bytes(
+            expert_shards[pp_rank][ep_rank][etp_rank], edp, edp_rank, distributed, "experts"
         )
-        activations = stage_bytes(model, parallel, shape, pp_rank, layers)
+        state = dense + sparse
+        activations = stage_bytes(
+            model,
+            parallel,
+            shape,
+            pp_rank,
+            layers,
+            expert_load,
+            recompute=config.actor.recompute_activations,
+        )
+        dispatcher = (
+            dispatcher_bytes(
+                moe_tokens(parallel, shape),
+                model,
+                parallel,
+                DTYPE_BYTES[model.params_dtype],
+                expert_load,
+            )
+            if stage_moe_layers(model, parallel, pp_rank)
+            else 0
+        )
         memory = RankMemory(
             rank=rank,
             pp_rank=pp_rank,
             tp_rank=tp_rank,
             dp_rank=dp_rank,
+            ep_rank=ep_rank,
+            etp_rank=etp_rank,
+            edp_rank=edp_rank,
             weights=state.weights,
             gradients=state.gradients,
             optimizer=state.optimizer,
             optimizer_replicated=state.optimizer_replicated,
             optimizer_distributed=state.optimizer_distributed,
+            expert_weights=sparse.weights,
+            expert_gradients=sparse.gradients,
+            expert_optimizer=sparse.optimizer,
             activations=activations,
+            dispatcher=dispatcher,
         )
-        total = state.total + activations
+        training = activations + dispatcher  # what the training pass adds to the state
+        total = state.total + training
         if rank in hosts:
             engine = engine_memory(
                 model,
@@ -223,7 +348,7 @@ def _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention) -> N
             else:  # SGLang's fraction holds the actor's state too; the engine's weights at least
                 engine_part = max(engine.budget - state.total, engine.weights)
             if rollout.release_memory_during_training:
-                total = state.total + max(activations, engine_part)
+                total = state.total + max(training, engine_part)
             else:
                 total += engine_part
             memory = dataclasses.replace(
@@ -252,15 +377,37 @@ def _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention) -> N
     plan.problems += [f"ranks {ranks}: {problem}" for problem, ranks in short.items()]
     worst = plan.worst
     if worst is not None and worst.total > plan.gpu_bytes:
-        plan.problems.append(
-            f"memory: rank {worst.rank} (pipeline stage {worst.pp_rank}, TP rank "
-            f"{worst.tp_rank}) needs {worst.total / GB:.2f} GB > {plan.gpu_bytes / GB:.2f} GB "
-            f"per GPU: weights {worst.weights / GB:.2f} + gradients {worst.gradients / GB:.2f} + "
-            f"optimizer {worst.optimizer / GB:.2f} + activations {worst.activations / GB:.2f}"
-            + (
-                f" + engine {(worst.total - worst.weights - worst.gradients - worst.optimizer - worst.activations) / GB:.2f}"  # noqa: E501
-                if worst.engine_budget
-                else ""
-            )
-            + " GB"
+        plan.problems.append(_too_big(worst, plan.gpu_bytes))
+
+
+def _too_big(worst: RankMemory, gpu_bytes: int) -> str:
+    """The memory problem of the fullest rank, with its parts."""
+
+    def gb(value: int) -> str:
+        return f"{value / GB:.2f}"
+
+    parts = [
+        f"weights {gb(worst.weights)}",
+        f"gradients {gb(worst.gradients)}",
+        f"optimizer {gb(worst.optimizer)}",
+        f"activations {gb(worst.activations)}",
+    ]
+    if worst.dispatcher:
+        parts.append(f"dispatcher {gb(worst.dispatcher)}")
+    counted = worst.weights + worst.gradients + worst.optimizer
+    if worst.engine_budget:
+        parts.append(f"engine {gb(worst.total - counted - worst.activations - worst.dispatcher)}")
+    experts = ""
+    if worst.expert_weights:
+        experts = (
+            f"; of which experts: weights {gb(worst.expert_weights)} + gradients "
+            f"{gb(worst.expert_gradients)} + optimizer {gb(worst.expert_optimizer)} GB"
         )
+    return (
+        f"memory: rank {worst.rank} (pipeline stage {worst.pp_rank}, TP rank {worst.tp_rank}"
+        + (f", EP rank {worst.ep_rank}" if worst.expert_weights else "")
+        + f") needs {gb(worst.total)} GB > {gb(gpu_bytes)} GB per GPU: "
+        + " + ".join(parts)
+        + " GB"
+        + experts
+    )

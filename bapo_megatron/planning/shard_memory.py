@@ -13,19 +13,33 @@ from the rank's (meta) model chunks with the rules Megatron-Core 0.16 allocates 
   element of a parameter stored in lower precision (Megatron's mixed precision). The distributed
   optimizer optimizes only the elements of the rank's 1/dp shard of each bucket (padding
   excluded). Adam's per-tensor step counters (a scalar each) are not counted.
+- Experts (mixture of experts with expert parallelism): DDP puts the parameters Megatron marks
+  ``allreduce=False`` (the experts, when EP > 1) in buffers of their own, reduced and, with the
+  distributed optimizer, sharded over the expert data-parallel group instead of the data-parallel
+  one, with the same padding rules at that group's size. :func:`actor_state_bytes` takes one
+  part at a time (``part``), so that a rank's dense and expert state can be computed at their
+  own group's size and rank and added.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Literal
 
 import torch
 
 GRAD_BYTES = 4  # fp32 gradient buffers (grad_reduce_in_fp32)
 ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MAIN_PARAM_BYTES = 4  # fp32 main copy of a bf16 parameter
+
+Part = Literal["all", "dense", "experts"]
+
+
+def is_expert_parallel(param: torch.nn.Parameter) -> bool:
+    """Whether Megatron's DDP puts ``param`` in the expert-parallel buffers (its own rule)."""
+    return not getattr(param, "allreduce", True)
 
 
 @dataclass(frozen=True)
@@ -108,12 +122,25 @@ class ActorStateBytes:
         """Weights, gradients and (the recipe's) optimizer state."""
         return self.weights + self.gradients + self.optimizer
 
+    def __add__(self, other: ActorStateBytes) -> ActorStateBytes:
+        """Both parts of one rank's state (dense and experts) together."""
+        return ActorStateBytes(
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        )
+
 
 def actor_state_bytes(
-    chunks: Sequence[torch.nn.Module], dp_size: int, dp_rank: int, distributed_optimizer: bool
+    chunks: Sequence[torch.nn.Module],
+    dp_size: int,
+    dp_rank: int,
+    distributed_optimizer: bool,
+    part: Part = "all",
 ) -> ActorStateBytes:
     """:class:`ActorStateBytes` of a rank holding ``chunks`` (built, on any device, unwrapped
-    or DDP-wrapped) at data-parallel rank ``dp_rank`` of ``dp_size``."""
+    or DDP-wrapped) at data-parallel rank ``dp_rank`` of ``dp_size``: of all its parameters
+    (one buffer group, as DDP has without expert parallelism), or of the ``dense`` ones or the
+    ``experts`` (:func:`is_expert_parallel`) alone, whose ``dp_size`` / ``dp_rank`` are then the
+    expert data-parallel group's."""
     weights = parameters = 0
     grads = {True: 0, False: 0}
     optimizer = {True: 0, False: 0}
@@ -121,6 +148,8 @@ def actor_state_bytes(
         module = getattr(chunk, "module", chunk)
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for param in module.parameters():
+            if part != "all" and is_expert_parallel(param) != (part == "experts"):
+                continue
             weights += param.numel() * param.element_size()
             parameters += param.numel()
             if param.requires_grad:

@@ -62,3 +62,24 @@ def megatron_rank(parallel: ParallelConfig, world_size: int, tp: int, dp: int, p
     tp_size, cp_size = parallel.tensor_model_parallel_size, parallel.context_parallel_size
     dp_size = world_size // parallel.model_parallel_size
     return tp + tp_size * cp_size * (dp + dp_size * pp)
+
+
+def expert_rank(
+    parallel: ParallelConfig, world_size: int, etp: int, ep: int, edp: int, pp: int
+) -> int:
+    """Global rank of the given expert tensor, expert model, expert data and pipeline
+    coordinates in Megatron's expert order ``tp-ep-dp-pp`` (its second decomposition of a
+    stage's ranks, tensor parallel read as expert tensor parallel)."""
+    etp_size, ep_size = parallel.expert_tensor_parallel_size, parallel.expert_model_parallel_size
+    edp_size = world_size // (parallel.pipeline_model_parallel_size * etp_size * ep_size)
+    return etp + etp_size * (ep + ep_size * (edp + edp_size * pp))
+
+
+def expert_coordinates(
+    parallel: ParallelConfig, world_size: int, rank: int
+) -> tuple[int, int, int]:
+    """``(etp_rank, ep_rank, edp_rank)`` of global ``rank`` (inverse of :func:`expert_rank`)."""
+    etp_size, ep_size = parallel.expert_tensor_parallel_size, parallel.expert_model_parallel_size
+    edp_size = world_size // (parallel.pipeline_model_parallel_size * etp_size * ep_size)
+    local = rank % (etp_size * ep_size * edp_size)
+    return local % etp_size, local // etp_size % ep_size, local // (etp_size * ep_size)

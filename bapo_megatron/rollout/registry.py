@@ -37,7 +37,8 @@ class EngineSetup:
     pad_token_id: int
     device: str = "cpu"
     """Where an embedded engine computes: its rank's device (``cuda`` uses the rank's current
-    GPU). vLLM and SGLang choose their own GPUs (``bapo_megatron.rollout.gpus``)."""
+    GPU); in-process SGLang starts its workers at the rank's GPU, vLLM takes the rank's current
+    one."""
     record_routes: bool = False
     """Whether vLLM and SGLang ask for the experts of every token (a mixture-of-experts model
     under ``algorithm.routing_replay=rollout``); the embedded engine records them for every

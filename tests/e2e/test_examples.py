@@ -1,11 +1,12 @@
 """The example recipes and launch scripts, checked without running them.
 
-The GPU recipes (examples/qwen2.5-*, qwen3-*, deepseek-r1-distill-qwen-7b, llama3.2-3b) cannot
-run here: these tests and the layout planner's (tests/unit/test_layout_planner.py) are all the
-validation they get. Each is loaded with ``load_config`` (unknown keys fail), passes
-``check_training``, and its parallel layout is checked against the architecture it names (its
-published config.json) at the world size its launch comment gives, as if on an FP8-capable GPU
-with Transformer Engine. The launch scripts are syntax-checked and dry-run. No model is built.
+The GPU recipes (examples/qwen2.5-*, qwen3-*, deepseek-r1-distill-qwen-7b, llama3.2-3b, and the
+mixture-of-experts qwen3-30b-a3b and qwen3-235b-a22b) cannot run here: these tests and the layout
+planner's (tests/unit/test_layout_planner.py) are all the validation they get. Each is loaded
+with ``load_config`` (unknown keys fail), passes ``check_training``, and its parallel layout is
+checked against the architecture it names (its published config.json) at the world size its
+launch comment gives, as if on an FP8-capable GPU with Transformer Engine. The launch scripts are
+syntax-checked and dry-run. No model is built.
 """
 
 from __future__ import annotations
@@ -63,6 +64,19 @@ GPU_RECIPES = {
         "engine": "vllm",
         "size": "3B",
         "world": 16,
+    },
+    "qwen3-30b-a3b/train.yaml": {
+        "hf_config": "Qwen3-30B-A3B",
+        "engine": "sglang",
+        "size": "30B-A3B",
+        "world": 16,
+    },
+    # The engine on servers of its own: 470 GB of bf16 weights leave no room colocated.
+    "qwen3-235b-a22b/train.yaml": {
+        "hf_config": "Qwen3-235B-A22B",
+        "engine": "sglang-server",
+        "size": "235B-A22B",
+        "world": 64,
     },
 }
 # Qwen3 and Llama 3.2 run once this checkout reads their families (skipped on that refusal only).
@@ -188,13 +202,20 @@ def test_gpu_recipe(name):
     assert (cfg.rollout.prompts_per_step // dp) % steps == 0
     assert cfg.rollout.max_new_tokens + PROMPT_ROOM <= model.max_position_embeddings
 
-    # The engine the recipe promises, colocated, on GPUs of the engine rank's node.
+    # The engine the recipe promises (colocated, on GPUs of the engine rank's node, unless a
+    # server).
     assert cfg.rollout.engine == promise["engine"]
     assert 0 < cfg.rollout.gpu_memory_utilization < 1
     assert cfg.rollout.engine_tensor_parallel_size <= gpus_per_node
     if cfg.rollout.engine == "vllm":
         # The in-process vLLM engine uses vLLM's single-process executor: one GPU.
         assert cfg.rollout.engine_tensor_parallel_size == 1
+    if model.is_moe:
+        # Experts divided over several ranks, each whole (the weight sync needs it), and the
+        # engine's routes replayed (R3).
+        assert cfg.parallel.expert_model_parallel_size > 1
+        assert cfg.parallel.expert_tensor_parallel_size == 1
+        assert cfg.algorithm.routing_replay == "rollout"
 
     # The paper's settings (docs/algorithm.md section 10) and an off-policy schedule.
     assert cfg.optimizer.lr == 2e-6

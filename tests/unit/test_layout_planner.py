@@ -1,8 +1,9 @@
 """The layout planner (``bapo-plan-layout``) on the GPU recipes at their real size: one replica's
 ranks (every pipeline stage x tensor-parallel rank; the other data-parallel replicas hold the same
-shards) built on the meta device under a fake process group, the export plan over all stages, and
-the memory of every GPU of the world against 80 GB. An oversized layout and a layout that does
-not divide are refused with the numbers."""
+shards; for the mixture-of-experts recipes also every expert-parallel rank) built on the meta
+device under a fake process group, the export plan over all stages, the shards' distinct
+parameters against the published totals, and the memory of every GPU of the world against 80 GB.
+Oversized layouts (dense and MoE) and layouts that do not divide are refused with the numbers."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from bapo_megatron.config.loading import load_config
 from bapo_megatron.planning.cli import main
 from tests.e2e.test_examples import GPU_RECIPE_PARAMS, GPU_RECIPES
-from tests.helpers.published_configs import PUBLISHED_PARAMETERS, config_path
+from tests.helpers.published_configs import PUBLISHED_PARAMETERS, config_path, published_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -39,6 +41,8 @@ def test_recipe_passes_the_planner(capsys, name):
     code, summary, err = run_planner(capsys, name, promise["world"], promise["hf_config"])
     assert code == 0 and summary["ok"], err
     assert summary["model_parameters"] == PUBLISHED_PARAMETERS[promise["hf_config"]]
+    # every tensor of the shards once (replicated norms and routers once, all experts)
+    assert summary["shard_parameters"] == PUBLISHED_PARAMETERS[promise["hf_config"]]
     export = summary["export"]
     assert export["complete"] and not export["missing"] and not export["duplicated"]
     worst = summary["worst_rank_memory_gb"]
@@ -46,6 +50,101 @@ def test_recipe_passes_the_planner(capsys, name):
     parts = ("weights", "gradients", "optimizer", "activations")
     assert all(worst[k] > 0 for k in parts)
     assert worst["optimizer_distributed"] < worst["optimizer_replicated"]
+
+
+@pytest.mark.parametrize(
+    "name,world,hf_config",
+    [
+        ("qwen3-30b-a3b/train.yaml", 16, "Qwen3-30B-A3B"),
+        ("qwen3-235b-a22b/train.yaml", 64, "Qwen3-235B-A22B"),
+    ],
+)
+def test_moe_recipe_ranks_hold_their_experts(capsys, name, world, hf_config):
+    code, summary, _ = run_planner(capsys, name, world, hf_config)
+    assert code == 0
+    hf = published_config(hf_config)
+    recipe = load_config(EXAMPLES / name).parallel
+    pp, ep = recipe.pipeline_model_parallel_size, recipe.expert_model_parallel_size
+    tp, stage = recipe.tensor_model_parallel_size, world // pp
+    # Every layer is an MoE layer: per rank, the stage's layers x its experts x 3 matrices.
+    per_rank = (
+        hf["num_hidden_layers"]
+        // pp
+        * (hf["num_experts"] // ep)
+        * 3
+        * hf["hidden_size"]
+        * hf["moe_intermediate_size"]
+    )
+    # Simulated: data-parallel rank 0's TP ranks and expert data-parallel rank 0's EP ranks of
+    # each stage; here EP spans the whole stage (expert data parallel 1).
+    assert stage == ep and tp < ep
+    assert summary["simulated_ranks"] == list(range(world))
+    assert summary["expert_parameters_per_rank"] == {str(r): per_rank for r in range(world)}
+    # The experts of all ranks are the model's experts, once (expert data parallel 1).
+    experts = hf["num_hidden_layers"] * hf["num_experts"] * 3 * hf["hidden_size"]
+    experts *= hf["moe_intermediate_size"]
+    assert world * per_rank == experts
+    assert summary["expert_data_parallel_size"] == 1
+    worst = summary["worst_rank_memory_gb"]
+    assert worst["expert_weights"] == round(per_rank * 2 / 1e9, 2)  # bf16
+    assert worst["expert_gradients"] == round(per_rank * 4 / 1e9, 2)  # fp32 buffers
+    assert worst["expert_optimizer"] == round(per_rank * 12 / 1e9, 2)  # not sharded: EDP 1
+    assert worst["dispatcher"] > 0 and worst["activations"] > 0
+
+
+@pytest.mark.parametrize(
+    "name,hf_config,overrides,needs",
+    [
+        # 30B-A3B on one node: 18 bytes per parameter is 70 GB per GPU before anything else.
+        (
+            "qwen3-30b-a3b/train.yaml",
+            "Qwen3-30B-A3B",
+            ["parallel.expert_model_parallel_size=8"],
+            100,
+        ),
+        # 235B-A22B on one node: 16 experts of each of the 94 layers per GPU.
+        (
+            "qwen3-235b-a22b/train.yaml",
+            "Qwen3-235B-A22B",
+            ["parallel.pipeline_model_parallel_size=1", "parallel.expert_model_parallel_size=8"],
+            500,
+        ),
+    ],
+    ids=["30b-a3b", "235b-a22b"],
+)
+def test_oversized_moe_layout_is_refused_with_the_numbers(
+    capsys, name, hf_config, overrides, needs
+):
+    code, summary, err = run_planner(capsys, name, 8, hf_config, *overrides)
+    assert code == 1 and not summary["ok"]
+    [problem] = [p for p in summary["problems"] if p.startswith("memory:")]
+    worst = summary["worst_rank_memory_gb"]
+    assert worst["total"] > needs
+    assert f"needs {worst['total']:.2f} GB > 80.00 GB per GPU" in problem
+    assert (
+        f"of which experts: weights {worst['expert_weights']:.2f} + gradients "
+        f"{worst['expert_gradients']:.2f} + optimizer {worst['expert_optimizer']:.2f} GB"
+    ) in problem
+    assert f"dispatcher {worst['dispatcher']:.2f}" in problem
+    assert "REFUSED: memory:" in err
+    # The experts' state alone is past the GPU: EP8 on 8 GPUs leaves no expert data parallel
+    # to shard it over.
+    assert summary["expert_data_parallel_size"] == 1
+    assert worst["expert_weights"] + worst["expert_gradients"] + worst["expert_optimizer"] > 60
+
+
+def test_moe_layout_whose_experts_do_not_divide_is_refused(capsys):
+    code, summary, _ = run_planner(
+        capsys,
+        "qwen3-30b-a3b/train.yaml",
+        12,
+        "Qwen3-30B-A3B",
+        "parallel.expert_model_parallel_size=3",
+    )
+    assert code == 1
+    [problem] = summary["problems"]
+    assert problem.startswith("layout: model.moe.num_experts (128) is not divisible by ")
+    assert "parallel.expert_model_parallel_size (3)" in problem
 
 
 def test_7b_recipe_ranks_hold_a_quarter_each(capsys):

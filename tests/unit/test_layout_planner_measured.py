@@ -9,7 +9,9 @@
   saves for backward (``torch.autograd.graph.saved_tensors_hooks``; parameters excluded) during
   one micro-batch's forward pass and log-probs, which is what the train step holds at its peak
   without pipelining (each micro-batch runs forward then backward). The planner's ``unfused``
-  estimate (the local layer spec the CPU runs) must be within 25% of it.
+  estimate (the local layer spec the CPU runs) must be within 25% of it. For a mixture-of-experts
+  layer (router, alltoall dispatch, experts), the same holds, and what the layer saves beyond a
+  dense layer (two models that differ in that layer only) must be within 5% of the MoE estimate.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from bapo_megatron.actor.actor import build_actor
 from bapo_megatron.actor.logprobs import token_logprobs
 from bapo_megatron.actor.optimizer import optimizer_step
 from bapo_megatron.config import ActorConfig, ModelConfig, OptimizerConfig, ParallelConfig
-from bapo_megatron.planning.activations import ActivationShape, stage_bytes
+from bapo_megatron.config.moe import MoeConfig
+from bapo_megatron.planning.activations import SWIGLU_TENSORS, ActivationShape, stage_bytes
+from bapo_megatron.planning.moe_memory import moe_mlp_bytes
 from bapo_megatron.planning.shard_memory import actor_state_bytes
 
 
@@ -141,3 +145,55 @@ def test_flash_estimate_drops_the_quadratic_term():
     )
     assert flash128 == 2 * flash64  # linear in the sequence length
     assert unfused128 > 2 * unfused64  # the s x s attention probabilities
+
+
+@pytest.mark.parametrize("micro_batch_size,length", [(1, 128), (4, 32)])
+def test_moe_layer_estimate_matches_the_measured_saved_tensors(context, micro_batch_size, length):
+    def model(mlp_only_layers: tuple[int, ...]) -> ModelConfig:
+        moe = MoeConfig(
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=40,
+            mlp_only_layers=mlp_only_layers,
+        )
+        return ModelConfig(
+            model_type="qwen3_moe",
+            num_layers=3,
+            hidden_size=96,
+            ffn_hidden_size=200,
+            num_attention_heads=6,
+            num_query_groups=2,
+            vocab_size=300,
+            max_position_embeddings=256,
+            moe=moe,
+        )
+
+    tokens = torch.randint(
+        0, 300, (micro_batch_size, length), generator=torch.Generator().manual_seed(0)
+    )
+    shape = ActivationShape(
+        micro_batch_size=micro_batch_size,
+        sequence_length=length,
+        micro_batches=1,
+        attention="unfused",
+    )
+    measured, estimate = {}, {}
+    for name, dense_layers in (("moe", (0,)), ("dense", (0, 1))):  # layer 2 is MoE in both
+        config = model(dense_layers)
+        actor = build_actor(config, ActorConfig(), OptimizerConfig(), context)
+        measured[name] = saved_activation_bytes(actor.chunks[0].module, tokens, context)
+        estimate[name] = stage_bytes(config, ParallelConfig(), shape, 0, config.num_layers)
+        assert abs(estimate[name] - measured[name]) <= 0.25 * measured[name], name
+    moe_layer = moe_mlp_bytes(
+        micro_batch_size * length,
+        model((0,)),
+        ParallelConfig(),
+        4,
+        SWIGLU_TENSORS["unfused"],
+    )
+    extra_measured = measured["moe"] - measured["dense"]
+    extra_estimate = estimate["moe"] - estimate["dense"]
+    assert abs(extra_estimate - extra_measured) <= 0.05 * moe_layer, (
+        extra_estimate,
+        extra_measured,
+    )

@@ -354,10 +354,16 @@ def test_routing_replay_values_are_checked():
     ).check_training()
 
 
-def test_the_layout_planner_refuses_moe_models_rather_than_misplan_them():
+def test_the_layout_planner_plans_moe_models():
     from bapo_megatron.config import load_config
     from bapo_megatron.planning.plan import plan_layout
 
     cfg = load_config(None, [*TRAINABLE_DENSE, *MOE])
     plan = plan_layout(cfg, cfg.model, 1)
-    assert plan.problems and "does not model mixture-of-experts layers yet" in plan.problems[0]
+    assert not plan.problems
+    moe_layers = sum(cfg.model.moe.moe_layer_pattern(cfg.model.num_layers))
+    experts = moe_layers * 4 * 3 * cfg.model.hidden_size * 16
+    assert plan.expert_parameters_per_rank == {0: experts}
+    assert plan.shard_parameters == plan.model_parameters
+    # one process: the experts are in the dense buffers (Megatron's DDP without EP)
+    assert plan.memory[0].expert_weights == 0 and plan.memory[0].dispatcher > 0

@@ -19,8 +19,11 @@ import pytest
 import torch
 
 import tests.unit.test_rollout_engines as suite
+from bapo_megatron.config import RolloutConfig
+from bapo_megatron.rollout import sglang as sglang_family
 from bapo_megatron.rollout.checksum import checksum
 from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams
+from bapo_megatron.rollout.registry import EngineSetup
 from bapo_megatron.rollout.resubmission import (
     EngineOutput,
     RoundRequest,
@@ -571,3 +574,30 @@ def test_in_process_needs_sglang(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", None)
     with pytest.raises(ImportError, match="needs the optional package sglang"):
         SGLangEngine.in_process("/nowhere")
+
+
+@pytest.mark.parametrize(("device", "want"), [("cuda", {"base_gpu_id": 4}), ("cpu", {})])
+def test_in_process_sglang_starts_its_workers_at_its_ranks_gpu(monkeypatch, tmp_path, device, want):
+    """Two replicas of a node (first ranks at local GPUs 0 and 4) must not both start SGLang's
+    workers at GPU 0, SGLang's default."""
+    seen = {}
+
+    def in_process(cls, model_path, **kwargs):
+        seen.update(kwargs)
+        return "engine"
+
+    monkeypatch.setattr(SGLangEngine, "in_process", classmethod(in_process))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 4)
+    setup = EngineSetup(
+        rollout=RolloutConfig(engine="sglang", engine_tensor_parallel_size=4),
+        model=suite.MODEL,
+        model_path=str(tmp_path),
+        url=None,
+        dp_rank=1,
+        work_dir=tmp_path,
+        pad_token_id=0,
+        device=device,
+    )
+    assert sglang_family.start_in_process(setup) == "engine"
+    assert seen["tp_size"] == 4
+    assert {k: v for k, v in seen.items() if k == "base_gpu_id"} == want

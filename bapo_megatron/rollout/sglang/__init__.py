@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from bapo_megatron.rollout.http import check_server_answers, rollout_api_key
 from bapo_megatron.rollout.sglang.engine import SGLangEngine
 from bapo_megatron.rollout.sglang.server_client import SGLangServerClient
@@ -21,9 +23,12 @@ FAMILY = "sglang"
 
 
 def start_in_process(setup: EngineSetup) -> RolloutEngine:
-    """``sglang.Engine`` in this process on the run's HF folder, sized by the rollout settings."""
+    """``sglang.Engine`` in this process on the run's HF folder, sized by the rollout settings.
+    On a GPU rank its workers start at the rank's own GPU (``base_gpu_id``): SGLang would
+    otherwise take GPUs 0.. of the node, so two replicas sharing a node would both land there."""
 
     rollout = setup.rollout
+    placement = {"base_gpu_id": torch.cuda.current_device()} if setup.device == "cuda" else {}
     return SGLangEngine.in_process(
         setup.hf_folder(),
         dtype=setup.engine_dtype,
@@ -31,6 +36,7 @@ def start_in_process(setup: EngineSetup) -> RolloutEngine:
         mem_fraction_static=rollout.gpu_memory_utilization,
         bucket_bytes=rollout.weight_bucket_mib * 2**20,
         record_routes=setup.record_routes,
+        **placement,
     )
 
 
