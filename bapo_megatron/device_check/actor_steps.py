@@ -38,7 +38,13 @@ from bapo_megatron.config import (
 )
 from bapo_megatron.device_check.shapes import model_config, random_batch
 from bapo_megatron.distributed.context import ParallelContext
-from bapo_megatron.planning.activations import ActivationShape, stage_bytes
+from bapo_megatron.planning.activations import (
+    DTYPE_BYTES,
+    ActivationShape,
+    moe_tokens,
+    stage_bytes,
+)
+from bapo_megatron.planning.moe_memory import dispatcher_bytes
 from bapo_megatron.planning.shard_memory import actor_state_bytes
 from bapo_megatron.weights.convert import load_hf_weights
 from bapo_megatron.weights.hf_checkpoint import HFCheckpoint
@@ -167,6 +173,10 @@ def measured_vs_planned(actor, model, context, batch, args, marks: dict[str, int
         attention="unfused",
     )
     activations = stage_bytes(model, context.config, shape, 0, model.num_layers)
+    if model.is_moe:  # the dispatcher's buffers are transient, so within the step's peak
+        tokens = moe_tokens(context.config, shape)
+        element = DTYPE_BYTES[model.params_dtype]
+        activations += dispatcher_bytes(tokens, model, context.config, element)
     # Adam's moments appear at the first step; the main copies of bf16 weights with the
     # optimizer: both are the planner's "optimizer".
     measured = {

@@ -158,8 +158,14 @@ def distributed_optimizer(checks: Checks, argv: list[str]) -> dict:
             "tolerance": "1e-3 relative (one data-parallel rank: the same updates, other order)"}
 
 
-def memory(checks: Checks) -> dict:
-    size = "qwen3-8b-4l"
+MEMORY_MODELS = {
+    "qwen3-8b-4l": "Qwen3-8B layer shapes, 4 layers",
+    "qwen3-30b-a3b-2l": "Qwen3-30B-A3B layer shapes, 2 layers of 128 experts (top-8), all on "
+    "the one device",
+}
+
+
+def memory(checks: Checks, size: str = "qwen3-8b-4l") -> dict:
     argv = ["--device", checks.args.device, "--size", size, "--variants", "paper/step",
             "--steps", "2", "--distributed-optimizer", "--memory", "--micro-batch-size", "2",
             "--dtype", "bfloat16" if checks.gpu else "float32"]
@@ -171,8 +177,8 @@ def memory(checks: Checks) -> dict:
     variant = run["variants"][0]
     if "memory" not in variant:
         return {"status": "not run", "why": "memory is measured with torch.cuda only"}
-    return {"status": "passed", "model": "Qwen3-8B layer shapes, 4 layers, bf16, distributed "
-            "optimizer, unfused attention", **variant["memory"]}
+    return {"status": "passed", "model": f"{MEMORY_MODELS[size]}, bf16, distributed optimizer, "
+            "unfused attention", **variant["memory"]}
 
 
 def loss_bench(checks: Checks) -> dict:
@@ -323,6 +329,8 @@ def run_all(args: argparse.Namespace, work: Path) -> dict:
                       *tiny_argv[4:], "--length", "256" if gpu else "32"])
     if want("memory"):
         checks.record("memory", memory, checks)
+    if want("memory_moe"):
+        checks.record("memory_moe", memory, checks, "qwen3-30b-a3b-2l")
     if want("loss_bench"):
         checks.record("loss_bench", loss_bench, checks)
     if want("engine"):

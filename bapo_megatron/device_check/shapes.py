@@ -74,23 +74,47 @@ TINY_MOE = dict(
     ),
 )
 
+# Qwen3-30B-A3B's published layer shapes (hidden 2048, 32 heads of 128 in 4 query groups, every
+# layer 128 experts of width 768, top-8, untied, vocabulary 151936) with 2 of its 48 layers:
+# 1.87B parameters, the MoE memory calibration's model (experts all on the one GPU).
+QWEN3_30B_A3B_2_LAYERS = dict(
+    model_type="qwen3_moe",
+    num_layers=2,
+    hidden_size=2048,
+    ffn_hidden_size=6144,
+    num_attention_heads=32,
+    num_query_groups=4,
+    head_dim=128,
+    vocab_size=151936,
+    rope_theta=1000000.0,
+    max_position_embeddings=4096,
+    moe=MoeConfig(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+)
+# What it shrinks to on a CPU: the same routing (top-8 of 128) on small matrices.
+MOE_ON_CPU = dict(
+    QWEN3_30B_A3B_2_LAYERS, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+    num_query_groups=2, head_dim=16, vocab_size=1024,
+    moe=MoeConfig(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=32),
+)
+
 SIZES = {
     "tiny": TINY,
     "tiny-moe": TINY_MOE,
     "small": QWEN25_05B,
     "qwen3-8b-4l": QWEN3_8B_4_LAYERS,
+    "qwen3-30b-a3b-2l": QWEN3_30B_A3B_2_LAYERS,
 }
 """Sizes by name; `small` is the ~0.5B model of the GPU check."""
 
 
-CPU_SIZED = ("small", "qwen3-8b-4l")
-"""The sizes the CPU-sized check replaces by a 2-layer model."""
+CPU_SIZED = {"small": SMALL_ON_CPU, "qwen3-8b-4l": SMALL_ON_CPU, "qwen3-30b-a3b-2l": MOE_ON_CPU}
+"""What the CPU-sized check replaces the large sizes by: 2-layer models of their family."""
 
 
 def model_config(size: str, *, cpu_sized: bool, dtype: str = "float32") -> ModelConfig:
     """The model of ``size``; ``cpu_sized`` replaces the large ones (:data:`CPU_SIZED`) by a
-    2-layer Qwen2."""
-    fields = SMALL_ON_CPU if (cpu_sized and size in CPU_SIZED) else SIZES[size]
+    2-layer model of the same family."""
+    fields = CPU_SIZED[size] if (cpu_sized and size in CPU_SIZED) else SIZES[size]
     return ModelConfig(**fields, params_dtype=dtype)
 
 
