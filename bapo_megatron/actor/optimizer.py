@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from bapo_megatron.config import OptimizerConfig
 from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.distributed.device import uses_cuda
 from bapo_megatron.megatron_patches.cpu_runtime import cuda_sites_on_cpu
 
 
@@ -76,7 +77,10 @@ def build_optimizer(
     params_dtype: torch.dtype,
     context: ParallelContext,
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
-    """Megatron's Adam over the DDP-wrapped chunks and its learning-rate/weight-decay schedule."""
+    """Megatron's Adam over the DDP-wrapped chunks and its learning-rate/weight-decay schedule;
+    ``optimizer.cpu_offload_fraction`` > 0 makes it Megatron's hybrid host/GPU optimizer."""
+    require_cuda_for_offload(optimizer, context.config.device)
+    fraction = optimizer.cpu_offload_fraction
     megatron_config = MegatronOptimizerConfig(
         optimizer="adam",
         lr=optimizer.lr,
@@ -89,6 +93,9 @@ def build_optimizer(
         bf16=params_dtype is torch.bfloat16,
         params_dtype=params_dtype,
         use_distributed_optimizer=optimizer.use_distributed_optimizer,
+        optimizer_cpu_offload=fraction > 0,
+        optimizer_offload_fraction=fraction,
+        overlap_cpu_optimizer_d2h_h2d=optimizer.overlap_cpu_offload,
     )
     with cuda_sites_on_cpu():
         # The separate gloo groups Megatron would create for the distributed optimizer's
@@ -115,6 +122,18 @@ def build_optimizer(
         wd_incr_style="constant",
     )
     return megatron_optimizer, scheduler
+
+
+def require_cuda_for_offload(optimizer: OptimizerConfig, device: str) -> None:
+    """Refuse optimizer CPU offload on a run whose ``parallel.device`` (``device``) is not CUDA:
+    Megatron's ``HybridDeviceOptimizer`` moves tensors with CUDA streams and pinned memory and
+    tells GPU from host tensors by ``is_cuda``, so on the CPU it has nothing to offload from."""
+    if optimizer.cpu_offload_fraction > 0 and not uses_cuda(device):
+        raise ValueError(
+            f"optimizer.cpu_offload_fraction={optimizer.cpu_offload_fraction} needs a CUDA run "
+            f"(parallel.device {device!r} resolves to the CPU): Megatron's optimizer offload "
+            "(HybridDeviceOptimizer) is CUDA-only; set optimizer.cpu_offload_fraction=0"
+        )
 
 
 @dataclass(frozen=True)

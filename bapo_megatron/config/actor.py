@@ -43,6 +43,17 @@ class OptimizerConfig:
     """Shard the optimizer state over the data-parallel ranks (Megatron's distributed optimizer).
     Its trainer checkpoints are saved in Megatron's ``dp_reshardable`` format (also on the CPU,
     see :mod:`bapo_megatron.trainer.checkpoint`)."""
+    cpu_offload_fraction: float = 0.0
+    """Share of this rank's optimizer state whose Adam moments and update move to host memory
+    (Megatron's optimizer CPU offload, whole tensors in order until the share is reached); 0:
+    off. Needs ``use_distributed_optimizer`` and a CUDA run (Megatron's offloading optimizer is
+    CUDA-only). The fp32 main weights stay on the GPU as well: the GPU saves the two fp32
+    moments of each offloaded element (8 bytes), the host holds 16 (moments, main weight and
+    gradient copies, pinned)."""
+    overlap_cpu_offload: bool = True
+    """With ``cpu_offload_fraction`` > 0: copy gradients to the host and updated weights back on
+    CUDA streams of their own, one host optimizer per tensor, so the copies overlap the host
+    update."""
 
     def __post_init__(self) -> None:
         prefix = "optimizer"
@@ -68,6 +79,16 @@ class OptimizerConfig:
             raise ValueError(
                 f"{prefix}.lr_decay_style must be 'constant', 'linear' or 'cosine', "
                 f"got {self.lr_decay_style!r}"
+            )
+        fraction = self.cpu_offload_fraction
+        if not 0.0 <= fraction <= 1.0:  # also refuses nan
+            raise ValueError(f"{prefix}.cpu_offload_fraction must lie in [0, 1], got {fraction!r}")
+        if fraction > 0 and not self.use_distributed_optimizer:
+            # Megatron offloads the distributed optimizer's fp32 shards; its replicated optimizer
+            # would swap in fp32 copies after the offloading optimizer was built around others.
+            raise ValueError(
+                f"{prefix}.cpu_offload_fraction={fraction} needs "
+                f"{prefix}.use_distributed_optimizer: true"
             )
 
 
