@@ -3,7 +3,8 @@ rank by rank without a GPU (:func:`bapo_megatron.planning.plan.plan_layout`).
 
 Prints the layout (and for a mixture-of-experts model its expert layout), the distinct
 parameters of all shards, the parameters (and experts) of each simulated rank, the export check
-and the memory of the fullest GPU; the last line is one JSON object with all of it. Exits 1 when
+the memory of the fullest GPU and, with optimizer offload, the host memory per rank and per node;
+the last line is one JSON object with all of it. Exits 1 when
 the recipe does not pass (the reasons, with the numbers, are printed and in the JSON's
 ``problems``), 2 on bad input.
 """
@@ -48,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
         help="MoE: token copies of the fullest rank's experts over the mean (1: balanced routing; "
         "the trainer logs it as moe/expert_load_max_over_mean)",
     )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="to sum the offloaded optimizer state's host memory per node",
+    )
     return parser
 
 
@@ -75,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--world-size, --gpu-memory-gb and --prompt-tokens must be positive")
         if not args.expert_load >= 1:
             raise ValueError(f"--expert-load must be at least 1, got {args.expert_load}")
+        if args.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node must be positive, got {args.gpus_per_node}")
     except ValueError as err:
         print(f"bapo-plan-layout: {err}", file=sys.stderr)
         print(json.dumps({"ok": False, "problems": [str(err)]}))
@@ -88,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         attention=args.attention,
         all_ranks=args.all_ranks,
         expert_load=args.expert_load,
+        gpus_per_node=args.gpus_per_node,
     )
     summary = plan.summary()
     p = config.parallel
@@ -118,6 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     worst = summary["worst_rank_memory_gb"]
     if worst is not None:
         print("fullest GPU (GB): " + ", ".join(f"{k} {v}" for k, v in worst.items()))
+    nodes = summary["host_optimizer_gb_per_node"]
+    if any(nodes):
+        most = max(m.optimizer_host for m in plan.memory) / GB
+        print(
+            f"host memory (optimizer.cpu_offload_fraction={config.optimizer.cpu_offload_fraction}"
+            f"): up to {most:.2f} GB per rank, {max(nodes):.2f} GB on the fullest node of "
+            f"{args.gpus_per_node} GPUs (half of it pinned), beside the processes' own memory"
+        )
     for problem in plan.problems:
         print(f"REFUSED: {problem}", file=sys.stderr)
     print(json.dumps(summary))

@@ -10,9 +10,11 @@ tensor-parallel rank of each stage) are simulated too; ``all_ranks`` simulates t
 Memory is then evaluated for every rank of the world: its dense shard with its data-parallel
 rank's share of the distributed optimizer, its expert shard with its expert data-parallel rank's
 share (:mod:`~bapo_megatron.planning.moe_memory`), activations, the token dispatcher's buffers,
-and the engine on the GPUs that host one. Two checks hold the shards to the model: their distinct
-parameters add up to the name map's total, and each rank's expert parameters equal the analytic
-count (:func:`~bapo_megatron.planning.moe_memory.expert_parameters`).
+and the engine on the GPUs that host one; the optimizer state that
+``optimizer.cpu_offload_fraction`` moves to the host is counted apart, per rank and per node. Two
+checks hold the shards to the model: their distinct parameters add up to the name map's total,
+and each rank's expert parameters equal the analytic count
+(:func:`~bapo_megatron.planning.moe_memory.expert_parameters`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from bapo_megatron.planning.moe_memory import (
     stage_moe_layers,
 )
 from bapo_megatron.planning.shard_count import distinct_parameters, expert_parameter_count
-from bapo_megatron.planning.shard_memory import actor_state_bytes
+from bapo_megatron.planning.shard_memory import actor_state_bytes, offload_optimizer
 from bapo_megatron.planning.simulated_rank import (
     build_meta_shard,
     expert_coordinates,
@@ -56,7 +58,8 @@ H100 = Accelerator(transformer_engine=True, cuda=True, fp8_gpu=True)
 @dataclass(frozen=True)
 class RankMemory:
     """One GPU's memory, in bytes; ``weights``, ``gradients`` and ``optimizer`` include the
-    ``expert_*`` parts."""
+    ``expert_*`` parts. ``optimizer`` and ``expert_optimizer`` are what stays on the GPU;
+    ``optimizer_host``, the offloaded share's host memory, is not in ``total``."""
 
     rank: int
     pp_rank: int
@@ -79,6 +82,7 @@ class RankMemory:
     engine_kv_cache: int = 0
     engine_budget: int = 0
     engine_kv_tokens: int = 0
+    optimizer_host: int = 0
     total: int = 0
 
     def as_gb(self) -> dict[str, float]:
@@ -98,6 +102,7 @@ class LayoutPlan:
     """What the planner found; :attr:`problems` empty means the recipe passes."""
 
     world_size: int
+    gpus_per_node: int = 8
     data_parallel_size: int = 0
     expert_data_parallel_size: int = 0
     gpu_bytes: int = 0
@@ -116,6 +121,15 @@ class LayoutPlan:
     def worst(self) -> RankMemory | None:
         """The rank with the most memory."""
         return max(self.memory, key=lambda m: m.total, default=None)
+
+    @property
+    def host_bytes_per_node(self) -> list[int]:
+        """Offloaded optimizer state of each node's ranks together (ranks fill nodes in order,
+        :attr:`gpus_per_node` each, as torchrun numbers them)."""
+        nodes = [0] * -(-self.world_size // self.gpus_per_node)
+        for memory in self.memory:
+            nodes[memory.rank // self.gpus_per_node] += memory.optimizer_host
+        return nodes if self.memory else []
 
     def summary(self) -> dict[str, Any]:
         """The plan as one JSON-able object."""
@@ -145,6 +159,8 @@ class LayoutPlan:
                 "wrong_shape": self.export.wrong_shape[:10],
             },
             "worst_rank_memory_gb": None if worst is None else worst.as_gb(),
+            "gpus_per_node": self.gpus_per_node,
+            "host_optimizer_gb_per_node": [round(b / GB, 2) for b in self.host_bytes_per_node],
         }
 
 
@@ -159,12 +175,14 @@ def plan_layout(
     attention: Attention = "flash",
     all_ranks: bool = False,
     expert_load: float = 1.0,
+    gpus_per_node: int = 8,
 ) -> LayoutPlan:
     """Check ``config``'s layout of ``model`` over ``world_size`` GPUs of ``gpu_bytes`` each
     (sequences of ``prompt_tokens`` + ``rollout.max_new_tokens``; ``expert_load``: the fullest
-    rank's expert tokens over the mean, 1 = balanced routing); never raises for a layout that
-    does not fit, but lists why in :attr:`LayoutPlan.problems`."""
-    plan = LayoutPlan(world_size=world_size, gpu_bytes=gpu_bytes)
+    rank's expert tokens over the mean, 1 = balanced routing; ``gpus_per_node``: to sum host
+    memory per node); never raises for a layout that does not fit, but lists why in
+    :attr:`LayoutPlan.problems`."""
+    plan = LayoutPlan(world_size=world_size, gpu_bytes=gpu_bytes, gpus_per_node=gpus_per_node)
     parallel = config.parallel
     try:
         plan.data_parallel_size = dp = validate_layout(model, parallel, world_size, accelerator)
@@ -292,6 +310,9 @@ def _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention, expe
         sparse = actor_state_bytes(
             expert_shards[pp_rank][ep_rank][etp_rank], edp, edp_rank, distributed, "experts"
         )
+        # Megatron builds one optimizer per part, and each offloads the fraction of its own.
+        dense = offload_optimizer(dense, config.optimizer.cpu_offload_fraction)
+        sparse = offload_optimizer(sparse, config.optimizer.cpu_offload_fraction)
         state = dense + sparse
         activations = stage_bytes(
             model,
@@ -329,6 +350,7 @@ def _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention, expe
             expert_weights=sparse.weights,
             expert_gradients=sparse.gradients,
             expert_optimizer=sparse.optimizer,
+            optimizer_host=state.optimizer_host,
             activations=activations,
             dispatcher=dispatcher,
         )
@@ -403,6 +425,8 @@ def _too_big(worst: RankMemory, gpu_bytes: int) -> str:
             f"; of which experts: weights {gb(worst.expert_weights)} + gradients "
             f"{gb(worst.expert_gradients)} + optimizer {gb(worst.expert_optimizer)} GB"
         )
+    if worst.optimizer_host:
+        experts += f"; besides, {gb(worst.optimizer_host)} GB of optimizer state on the host"
     return (
         f"memory: rank {worst.rank} (pipeline stage {worst.pp_rank}, TP rank {worst.tp_rank}"
         + (f", EP rank {worst.ep_rank}" if worst.expert_weights else "")

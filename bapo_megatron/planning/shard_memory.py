@@ -19,10 +19,18 @@ from the rank's (meta) model chunks with the rules Megatron-Core 0.16 allocates 
   one, with the same padding rules at that group's size. :func:`actor_state_bytes` takes one
   part at a time (``part``), so that a rank's dense and expert state can be computed at their
   own group's size and rank and added.
+- Offload (``optimizer.cpu_offload_fraction``): Megatron's ``HybridDeviceOptimizer`` moves whole
+  optimized tensors, in order, to the host until the fraction of the part's elements is reached,
+  and runs their Adam update there. The distributed optimizer keeps its fp32 main shard of them
+  on the GPU (it copies the host result back into it), so the GPU saves only their two moments;
+  the host holds the moments, a pinned fp32 copy of the main shard and a pinned fp32 gradient
+  copy. :func:`offload_optimizer` counts the fraction's share of elements, rounded up (the
+  whole tensors it really moves may add a little more).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -33,6 +41,8 @@ import torch
 GRAD_BYTES = 4  # fp32 gradient buffers (grad_reduce_in_fp32)
 ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MAIN_PARAM_BYTES = 4  # fp32 main copy of a bf16 parameter
+# Per offloaded element on the host: the moments, the main shard's copy and the gradient's copy.
+HOST_OPTIMIZER_BYTES = ADAM_MOMENT_BYTES + MAIN_PARAM_BYTES + GRAD_BYTES
 
 Part = Literal["all", "dense", "experts"]
 
@@ -111,11 +121,17 @@ class ActorStateBytes:
     weights: int
     gradients: int
     optimizer: int
-    """With the recipe's ``use_distributed_optimizer``."""
+    """On the GPU, with the recipe's ``use_distributed_optimizer`` (and offload, once
+    :func:`offload_optimizer` applied it)."""
     optimizer_replicated: int
-    """Without the distributed optimizer (every rank holds the full state of its shard)."""
+    """Without the distributed optimizer (every rank holds the full state of its shard), without
+    offload."""
     optimizer_distributed: int
-    """With the distributed optimizer."""
+    """With the distributed optimizer, without offload."""
+    optimized: int = 0
+    """Elements the recipe's optimizer updates on this rank."""
+    optimizer_host: int = 0
+    """Host memory of the offloaded share (:func:`offload_optimizer`)."""
 
     @property
     def total(self) -> int:
@@ -144,6 +160,7 @@ def actor_state_bytes(
     weights = parameters = 0
     grads = {True: 0, False: 0}
     optimizer = {True: 0, False: 0}
+    optimized = {True: 0, False: 0}
     for chunk in chunks:
         module = getattr(chunk, "module", chunk)
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
@@ -167,6 +184,7 @@ def actor_state_bytes(
                     else sum(p.numel() for p in params)
                 )
                 optimizer[distributed] += elements * per_element
+                optimized[distributed] += elements
     return ActorStateBytes(
         parameters=parameters,
         weights=weights,
@@ -174,4 +192,17 @@ def actor_state_bytes(
         optimizer=optimizer[distributed_optimizer],
         optimizer_replicated=optimizer[False],
         optimizer_distributed=optimizer[True],
+        optimized=optimized[distributed_optimizer],
+    )
+
+
+def offload_optimizer(state: ActorStateBytes, fraction: float) -> ActorStateBytes:
+    """``state`` (one part: dense or experts, each offloaded by an optimizer of its own) with
+    ``fraction`` of its optimized elements offloaded: their moments leave the GPU's
+    ``optimizer``, :data:`HOST_OPTIMIZER_BYTES` each go to ``optimizer_host``."""
+    moved = math.ceil(state.optimized * fraction)
+    return dataclasses.replace(
+        state,
+        optimizer=state.optimizer - moved * ADAM_MOMENT_BYTES,
+        optimizer_host=moved * HOST_OPTIMIZER_BYTES,
     )
