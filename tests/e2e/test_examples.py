@@ -69,7 +69,8 @@ GPU_RECIPES = {
         "hf_config": "Qwen3-30B-A3B",
         "engine": "sglang",
         "size": "30B-A3B",
-        "world": 16,
+        "world": 8,
+        "one_node": True,  # its optimizer state offloaded to the host
     },
     # The engine on servers of its own: 470 GB of bf16 weights leave no room colocated.
     "qwen3-235b-a22b/train.yaml": {
@@ -186,7 +187,7 @@ def test_gpu_recipe(name):
     # The layout, at the world size the launch comment gives, on H100s with Transformer Engine.
     nodes, gpus_per_node = _launch_world(text)
     world = nodes * gpus_per_node
-    assert nodes > 1, "a multi-node recipe"
+    assert nodes > 1 or promise.get("one_node"), "a multi-node recipe, unless it says otherwise"
     assert world == promise["world"]
     dp = validate_layout(model, cfg.parallel, world, H100_WITH_TE)
     assert dp >= 1

@@ -8,6 +8,7 @@ Oversized layouts (dense and MoE) and layouts that do not divide are refused wit
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,7 @@ def test_recipe_passes_the_planner(capsys, name):
 @pytest.mark.parametrize(
     "name,world,hf_config",
     [
-        ("qwen3-30b-a3b/train.yaml", 16, "Qwen3-30B-A3B"),
+        ("qwen3-30b-a3b/train.yaml", 8, "Qwen3-30B-A3B"),
         ("qwen3-235b-a22b/train.yaml", 64, "Qwen3-235B-A22B"),
     ],
 )
@@ -63,7 +64,8 @@ def test_moe_recipe_ranks_hold_their_experts(capsys, name, world, hf_config):
     code, summary, _ = run_planner(capsys, name, world, hf_config)
     assert code == 0
     hf = published_config(hf_config)
-    recipe = load_config(EXAMPLES / name).parallel
+    loaded = load_config(EXAMPLES / name)
+    recipe, offloaded = loaded.parallel, loaded.optimizer.cpu_offload_fraction
     pp, ep = recipe.pipeline_model_parallel_size, recipe.expert_model_parallel_size
     tp, stage = recipe.tensor_model_parallel_size, world // pp
     # Every layer is an MoE layer: per rank, the stage's layers x its experts x 3 matrices.
@@ -88,18 +90,22 @@ def test_moe_recipe_ranks_hold_their_experts(capsys, name, world, hf_config):
     worst = summary["worst_rank_memory_gb"]
     assert worst["expert_weights"] == round(per_rank * 2 / 1e9, 2)  # bf16
     assert worst["expert_gradients"] == round(per_rank * 4 / 1e9, 2)  # fp32 buffers
-    assert worst["expert_optimizer"] == round(per_rank * 12 / 1e9, 2)  # not sharded: EDP 1
+    # Not sharded (EDP 1): fp32 main weights and two moments, the offloaded moments on the host.
+    moved = math.ceil(per_rank * offloaded)
+    assert worst["expert_optimizer"] == round((per_rank * 12 - moved * 8) / 1e9, 2)
+    assert worst["optimizer_host"] >= round(moved * 16 / 1e9, 2)
     assert worst["dispatcher"] > 0 and worst["activations"] > 0
 
 
 @pytest.mark.parametrize(
     "name,hf_config,overrides,needs",
     [
-        # 30B-A3B on one node: 18 bytes per parameter is 70 GB per GPU before anything else.
+        # 30B-A3B on one node without the offload its recipe sets: 18 bytes per parameter is
+        # 70 GB per GPU before anything else.
         (
             "qwen3-30b-a3b/train.yaml",
             "Qwen3-30B-A3B",
-            ["parallel.expert_model_parallel_size=8"],
+            ["optimizer.cpu_offload_fraction=0"],
             85,
         ),
         # 235B-A22B on one node: 16 experts of each of the 94 layers per GPU.
@@ -131,6 +137,27 @@ def test_oversized_moe_layout_is_refused_with_the_numbers(
     # to shard it over.
     assert summary["expert_data_parallel_size"] == 1
     assert worst["expert_weights"] + worst["expert_gradients"] + worst["expert_optimizer"] > 60
+
+
+def test_one_node_moe_recipe_keeps_its_optimizer_state_on_the_host(capsys):
+    recipe = str(EXAMPLES / "qwen3-30b-a3b/train.yaml")
+    hf_config = str(config_path("Qwen3-30B-A3B"))
+    code = main([recipe, "--world-size", "8", "--hf-config", hf_config])
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert code == 0
+    worst = summary["worst_rank_memory_gb"]
+    # Everything offloaded: of the fp32 main weights and two moments, the main weights stay.
+    state = worst["optimizer_distributed"]  # 12 bytes per element, without offload
+    assert worst["optimizer"] == pytest.approx(state / 3, abs=0.01)
+    assert worst["optimizer_host"] == pytest.approx(state * 16 / 12, abs=0.02)
+    # One node: its 8 ranks' host shares together (the dense shards differ by padding only).
+    [node] = summary["host_optimizer_gb_per_node"]
+    assert node == pytest.approx(8 * worst["optimizer_host"], rel=0.01)
+    assert "host memory (optimizer.cpu_offload_fraction=1.0): up to" in out
+    assert f"{node:.2f} GB on the fullest node of 8 GPUs" in out
+    # room left for what the planner does not count, its activations measured low included
+    assert worst["total"] <= 70
 
 
 def test_moe_layout_whose_experts_do_not_divide_is_refused(capsys):
