@@ -19,7 +19,7 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
-from megatron.core.optimizer import clip_grads, get_megatron_optimizer
+from megatron.core.optimizer import clip_grads, distrib_optimizer, get_megatron_optimizer
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -79,7 +79,7 @@ def build_optimizer(
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
     """Megatron's Adam over the DDP-wrapped chunks and its learning-rate/weight-decay schedule;
     ``optimizer.cpu_offload_fraction`` > 0 makes it Megatron's hybrid host/GPU optimizer."""
-    require_cuda_for_offload(optimizer, context.config.device)
+    require_offload_support(optimizer, context.config.device)
     fraction = optimizer.cpu_offload_fraction
     megatron_config = MegatronOptimizerConfig(
         optimizer="adam",
@@ -124,15 +124,27 @@ def build_optimizer(
     return megatron_optimizer, scheduler
 
 
-def require_cuda_for_offload(optimizer: OptimizerConfig, device: str) -> None:
-    """Refuse optimizer CPU offload on a run whose ``parallel.device`` (``device``) is not CUDA:
-    Megatron's ``HybridDeviceOptimizer`` moves tensors with CUDA streams and pinned memory and
-    tells GPU from host tensors by ``is_cuda``, so on the CPU it has nothing to offload from."""
-    if optimizer.cpu_offload_fraction > 0 and not uses_cuda(device):
+def require_offload_support(optimizer: OptimizerConfig, device: str) -> None:
+    """Refuse optimizer CPU offload where Megatron-Core 0.16.1 cannot carry it through a run:
+    on a run whose ``parallel.device`` (``device``) is not CUDA (its ``HybridDeviceOptimizer``
+    moves tensors with CUDA streams and pinned memory and tells GPU from host tensors by
+    ``is_cuda``), and without Transformer Engine or Apex, where the distributed optimizer's
+    ``state_dict`` asserts on the fresh offloading optimizer's empty state, so that its
+    checkpoints save but never load (found on an H200 without TE, docs/gpu-checks.md run 6):
+    a crashed run could not resume."""
+    fraction = optimizer.cpu_offload_fraction
+    if fraction > 0 and not uses_cuda(device):
         raise ValueError(
-            f"optimizer.cpu_offload_fraction={optimizer.cpu_offload_fraction} needs a CUDA run "
+            f"optimizer.cpu_offload_fraction={fraction} needs a CUDA run "
             f"(parallel.device {device!r} resolves to the CPU): Megatron's optimizer offload "
             "(HybridDeviceOptimizer) is CUDA-only; set optimizer.cpu_offload_fraction=0"
+        )
+    if fraction > 0 and not distrib_optimizer.HAVE_APEX_OR_TE:
+        raise ValueError(
+            f"optimizer.cpu_offload_fraction={fraction} needs Transformer Engine or Apex: "
+            "without them megatron-core 0.16.1 cannot load the offloading optimizer's "
+            "checkpoints, so the run could not resume; install one, or set "
+            "optimizer.cpu_offload_fraction=0"
         )
 
 

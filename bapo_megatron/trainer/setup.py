@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from bapo_megatron.actor.actor import Actor, build_actor
-from bapo_megatron.actor.optimizer import require_cuda_for_offload
+from bapo_megatron.actor.optimizer import require_offload_support
 from bapo_megatron.algo.search_plan import SearchPlan
 from bapo_megatron.config import Config
 from bapo_megatron.config.checks import check_experts, records_routes
@@ -172,7 +172,7 @@ def _build_run(
     check_experts(cfg, task.model)  # a model read from train.model_path is known only now
     validate_layout(task.model, cfg.parallel, context.world_size)
     # Before the model is built (build_optimizer checks it again for callers without setup).
-    require_cuda_for_offload(cfg.optimizer, cfg.parallel.device)
+    require_offload_support(cfg.optimizer, cfg.parallel.device)
     rollout, algo = cfg.rollout, cfg.algorithm
     if rollout.prompts_per_step % context.dp_size:
         raise ValueError(

@@ -11,9 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from megatron.core.optimizer import distrib_optimizer
 
 import bapo_megatron.actor.optimizer as actor_optimizer
-from bapo_megatron.actor.optimizer import build_optimizer, require_cuda_for_offload
+from bapo_megatron.actor.optimizer import build_optimizer, require_offload_support
 from bapo_megatron.config import Config, OptimizerConfig, ParallelConfig
 from bapo_megatron.config.loading import load_config
 from bapo_megatron.planning.plan import plan_layout
@@ -66,7 +67,20 @@ def test_a_cpu_run_refuses_offload_before_building_anything():
     assert "optimizer.cpu_offload_fraction=0.5 needs a CUDA run" in message
     assert "HybridDeviceOptimizer" in message and "'cpu'" in message
     # without offload the CPU is fine
-    require_cuda_for_offload(dataclasses.replace(OFFLOADED, cpu_offload_fraction=0.0), "cpu")
+    require_offload_support(dataclasses.replace(OFFLOADED, cpu_offload_fraction=0.0), "cpu")
+
+
+def test_offload_without_te_or_apex_is_refused_as_it_could_not_resume(monkeypatch):
+    """Found on a GPU without TE: the checkpoints of an offloading run save but never load."""
+    monkeypatch.setattr(actor_optimizer, "uses_cuda", lambda device: True)
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    with pytest.raises(ValueError) as raised:
+        require_offload_support(OFFLOADED, "cuda")
+    assert "needs Transformer Engine or Apex" in str(raised.value)
+    assert "could not resume" in str(raised.value)
+    require_offload_support(dataclasses.replace(OFFLOADED, cpu_offload_fraction=0.0), "cuda")
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    require_offload_support(OFFLOADED, "cuda")
 
 
 @pytest.mark.parametrize("fraction,overlap", [(0.5, False), (0.0, True)])
@@ -83,6 +97,7 @@ def test_offload_settings_reach_megatron(monkeypatch, fraction, overlap):
         raise Built
 
     monkeypatch.setattr(actor_optimizer, "uses_cuda", lambda device: True)
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)  # a GPU image with TE
     monkeypatch.setattr(actor_optimizer, "get_megatron_optimizer", catch)
     optimizer = dataclasses.replace(
         OFFLOADED, cpu_offload_fraction=fraction, overlap_cpu_offload=overlap
