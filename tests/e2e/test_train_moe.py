@@ -202,13 +202,13 @@ def test_expert_layouts_feed_whole_experts_to_the_engines(
     so both engines got every expert, and the same updates to float rounding.
     colocated-tp2-sp-etp2: every expert split over two ranks, gathered whole for the engine on
     rank 0, against the one-process run."""
-    common = [*moe_start, "train.steps=3"]
+    common = [*moe_start, "train.steps=2"]
     if reference_processes == 1:
         reference = run_in_process(tmp_path / "reference", *common, config=MOE_CONFIG)
     else:
         reference = run_ranks(tmp_path / "reference", common, reference_processes)
     records = run_ranks(tmp_path / "experts", [*common, *layout], processes)
-    assert_same_run(records, reference, rollout_steps=3, updates=6)
+    assert_same_run(records, reference, rollout_steps=2, updates=4)
 
 
 def test_expert_sets_ignore_missing_ids():

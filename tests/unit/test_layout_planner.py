@@ -7,6 +7,9 @@ Oversized layouts (dense and MoE) and layouts that do not divide are refused wit
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import json
 import math
 from pathlib import Path
@@ -21,25 +24,35 @@ from tests.helpers.published_configs import PUBLISHED_PARAMETERS, config_path, p
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def run_planner(capsys, recipe: str, world: int, hf_config: str, *extra: str):
-    code = main(
-        [
-            str(EXAMPLES / recipe),
-            "--world-size",
-            str(world),
-            "--hf-config",
-            str(config_path(hf_config)),
-            *extra,
-        ]
-    )
-    out = capsys.readouterr()
-    return code, json.loads(out.out.strip().splitlines()[-1]), out.err
+@functools.cache
+def planner_output(recipe: str, world: int, hf_config: str, *extra: str) -> tuple[int, str, str]:
+    """The planner's exit code, stdout and stderr on ``recipe`` (each distinct call runs once
+    per session: a large recipe's meta ranks take seconds, and tests share its plan)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(
+            [
+                str(EXAMPLES / recipe),
+                "--world-size",
+                str(world),
+                "--hf-config",
+                str(config_path(hf_config)),
+                *extra,
+            ]
+        )
+    return code, out.getvalue(), err.getvalue()
+
+
+def run_planner(recipe: str, world: int, hf_config: str, *extra: str):
+    """:func:`planner_output` with its last line, the JSON summary, read."""
+    code, out, err = planner_output(recipe, world, hf_config, *extra)
+    return code, json.loads(out.strip().splitlines()[-1]), err
 
 
 @pytest.mark.parametrize("name", GPU_RECIPE_PARAMS)
-def test_recipe_passes_the_planner(capsys, name):
+def test_recipe_passes_the_planner(name):
     promise = GPU_RECIPES[name]
-    code, summary, err = run_planner(capsys, name, promise["world"], promise["hf_config"])
+    code, summary, err = run_planner(name, promise["world"], promise["hf_config"])
     assert code == 0 and summary["ok"], err
     assert summary["model_parameters"] == PUBLISHED_PARAMETERS[promise["hf_config"]]
     # every tensor of the shards once (replicated norms and routers once, all experts)
@@ -60,8 +73,8 @@ def test_recipe_passes_the_planner(capsys, name):
         ("qwen3-235b-a22b/train.yaml", 64, "Qwen3-235B-A22B"),
     ],
 )
-def test_moe_recipe_ranks_hold_their_experts(capsys, name, world, hf_config):
-    code, summary, _ = run_planner(capsys, name, world, hf_config)
+def test_moe_recipe_ranks_hold_their_experts(name, world, hf_config):
+    code, summary, _ = run_planner(name, world, hf_config)
     assert code == 0
     hf = published_config(hf_config)
     loaded = load_config(EXAMPLES / name)
@@ -118,10 +131,8 @@ def test_moe_recipe_ranks_hold_their_experts(capsys, name, world, hf_config):
     ],
     ids=["30b-a3b", "235b-a22b"],
 )
-def test_oversized_moe_layout_is_refused_with_the_numbers(
-    capsys, name, hf_config, overrides, needs
-):
-    code, summary, err = run_planner(capsys, name, 8, hf_config, *overrides)
+def test_oversized_moe_layout_is_refused_with_the_numbers(name, hf_config, overrides, needs):
+    code, summary, err = run_planner(name, 8, hf_config, *overrides)
     assert code == 1 and not summary["ok"]
     [problem] = [p for p in summary["problems"] if p.startswith("memory:")]
     worst = summary["worst_rank_memory_gb"]
@@ -139,11 +150,8 @@ def test_oversized_moe_layout_is_refused_with_the_numbers(
     assert worst["expert_weights"] + worst["expert_gradients"] + worst["expert_optimizer"] > 60
 
 
-def test_one_node_moe_recipe_keeps_its_optimizer_state_on_the_host(capsys):
-    recipe = str(EXAMPLES / "qwen3-30b-a3b/train.yaml")
-    hf_config = str(config_path("Qwen3-30B-A3B"))
-    code = main([recipe, "--world-size", "8", "--hf-config", hf_config])
-    out = capsys.readouterr().out
+def test_one_node_moe_recipe_keeps_its_optimizer_state_on_the_host():
+    code, out, _ = planner_output("qwen3-30b-a3b/train.yaml", 8, "Qwen3-30B-A3B")
     summary = json.loads(out.strip().splitlines()[-1])
     assert code == 0
     worst = summary["worst_rank_memory_gb"]
@@ -160,9 +168,8 @@ def test_one_node_moe_recipe_keeps_its_optimizer_state_on_the_host(capsys):
     assert worst["total"] <= 70
 
 
-def test_moe_layout_whose_experts_do_not_divide_is_refused(capsys):
+def test_moe_layout_whose_experts_do_not_divide_is_refused():
     code, summary, _ = run_planner(
-        capsys,
         "qwen3-30b-a3b/train.yaml",
         12,
         "Qwen3-30B-A3B",
@@ -174,10 +181,8 @@ def test_moe_layout_whose_experts_do_not_divide_is_refused(capsys):
     assert "parallel.expert_model_parallel_size (3)" in problem
 
 
-def test_7b_recipe_ranks_hold_a_quarter_each(capsys):
-    code, summary, _ = run_planner(
-        capsys, "qwen2.5-7b/train.yaml", 16, "DeepSeek-R1-Distill-Qwen-7B"
-    )
+def test_7b_recipe_ranks_hold_a_quarter_each():
+    code, summary, _ = run_planner("qwen2.5-7b/train.yaml", 16, "DeepSeek-R1-Distill-Qwen-7B")
     assert code == 0
     # TP4 x DP4: one replica = ranks 0-3; each holds 1/4 of every split tensor and all norms.
     assert summary["simulated_ranks"] == [0, 1, 2, 3]
@@ -188,10 +193,8 @@ def test_7b_recipe_ranks_hold_a_quarter_each(capsys):
     assert per_rank == (7_615_616_512 - norms) // 4 + norms
 
 
-def test_32b_recipe_simulates_every_stage_and_tensor_rank(capsys):
-    code, summary, _ = run_planner(
-        capsys, "qwen2.5-32b/train.yaml", 32, "DeepSeek-R1-Distill-Qwen-32B"
-    )
+def test_32b_recipe_simulates_every_stage_and_tensor_rank():
+    code, summary, _ = run_planner("qwen2.5-32b/train.yaml", 32, "DeepSeek-R1-Distill-Qwen-32B")
     assert code == 0
     # TP8 x PP2 x DP2 in Megatron's order tp-cp-ep-dp-pp: replica 0 = ranks 0-7 and 16-23.
     assert summary["simulated_ranks"] == [*range(8), *range(16, 24)]
@@ -200,10 +203,9 @@ def test_32b_recipe_simulates_every_stage_and_tensor_rank(capsys):
     assert total == 32_763_876_352 + 7 * norms  # norms are replicated over the 8 TP ranks
 
 
-def test_oversized_recipe_is_refused_with_the_numbers(capsys):
+def test_oversized_recipe_is_refused_with_the_numbers():
     # The 32B recipe squeezed onto one node: TP8 alone, no distributed optimizer.
     code, summary, err = run_planner(
-        capsys,
         "qwen2.5-32b/train.yaml",
         8,
         "DeepSeek-R1-Distill-Qwen-32B",
@@ -220,16 +222,15 @@ def test_oversized_recipe_is_refused_with_the_numbers(capsys):
     assert summary["worst_rank_memory_gb"]["total"] > 80
 
 
-def test_smaller_gpu_refuses_what_an_h100_fits(capsys):
+def test_smaller_gpu_refuses_what_an_h100_fits():
     code, summary, _ = run_planner(
-        capsys, "qwen2.5-7b/train.yaml", 16, "DeepSeek-R1-Distill-Qwen-7B", "--gpu-memory-gb", "40"
+        "qwen2.5-7b/train.yaml", 16, "DeepSeek-R1-Distill-Qwen-7B", "--gpu-memory-gb", "40"
     )
     assert code == 1 and any("40.00 GB per GPU" in p for p in summary["problems"])
 
 
-def test_layout_that_does_not_divide_is_refused(capsys):
+def test_layout_that_does_not_divide_is_refused():
     code, summary, _ = run_planner(
-        capsys,
         "qwen2.5-7b/train.yaml",
         12,
         "DeepSeek-R1-Distill-Qwen-7B",
