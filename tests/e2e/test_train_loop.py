@@ -10,9 +10,16 @@ import math
 import pytest
 import torch
 
+from bapo_megatron.trainer.main import main as train_main
 from bapo_megatron.trainer.tracking import read_scalars
 from tests.helpers import hf_models
-from tests.helpers.train_runs import read_metrics, rollout_records, run_in_process, run_subprocess
+from tests.helpers.train_runs import (
+    TINY_CONFIG,
+    read_metrics,
+    rollout_records,
+    run_in_process,
+    run_subprocess,
+)
 
 
 def optimizer_records(records):
@@ -196,13 +203,19 @@ def test_console_line_per_step_and_a_fresh_start_replaces_the_old_records(
 
 
 def test_bad_config_is_refused_naming_the_key(tmp_path):
+    # the command line as a user runs it: one line on stderr, a failing exit code
     result = run_subprocess(tmp_path, "rollout.max_new_tokenz=8")
     assert result.returncode != 0
     assert "rollout" in result.stderr and "max_new_tokenz" in result.stderr
-    result = run_subprocess(tmp_path, "algorithm.old_logprobs=sometimes")
-    assert result.returncode != 0 and "algorithm.old_logprobs" in result.stderr
-    result = run_subprocess(tmp_path, "loss.truncated_is_cap=2.0")  # needs recompute
-    assert result.returncode != 0 and "loss.truncated_is_cap" in result.stderr
+    # the same entry point in this process (sys.exit with that line): a bad value, and a
+    # setting that needs another
+    for override, key in (
+        ("algorithm.old_logprobs=sometimes", "algorithm.old_logprobs"),
+        ("loss.truncated_is_cap=2.0", "loss.truncated_is_cap"),  # needs recompute
+    ):
+        with pytest.raises(SystemExit) as exited:
+            train_main(["--config", str(TINY_CONFIG), f"train.output_dir={tmp_path}", override])
+        assert isinstance(exited.value.code, str) and key in exited.value.code
     assert not (tmp_path / "checkpoints").exists()
 
 
