@@ -41,6 +41,7 @@ from bapo_megatron.distributed.layout import Accelerator  # noqa: E402
 from bapo_megatron.planning.plan import plan_layout  # noqa: E402
 from bapo_megatron.planning.shard_memory import is_expert_parallel  # noqa: E402
 from tests.helpers import gloo_launch  # noqa: E402
+from tests.helpers.actor_state import optimizer_state_bytes  # noqa: E402
 
 MODEL = ModelConfig(
     model_type="qwen3_moe",
@@ -69,19 +70,7 @@ LAUNCH_TIMEOUT_S = 600.0
 def measured_state(actor) -> dict[str, int]:
     """Bytes of the actor's parameters, gradient buffers and optimizer state, and the
     expert-parallel part of the first two."""
-    modules = [chunk.module for chunk in actor.chunks]
-    params = [p for module in modules for p in module.parameters()]
-    model_storages = {p.untyped_storage().data_ptr() for p in params}
-    optimizer = 0
-    for inner in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
-        for group in inner.optimizer.param_groups:
-            for p in group["params"]:
-                if p.untyped_storage().data_ptr() not in model_storages:  # an fp32 main copy
-                    optimizer += p.numel() * p.element_size()
-                state = inner.optimizer.state[p]
-                optimizer += sum(
-                    state[k].numel() * state[k].element_size() for k in ("exp_avg", "exp_avg_sq")
-                )
+    params = [p for chunk in actor.chunks for p in chunk.module.parameters()]
 
     def buffer_bytes(name: str) -> int:
         return sum(
@@ -93,7 +82,7 @@ def measured_state(actor) -> dict[str, int]:
     return {
         "weights": sum(p.numel() * p.element_size() for p in params),
         "gradients": buffer_bytes("buffers") + buffer_bytes("expert_parallel_buffers"),
-        "optimizer": optimizer,
+        "optimizer": optimizer_state_bytes(actor),
         "expert_weights": sum(
             p.numel() * p.element_size() for p in params if is_expert_parallel(p)
         ),

@@ -27,6 +27,7 @@ from bapo_megatron.config.moe import MoeConfig
 from bapo_megatron.planning.activations import SWIGLU_TENSORS, ActivationShape, stage_bytes
 from bapo_megatron.planning.moe_memory import moe_mlp_bytes
 from bapo_megatron.planning.shard_memory import actor_state_bytes
+from tests.helpers.actor_state import optimizer_state_bytes
 
 
 def tiny(params_dtype: str, tied: bool = True) -> ModelConfig:
@@ -45,23 +46,11 @@ def tiny(params_dtype: str, tied: bool = True) -> ModelConfig:
 
 
 def measured_state_bytes(actor) -> tuple[int, int, int]:
-    model_storages = {
-        p.untyped_storage().data_ptr() for c in actor.chunks for p in c.module.parameters()
-    }
     weights = sum(p.numel() * p.element_size() for c in actor.chunks for p in c.module.parameters())
     grads = sum(
         b.grad_data.numel() * b.grad_data.element_size() for c in actor.chunks for b in c.buffers
     )
-    optimizer = 0
-    for inner in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
-        for group in inner.optimizer.param_groups:
-            for p in group["params"]:
-                if p.untyped_storage().data_ptr() not in model_storages:  # an fp32 main copy
-                    optimizer += p.numel() * p.element_size()
-                state = inner.optimizer.state[p]
-                optimizer += sum(
-                    state[k].numel() * state[k].element_size() for k in ("exp_avg", "exp_avg_sq")
-                )
+    optimizer = optimizer_state_bytes(actor)
     return weights, grads, optimizer
 
 

@@ -18,9 +18,8 @@ import pytest
 
 import bapo_megatron.rollout.vllm as vllm_family
 from bapo_megatron.actor.routing_replay import validate_routes
-from bapo_megatron.config import ModelConfig, RolloutConfig, load_config
+from bapo_megatron.config import RolloutConfig, load_config
 from bapo_megatron.config.checks import records_routes
-from bapo_megatron.config.moe import MoeConfig
 from bapo_megatron.data.experience import Group, to_policy_batch
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.registry import build_engine
@@ -33,6 +32,7 @@ from bapo_megatron.rollout.sglang.engine import SGLangEngine, generate_request
 from bapo_megatron.rollout.sglang.server_client import SGLangServerClient
 from bapo_megatron.rollout.vllm.engine import VLLMEngine
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient, parse_completion_response
+from tests.unit.test_rollout_moe_engine import MODEL as MOE_ENGINE_MODEL
 from tests.unit.test_rollout_sglang import FakeEngine, FakeServer, sglang_output
 from tests.unit.test_rollout_vllm import (  # noqa: F401 - fake_vllm is a fixture
     FakeLLM,
@@ -43,20 +43,7 @@ from tests.unit.test_rollout_vllm import (  # noqa: F401 - fake_vllm is a fixtur
 )
 
 # layer 0 dense, layers 1 and 2 with 4 experts, top-2: the engines' layer axis has 3 columns
-MOE = ModelConfig(
-    model_type="qwen3_moe",
-    num_layers=3,
-    hidden_size=64,
-    ffn_hidden_size=96,
-    num_attention_heads=4,
-    num_query_groups=2,
-    head_dim=32,
-    vocab_size=128,
-    max_position_embeddings=64,
-    moe=MoeConfig(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(0,)
-    ),
-)
+MOE = MOE_ENGINE_MODEL
 
 
 def engine_routes(rows: int, dtype=np.uint8) -> np.ndarray:
