@@ -20,7 +20,19 @@ where the search runs inside the loss, untimed), and the ratio of the
 ``cases`` each case's median step and its ratio to the fixed-clip step.
 The last line printed is one JSON object with those numbers.
 
+With ``--packing`` it measures instead what packed rows and token budgets save on a long-tailed
+batch (one process, TP1): ``--sequences`` responses capped at ``--length`` tokens, a quarter of
+them at the cap and the rest log-normal with median cap/8, after prompts of about cap/16 tokens
+(fixed seed), trained with the `paper` preset at granularity `step` in three cases, each in a
+process of its own so that its peak memory is its own: padded micro-batches of 4 and of 1
+sequence, and packed rows filled up to ``--budget`` tokens. Per case: real tokens/s (prompt and
+response tokens, padding excluded, over the median step), the share of computed positions that
+are padding, and the peak resident memory of the process above what it held before the first
+step. The last line is one JSON object with ``packed_over_padded`` (tokens/s of the packed case
+over each padded case) and ``padding_share`` (per case).
+
 Usage: python3 tools/bench_actor_step.py [--layouts tp1,tp2,pp2,tp2-pp2] [--steps 5]
+       python3 tools/bench_actor_step.py --packing [--length 1024] [--budget 4096]
 """
 
 from __future__ import annotations
@@ -53,6 +65,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per layout")
+    parser.add_argument(
+        "--packing", action="store_true", help="padded against packed rows (see above)"
+    )
+    parser.add_argument("--budget", type=int, default=0, help="--packing: tokens (0: 4 x length)")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)  # set for the worker processes
     return parser.parse_args(argv)
 
@@ -77,6 +93,9 @@ def worker(args: argparse.Namespace) -> None:
     )
     from bapo_megatron.distributed.context import ParallelContext
 
+    if args.packing:
+        packing_worker(args)
+        return
     tp, pp = int(os.environ["BENCH_TP"]), int(os.environ["BENCH_PP"])
     context = ParallelContext.initialize(
         ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -160,6 +179,157 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.worker_out.format(rank=os.environ["RANK"])).write_text(json.dumps(result))
 
 
+def long_tailed_lengths(sequences: int, cap: int, seed: int = 0) -> list[tuple[int, int]]:
+    """(prompt, response) lengths: a quarter of the responses at ``cap``, the rest log-normal
+    with median cap / 8 (sigma 0.8) within [4, cap]; prompts log-normal around cap / 16."""
+    import random
+
+    draw = random.Random(seed)
+    pairs = []
+    for i in range(sequences):
+        tail = int(min(cap, max(4, draw.lognormvariate(0, 0.8) * cap / 8)))
+        response = cap if i % 4 == 0 else tail
+        prompt = int(min(cap // 4, max(2, draw.lognormvariate(0, 0.3) * cap / 16)))
+        pairs.append((prompt, response))
+    return pairs
+
+
+def packing_worker(args: argparse.Namespace) -> None:
+    """One case of ``--packing`` in this process (``BENCH_CASE``)."""
+    import resource
+
+    import torch
+
+    from bapo_megatron.actor.actor import build_actor
+    from bapo_megatron.actor.batch import PolicyBatch
+    from bapo_megatron.actor.train_step import train_step
+    from bapo_megatron.algo.search_plan import SearchPlan
+    from bapo_megatron.config import (
+        ActorConfig,
+        ClipSearchConfig,
+        LossConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelConfig,
+    )
+    from bapo_megatron.distributed.context import ParallelContext
+
+    case = os.environ["BENCH_CASE"]
+    actor_config = {
+        "padded_mb4": ActorConfig(micro_batch_size=4),
+        "padded_mb1": ActorConfig(micro_batch_size=1),
+        "packed": ActorConfig(
+            pack_sequences=True, max_tokens_per_microbatch=args.budget or 4 * args.length
+        ),
+    }[case]
+    context = ParallelContext.initialize(ParallelConfig())
+    pairs = long_tailed_lengths(args.sequences, args.length)
+    width = max(p + r for p, r in pairs)
+    model = ModelConfig(
+        model_type="qwen2",
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        ffn_hidden_size=4 * args.hidden,
+        num_attention_heads=8,
+        num_query_groups=4,
+        vocab_size=args.vocab,
+        max_position_embeddings=width,
+    )
+    actor = build_actor(model, actor_config, OptimizerConfig(lr=1e-6), context)
+    g = torch.Generator().manual_seed(0)
+    n = len(pairs)
+    tokens = torch.randint(1, args.vocab, (n, width), generator=g)
+    mask = torch.zeros(n, width, dtype=torch.bool)
+    for i, (prompt, response) in enumerate(pairs):
+        mask[i, prompt : prompt + response] = True
+        tokens[i, prompt + response :] = 0
+    old = torch.where(
+        mask,
+        -torch.log(torch.tensor(float(args.vocab))) + 0.5 * torch.randn(n, width, generator=g),
+        0.0,
+    )
+    batch = PolicyBatch(
+        tokens=tokens, response_mask=mask, old_logprobs=old, advantages=torch.randn(n, generator=g)
+    )
+    clip = ClipSearchConfig.from_preset("paper", granularity="step")
+    before = _rss_bytes()
+    times, metrics = [], {}
+    for step in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        metrics = train_step(actor, batch, LossConfig(clip=clip), SearchPlan.from_config(clip))
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    result = dict(
+        step_s=statistics.median(times),
+        real_tokens=sum(p + r for p, r in pairs),
+        padding_share=metrics["actor/padding_share"],
+        micro_batches=metrics["num_microbatches"],
+        peak_step_bytes=max(0, peak - before),
+        peak_bytes=peak,
+    )
+    context.teardown()
+    Path(args.worker_out.format(rank="0")).write_text(json.dumps(result))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_packing(args: argparse.Namespace, argv: list[str], workdir: Path) -> dict:
+    """Every ``--packing`` case, one process each, and their ratios."""
+    cases = {}
+    for case in ("padded_mb4", "padded_mb1", "packed"):
+        out = workdir / f"{case}.json"
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "NUMBA_NUM_THREADS": "1",
+            "BENCH_CASE": case,
+            "PYTHONWARNINGS": "ignore",
+        }
+        cmd = [sys.executable, __file__, *argv, "--worker-out", str(out)]
+        try:
+            done = subprocess.run(
+                cmd, env=env, capture_output=True, text=True, timeout=args.timeout
+            )
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"case {case} did not finish within {args.timeout:.0f} s") from None
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(f"case {case} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        r = json.loads(out.read_text())
+        cases[case] = dict(
+            step_ms=round(1e3 * r["step_s"], 1),
+            real_tokens_per_s=round(r["real_tokens"] / r["step_s"], 1),
+            padding_share=round(r["padding_share"], 4),
+            micro_batches=int(r["micro_batches"]),
+            peak_step_mb=round(r["peak_step_bytes"] / 2**20, 1),
+            peak_mb=round(r["peak_bytes"] / 2**20, 1),
+        )
+        c = cases[case]
+        print(
+            f"{case:11s} step {c['step_ms']:9.1f} ms  {c['real_tokens_per_s']:9.1f} real tok/s  "
+            f"padding {100 * c['padding_share']:5.1f}%  {c['micro_batches']:3d} micro-batches  "
+            f"peak +{c['peak_step_mb']:.0f} MiB",
+            flush=True,
+        )
+    packed = cases["packed"]
+    return dict(
+        cases=cases,
+        packed_over_padded={
+            name: round(packed["real_tokens_per_s"] / cases[name]["real_tokens_per_s"], 3)
+            for name in ("padded_mb4", "padded_mb1")
+        },
+        peak_memory_over_padded={
+            name: round(packed["peak_step_mb"] / max(cases[name]["peak_step_mb"], 1e-9), 3)
+            for name in ("padded_mb4", "padded_mb1")
+        },
+        padding_share={name: c["padding_share"] for name, c in cases.items()},
+    )
+
+
 # ------------------------------------------------------------------------ driver
 
 
@@ -226,6 +396,13 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     if args.worker_out:
         worker(args)
+        return
+    if args.packing:
+        with tempfile.TemporaryDirectory() as tmp:
+            report = run_packing(args, argv, Path(tmp))
+        config = {k: v for k, v in vars(args).items() if k != "worker_out"}
+        config["budget"] = args.budget or 4 * args.length
+        print(json.dumps(dict(benchmark="actor_step_packing", config=config, **report)))
         return
     names = [n for n in args.layouts.split(",") if n]
     unknown = [n for n in names if n not in LAYOUTS]

@@ -61,6 +61,7 @@ def worker(args: argparse.Namespace) -> None:
     from bapo_megatron.actor.actor import build_actor
     from bapo_megatron.actor.batch import PolicyBatch
     from bapo_megatron.actor.logprobs import compute_logprobs_and_routes
+    from bapo_megatron.actor.microbatches import Batching
     from bapo_megatron.actor.train_step import train_step
     from bapo_megatron.algo.search_plan import SearchPlan
     from bapo_megatron.config import (
@@ -116,7 +117,7 @@ def worker(args: argparse.Namespace) -> None:
         batch,
         context,
         actor.routing_replay,
-        micro_batch_size=args.micro_batch_size,
+        batching=Batching(args.micro_batch_size),
         temperature=1.0,
     )
     variants = {"live": batch, "replay": dataclasses.replace(batch, routes=routes)}

@@ -39,6 +39,11 @@ class Actor:
     """Replays the routes a batch carries (``PolicyBatch.routes``) in every pass of a
     mixture-of-experts model, and records routes; None for a dense model."""
 
+    @property
+    def fp8_length_multiple(self) -> int:
+        """What FP8 layers need every sequence length to be a multiple of (1 without FP8)."""
+        return 1
+
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameter shards by their Megatron names (``chunk<i>.`` prefixed when the
         rank holds several virtual pipeline chunks)."""

@@ -1,5 +1,6 @@
 """The actor's input: one data-parallel rank's sequences for an optimizer step, and their split
-into the equal-shaped micro-batches Megatron's pipeline schedules need.
+into the equal-shaped micro-batches Megatron's pipeline schedules need (padded rows here; packed
+rows, one row of concatenated sequences, in :mod:`bapo_megatron.actor.packing`).
 
 Every per-token tensor is aligned with ``tokens``: column t describes token t (its response mask,
 the log-prob it was sampled with, its advantage). The model's output at position t - 1 predicts
@@ -13,8 +14,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # annotations only: packing imports this module
+    from bapo_megatron.actor.packing import PackedSegments
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,9 @@ class PolicyBatch:
     """[n, s, moe_layers, topk] integer expert ids each token was routed to (a mixture-of-experts
     model under routing replay; a row of -1: no route, routed live), or None
     (:mod:`bapo_megatron.actor.routing_replay`)."""
+    segments: PackedSegments | None = None
+    """Set on a packed micro-batch (one row of concatenated sequences): where each sequence
+    lies in the row (:mod:`bapo_megatron.actor.packing`); None for rows of one sequence each."""
 
     def __post_init__(self) -> None:
         tokens, mask = self.tokens, self.response_mask
@@ -84,6 +92,14 @@ class PolicyBatch:
                 f"batch.routes: expected a [{tokens.shape[0]}, {tokens.shape[1]}, moe_layers, "
                 f"topk] tensor, got {getattr(routes, 'shape', type(routes).__name__)}"
             )
+        segments = self.segments
+        if segments is not None and (
+            tokens.shape[0] != 1 or segments.row_length != tokens.shape[1]
+        ):
+            raise ValueError(
+                f"batch.segments: a packed batch is one row of {segments.row_length} tokens, "
+                f"got tokens of shape {tuple(tokens.shape)}"
+            )
         adv = self.advantages
         if adv is not None and (
             not isinstance(adv, torch.Tensor)
@@ -107,9 +123,16 @@ class PolicyBatch:
 
     def select(self, rows: slice) -> PolicyBatch:
         """The sequences ``rows`` (a slice), every field sliced alike."""
+        if self.segments is not None:
+            raise ValueError("batch.select: a packed row cannot be split by rows")
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return dataclasses.replace(
-            self, **{name: value[rows] for name, value in values.items() if value is not None}
+            self,
+            **{
+                name: value[rows]
+                for name, value in values.items()
+                if value is not None and name != "segments"
+            },
         )
 
 

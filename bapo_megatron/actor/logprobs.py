@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bapo_megatron.actor.batch import PolicyBatch, microbatch_count, split_microbatches
+from bapo_megatron.actor.batch import PolicyBatch
+from bapo_megatron.actor.microbatches import (
+    Batching,
+    build_microbatches,
+    length_multiple,
+    plan_groups,
+)
+from bapo_megatron.actor.packing import unpack_tokens
 from bapo_megatron.actor.pipeline_schedule import last_stage_rank, run_schedule
 from bapo_megatron.actor.routing_replay import RoutingReplay
 from bapo_megatron.algo.vocab_parallel import token_logprobs_and_entropy
@@ -42,34 +49,33 @@ def _shift_right(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([values.new_zeros(values.shape[0], 1), values], dim=1)
 
 
-def seq_multiple(context: ParallelContext) -> int:
-    """What the sequence length must be a multiple of: the TP size under sequence parallelism."""
-    return context.tp_size if context.config.sequence_parallel else 1
-
-
 @torch.no_grad()
 def compute_logprobs(
     chunks: list[torch.nn.Module],
     batch: PolicyBatch,
     context: ParallelContext,
     *,
-    micro_batch_size: int,
+    batching: Batching,
     temperature: float,
     with_entropy: bool = True,
     routing: RoutingReplay | None = None,
+    fp8_multiple: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward-only pass over this data-parallel rank's ``batch``: ``(logprobs, entropy)``, each
     ``[n, s]`` float32 on the CPU, on every rank of the pipeline (the last stage computes them
     and broadcasts). Used to recompute old log-probs and to check rollout engines. With
-    ``routing`` (a mixture-of-experts actor's) and ``batch.routes``, the routers replay them."""
+    ``routing`` (a mixture-of-experts actor's) and ``batch.routes``, the routers replay them.
+    ``batching``: padded or packed micro-batches (:class:`~bapo_megatron.actor.microbatches.
+    Batching.for_logprobs`); packed, the columns after a sequence's last response token hold 0.
+    ``fp8_multiple``: the length multiple FP8 layers need (1 without FP8)."""
     if routing is not None and batch.routes is not None:
         with routing.replaying():
             logprobs, entropy, _ = _forward_pass(
-                chunks, batch, context, micro_batch_size, temperature, with_entropy, routing
+                chunks, batch, context, batching, temperature, with_entropy, routing, fp8_multiple
             )
     else:
         logprobs, entropy, _ = _forward_pass(
-            chunks, batch, context, micro_batch_size, temperature, with_entropy, None
+            chunks, batch, context, batching, temperature, with_entropy, None, fp8_multiple
         )
     return logprobs, entropy
 
@@ -81,41 +87,52 @@ def compute_logprobs_and_routes(
     context: ParallelContext,
     routing: RoutingReplay,
     *,
-    micro_batch_size: int,
+    batching: Batching,
     temperature: float,
+    fp8_multiple: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`compute_logprobs` that also records where the routers sent every token:
     ``(logprobs [n, s], routes [n, s, moe_layers, topk])``, both on every rank of the model
     replica (the routes of the actor's own pass, which routing replay `trainer` feeds back to
-    the training passes of the step)."""
+    the training passes of the step). Packed, tokens after a sequence's last response token
+    have no route (-1)."""
+    n, s = batch.tokens.shape
     with routing.recording():
         logprobs, _, microbatches = _forward_pass(
-            chunks, batch, context, micro_batch_size, temperature, False, routing
+            chunks, batch, context, batching, temperature, False, routing, fp8_multiple
         )
         if not microbatches:
-            routes = torch.full((0, batch.tokens.shape[1], routing.num_layers, routing.topk), -1)
+            routes = torch.full((0, s, routing.num_layers, routing.topk), -1)
+        elif microbatches[0].segments is not None:
+            rows = routing.recorded_routes(microbatches, len(microbatches))
+            routes = unpack_tokens(list(rows[:, None]), microbatches, (n, s))
         else:
-            routes = routing.recorded_routes(microbatches, batch.num_sequences)
-    return logprobs, routes[:, : batch.tokens.shape[1]]
+            routes = routing.recorded_routes(microbatches, n)
+    return logprobs, routes[:, :s]
 
 
 def _forward_pass(
     chunks: list[torch.nn.Module],
     batch: PolicyBatch,
     context: ParallelContext,
-    micro_batch_size: int,
+    batching: Batching,
     temperature: float,
     with_entropy: bool,
     routing: RoutingReplay | None,
+    fp8_multiple: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[PolicyBatch]]:
     n, s = batch.tokens.shape
     if n == 0:
         empty = torch.zeros(0, s)
         return empty, (empty.clone() if with_entropy else None), []
-    count = microbatch_count(n, micro_batch_size)
+    multiple = length_multiple(context, fp8_multiple)
+    groups = plan_groups(batch, batching, multiple)
+    count = max(groups.count, 1)
     if context.vpp_size is not None:  # the interleaved schedule wants whole groups of PP
         count = -(-max(count, context.pp_size) // context.pp_size) * context.pp_size
-    microbatches = split_microbatches(batch, micro_batch_size, count, seq_multiple(context))
+    microbatches = build_microbatches(
+        batch, groups, batching, multiple, count, uniform=context.pp_size > 1
+    )
 
     def per_microbatch(microbatch: PolicyBatch, logits: torch.Tensor):
         logprobs, entropy = token_logprobs(
@@ -134,15 +151,19 @@ def _forward_pass(
         forward_only=True,
         before_forward=None if routing is None else routing.before_forward,
     )
-    padded_len = microbatches[0].tokens.shape[1]
-    result = torch.empty(
-        2 if with_entropy else 1, count * micro_batch_size, padded_len, device=context.device
-    )
+    b, padded_len = microbatches[0].tokens.shape
+    result = torch.empty(2 if with_entropy else 1, count * b, padded_len, device=context.device)
     if context.is_last_stage():
         result[0] = torch.cat([out["logprobs"] for out in outputs])
         if with_entropy:
             result[1] = torch.cat([out["entropy"] for out in outputs])
     if context.pp_size > 1:
         dist.broadcast(result, src=last_stage_rank(context), group=context.pp_group)
-    result = result[:, :n, :s].cpu()
+    result = result.cpu()
+    if microbatches[0].segments is not None:  # packed rows back into [n, s]
+        result = torch.stack(
+            [unpack_tokens(list(part[:, None]), microbatches, (n, s)) for part in result]
+        )
+    else:
+        result = result[:, :n, :s]
     return result[0], (result[1] if with_entropy else None), microbatches

@@ -88,12 +88,15 @@ def valid_tokens_sequence_major(microbatch: PolicyBatch, context: ParallelContex
     """[tokens] bool in the order a router of this rank sees them: the [s, b] sequence-major
     layout flattened (token (s, b) at s * b_size + b), this tensor-parallel rank's slice of the
     sequence under sequence parallelism. A position is real when it is before the end of its
-    sequence's last response token (padding rows and right padding are not)."""
-    mask = microbatch.response_mask
-    positions = torch.arange(mask.shape[1])
-    last = torch.where(mask, positions, -1).amax(dim=1)  # -1: no response token
-    valid = positions[None, :] <= last[:, None]  # [b, s]
-    valid = valid.t()  # [s, b]
+    sequence's last response token (padding rows and right padding are not; in a packed row,
+    the tokens its sequences keep)."""
+    if microbatch.segments is not None:  # a packed row: its sequences' own tokens
+        valid = microbatch.segments.real_tokens()[:, None]  # [s, b = 1]
+    else:
+        mask = microbatch.response_mask
+        positions = torch.arange(mask.shape[1])
+        last = torch.where(mask, positions, -1).amax(dim=1)  # -1: no response token
+        valid = (positions[None, :] <= last[:, None]).t()  # [s, b]
     if context.config.sequence_parallel:
         valid = valid.chunk(context.tp_size, dim=0)[context.tp_rank]
     return valid.reshape(-1)

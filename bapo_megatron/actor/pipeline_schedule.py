@@ -33,8 +33,9 @@ def run_schedule(
 ) -> list[dict[str, torch.Tensor]]:
     """Forward (and, unless ``forward_only``, backward) every micro-batch through the pipeline.
 
-    All micro-batches must share one shape
-    (see :func:`~bapo_megatron.actor.batch.split_microbatches`).
+    All micro-batches must share one shape (see
+    :func:`~bapo_megatron.actor.microbatches.build_microbatches`); a packed one (``segments``
+    set) reaches the model with its ``PackedSeqParams``.
     Gradients accumulate in the chunks' gradient buffers; reducing them over data-parallel
     ranks is the schedule's ``finalize_model_grads_func`` hook, run after the last backward.
     ``before_forward(microbatch, chunk)`` is called on every stage right before ``chunk`` runs
@@ -57,7 +58,16 @@ def run_schedule(
         tokens = microbatch.tokens.to(context.device)
         if before_forward is not None:
             before_forward(microbatch, model)
-        output = model(tokens, position_ids, None)
+        segments = microbatch.segments
+        if segments is None:
+            output = model(tokens, position_ids, None)
+        else:  # a packed row: positions restart at each sequence, attention stays inside it
+            output = model(
+                tokens,
+                segments.position_ids().to(context.device),
+                None,
+                packed_seq_params=segments.packed_seq_params(context.device),
+            )
         return output, functools.partial(loss_func, microbatch)
 
     # The interleaved schedule takes one iterator per model chunk, each over all micro-batches.

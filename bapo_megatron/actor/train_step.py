@@ -34,8 +34,17 @@ import torch
 import torch.distributed as dist
 
 from bapo_megatron.actor.actor import Actor
-from bapo_megatron.actor.batch import PolicyBatch, microbatch_count, split_microbatches
-from bapo_megatron.actor.logprobs import seq_multiple, token_logprobs
+from bapo_megatron.actor.batch import PolicyBatch
+from bapo_megatron.actor.data_balance import balance_data_parallel
+from bapo_megatron.actor.logprobs import token_logprobs
+from bapo_megatron.actor.microbatches import (
+    Batching,
+    Groups,
+    build_microbatches,
+    length_multiple,
+    padding_share,
+    plan_groups,
+)
 from bapo_megatron.actor.optimizer import optimizer_step
 from bapo_megatron.actor.pipeline_schedule import last_stage_rank, run_schedule
 from bapo_megatron.actor.routing_replay import validate_routes
@@ -73,11 +82,17 @@ def train_step(
     even where its result is known (module docstring, step 2), for tests and benchmarks."""
     batch.require_training_fields()
     context = actor.context
-    micro_batch_size = actor.actor_config.micro_batch_size
-    count, tokens, sequences, real_tokens = _agree_on_step(batch, micro_batch_size, context)
+    batching = Batching.for_training(actor.actor_config)
+    if batching.max_tokens is not None and context.dp_size > 1:
+        batch = balance_data_parallel(batch, context, actor.model_config.hidden_size)
+    multiple = length_multiple(context, actor.fp8_length_multiple)
+    groups = plan_groups(batch, batching, multiple)
+    count, tokens, sequences, real_tokens, over_budget = _agree_on_step(batch, groups, context)
     if context.vpp_size is not None:  # the interleaved schedule wants whole groups of PP
         count = -(-max(count, context.pp_size) // context.pp_size) * context.pp_size
-    microbatches = split_microbatches(batch, micro_batch_size, count, seq_multiple(context))
+    microbatches = build_microbatches(
+        batch, groups, batching, multiple, count, uniform=context.pp_size > 1
+    )
     normalizer = tokens if loss.aggregation == "token-mean" else sequences
     reduce = all_reduce_sum(context.dp_cp_group)
     temperature = actor.actor_config.temperature
@@ -100,6 +115,7 @@ def train_step(
         logprobs, entropy = token_logprobs(
             logits, microbatch.tokens, context, temperature=temperature, with_entropy=True
         )
+        segments = microbatch.segments
         mask = microbatch.response_mask.to(logprobs.device)
         value, metrics = bapo_loss(
             logprobs,
@@ -114,6 +130,7 @@ def train_step(
             if microbatch.is_weights is None
             else microbatch.is_weights.to(logprobs.device),
             decision=decision,
+            sequence_ids=None if segments is None else segments.sequence_ids(),
         )
         metrics["entropy_sum"] = torch.where(mask, entropy.detach(), 0.0).sum().double()
         metrics["loss"] = value.detach().double()
@@ -142,7 +159,7 @@ def train_step(
 
     metrics = {}
     if context.is_last_stage():
-        metrics = _step_metrics(outputs, decision, extremes, context)
+        metrics = _step_metrics(outputs, decision, extremes, padding_share(microbatches), context)
         metrics["response_tokens"] = tokens
     metrics = _from_last_stage(metrics, context)
     if aux is not None:
@@ -158,6 +175,7 @@ def train_step(
         skipped_steps=float(actor.skipped_steps),
         num_microbatches=float(count),
     )
+    metrics["actor/over_budget_sequences"] = over_budget
     return metrics
 
 
@@ -189,20 +207,21 @@ def _before_forward(aux, replay):
 
 
 def _agree_on_step(
-    batch: PolicyBatch, micro_batch_size: int, context
-) -> tuple[int, float, float, float]:
+    batch: PolicyBatch, groups: Groups, context
+) -> tuple[int, float, float, float, float]:
     """(largest micro-batch count, global response tokens, global responding sequences, global
-    real tokens: every position up to each sequence's last response token) over the data x
-    context parallel group, in one collective."""
+    real tokens: every position up to each sequence's last response token, global sequences
+    over the token budget) over the data x context parallel group, in one collective."""
     mask = batch.response_mask
     positions = torch.arange(mask.shape[1])
     real = (torch.where(mask, positions, -1).amax(dim=1) + 1).sum() if mask.numel() else 0
     local = torch.tensor(
         [
-            float(microbatch_count(batch.num_sequences, micro_batch_size)),
+            float(groups.count),
             float(loss_normalizer(mask, "token-mean")),
             float(loss_normalizer(mask, "seq-mean-token-sum")),
             float(real),
+            float(groups.over_budget),
         ],
         dtype=torch.float64,
         device=context.device,
@@ -221,6 +240,7 @@ def _agree_on_step(
         float(gathered[:, 1].sum()),
         float(gathered[:, 2].sum()),
         float(gathered[:, 3].sum()),
+        float(gathered[:, 4].sum()),
     )
 
 
@@ -293,6 +313,7 @@ def _step_metrics(
     outputs: list[dict[str, torch.Tensor]],
     decision: BoundDecision | None,
     extremes: torch.Tensor | None,
+    padding: tuple[int, int],
     context,
 ) -> dict[str, float]:
     """The step's metrics on a last-stage rank, reduced over data x context parallel."""
@@ -310,6 +331,8 @@ def _step_metrics(
         [
             torch.stack([out["loss"] for out in outputs]).sum(),
             torch.stack([out["entropy_sum"] for out in outputs]).sum(),
+            torch.tensor(float(padding[0]), dtype=torch.float64, device=outputs[0]["loss"].device),
+            torch.tensor(float(padding[1]), dtype=torch.float64, device=outputs[0]["loss"].device),
         ]
     )
     extremes = torch.stack([-extremes[0], extremes[1]]).double()  # both reduced with MAX
@@ -321,6 +344,7 @@ def _step_metrics(
     metrics.update(
         loss=float(sums[0]),
         entropy=float(sums[1] / tokens.clamp(min=1)),
+        **{"actor/padding_share": float(sums[3] / sums[2].clamp(min=1))},
         **{"bapo/ratio_min": float(-extremes[0]), "bapo/ratio_max": float(extremes[1])},
     )
     return metrics

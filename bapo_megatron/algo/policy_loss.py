@@ -62,27 +62,44 @@ def clipped_surrogate(
     return -advantages * clipped
 
 
-def loss_normalizer(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
-    """This batch's share of the aggregation denominator (float64), to be summed over the step."""
+def loss_normalizer(
+    mask: torch.Tensor, aggregation: str, sequence_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """This batch's share of the aggregation denominator (float64), to be summed over the step.
+    ``sequence_ids`` as for :func:`aggregate`."""
     _check_aggregation(aggregation)
     mask = mask.bool()
     if aggregation == "token-mean":
         return mask.sum().to(torch.float64)
+    if sequence_ids is not None:
+        return torch.unique(sequence_ids[mask]).numel() * torch.ones((), dtype=torch.float64)
     return (mask.sum(-1) > 0).sum().to(torch.float64)
 
 
 def aggregate(
-    per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, normalizer: torch.Tensor | float
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    aggregation: str,
+    normalizer: torch.Tensor | float,
+    sequence_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum this batch's part of the step's loss and divide by the step's global ``normalizer``.
 
     ``per_token`` and ``mask`` are [batch, tokens]; a zero normalizer (no response token anywhere)
     gives a zero loss that still depends on the inputs, so every rank runs the same backward.
+    ``sequence_ids`` ([batch, tokens] int, ids from 0): the sequence each token belongs to where
+    a row holds several (packed rows); None: each row is one sequence.
     """
     _check_aggregation(aggregation)
     mask = mask.bool()
     masked = torch.where(mask, per_token, 0.0)  # where, not *: NaN at padding must not leak
-    if aggregation == "seq-mean-token-mean":
+    if aggregation == "seq-mean-token-mean" and sequence_ids is not None:
+        ids = sequence_ids.reshape(-1).to(per_token.device)
+        segments = int(ids.max()) + 1 if ids.numel() else 0
+        sums = masked.new_zeros(segments).index_add(0, ids, masked.reshape(-1))
+        counts = masked.new_zeros(segments).index_add(0, ids, mask.reshape(-1).to(masked.dtype))
+        total = (sums / counts.clamp(min=1)).sum()
+    elif aggregation == "seq-mean-token-mean":
         total = (masked.sum(-1) / mask.sum(-1).clamp(min=1).to(per_token.dtype)).sum()
     else:  # token-mean and seq-mean-token-sum share the numerator
         total = masked.sum()
@@ -117,6 +134,7 @@ def bapo_loss(
     decision: BoundDecision | None = None,
     check_inputs: bool = True,
     backend: Backend = "auto",
+    sequence_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The BAPO loss of one micro-batch, with its own bound search unless ``decision`` is given.
 
@@ -133,6 +151,8 @@ def bapo_loss(
         decision: bounds decided elsewhere (granularity `step`): no search here, no reduce.
         check_inputs: validate shapes and finiteness (one host sync).
         backend: statistics backend, see :func:`contribution_stats`.
+        sequence_ids: [batch, tokens] sequence of each token where a row packs several
+            (the `seq-mean-*` aggregations average per sequence); None: one per row.
 
     Returns:
         ``(loss, metrics)``: the scalar loss and 0-dim metric tensors. `bapo/*` metrics from the
@@ -155,7 +175,7 @@ def bapo_loss(
     per_token = clipped_surrogate(
         ratio, advantages, decision.c_low, decision.c_high, plan.config.dual_clip
     )
-    loss = aggregate(per_token, mask, aggregation, normalizer)
+    loss = aggregate(per_token, mask, aggregation, normalizer, sequence_ids)
     metrics = {
         **decision.metrics,
         "bapo/c_low": decision.c_low,

@@ -97,7 +97,25 @@ class ActorConfig:
     """How the actor runs its passes over a batch."""
 
     micro_batch_size: int = 1
-    """Sequences per micro-batch (one forward/backward of the pipeline schedule)."""
+    """Sequences per micro-batch (one forward/backward of the pipeline schedule); not used where
+    a token budget (``max_tokens_per_microbatch``) fills the micro-batches instead."""
+    pack_sequences: bool = False
+    """Run each micro-batch as one packed row of concatenated sequences (Megatron's THD format
+    with ``PackedSeqParams``) instead of rows right-padded to the longest sequence: each sequence
+    is padded only to the layout's length multiple, rotary positions restart at every sequence
+    and attention never crosses a boundary. Same results as padded rows (to float rounding),
+    without computing the padding."""
+    max_tokens_per_microbatch: int | None = None
+    """With ``pack_sequences``: fill micro-batches by tokens instead of by count, up to this many
+    tokens each (first-fit decreasing over the sequences as packed); a sequence longer than the
+    budget gets a micro-batch of its own, never truncated (counted in the metric
+    `actor/over_budget_sequences`). Training steps also balance the step's sequences over the
+    data-parallel ranks by their compute before splitting. None: ``micro_batch_size`` sequences
+    per micro-batch."""
+    logprob_max_tokens_per_microbatch: int | None = None
+    """Token budget of the forward-only passes (old log-probs, routes, evaluation), which keep no
+    activations for a backward pass and can take larger micro-batches; None: the training
+    budget ``max_tokens_per_microbatch``."""
     temperature: float = 1.0
     """Sampling temperature of the rollout: the actor's log-probs and entropy are those of
     softmax(logits / temperature), the distribution the engine sampled from."""
@@ -120,3 +138,19 @@ class ActorConfig:
                 f"{prefix}.temperature must be a finite number > 0, got {self.temperature!r}"
             )
         require_at_least(self.seed, 0, f"{prefix}.seed")
+        for name in ("max_tokens_per_microbatch", "logprob_max_tokens_per_microbatch"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            require_at_least(value, 2, f"{prefix}.{name}")
+            if not self.pack_sequences:
+                raise ValueError(
+                    f"{prefix}.{name}={value} fills packed rows by tokens and needs "
+                    f"{prefix}.pack_sequences: true"
+                )
+
+    def logprob_token_budget(self) -> int | None:
+        """The token budget of forward-only passes (see ``logprob_max_tokens_per_microbatch``)."""
+        if self.logprob_max_tokens_per_microbatch is not None:
+            return self.logprob_max_tokens_per_microbatch
+        return self.max_tokens_per_microbatch

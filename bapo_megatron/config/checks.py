@@ -25,6 +25,31 @@ def check_training(cfg: Config) -> None:
     _check_schedule(cfg)
     _check_placement(cfg)
     _check_asynchronous(cfg)
+    _check_packing(cfg)
+
+
+def _check_packing(cfg: Config) -> None:
+    """Packed rows need a layout that can run them and token budgets that hold the shortest
+    packed sequence (the layout's length multiple)."""
+    actor, parallel = cfg.actor, cfg.parallel
+    if not actor.pack_sequences:
+        return
+    if parallel.context_parallel_size > 1:
+        raise ValueError(
+            "actor.pack_sequences=true with parallel.context_parallel_size="
+            f"{parallel.context_parallel_size}: context parallelism needs each packed sequence "
+            "split into 2 x CP chunks over the CP ranks, which this actor does not do; turn "
+            "packing off or context parallelism off"
+        )
+    multiple = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
+    for name in ("max_tokens_per_microbatch", "logprob_max_tokens_per_microbatch"):
+        budget = getattr(actor, name)
+        if budget is not None and budget < multiple:
+            raise ValueError(
+                f"actor.{name}={budget} is below the layout's length multiple {multiple} "
+                "(parallel.tensor_model_parallel_size under sequence parallelism): no sequence "
+                "fits"
+            )
 
 
 def _check_experts(cfg: Config) -> None:

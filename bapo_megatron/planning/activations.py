@@ -42,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from bapo_megatron.config import ModelConfig, ParallelConfig
+from bapo_megatron.config import ActorConfig, ModelConfig, ParallelConfig
 from bapo_megatron.planning.moe_memory import moe_mlp_bytes, stage_moe_layers
 
 Attention = Literal["unfused", "flash"]
@@ -57,13 +57,37 @@ class ActivationShape:
     """What one micro-batch of the training pass looks like."""
 
     micro_batch_size: int
-    """Sequences per micro-batch."""
+    """Rows per micro-batch (sequences padded, 1 for a packed row)."""
     sequence_length: int
-    """Tokens per sequence (a micro-batch is padded to its longest)."""
+    """Tokens per row (padded rows: the longest sequence; a packed row: its token budget)."""
     micro_batches: int
     """Micro-batches per optimizer step on one data-parallel rank (caps the pipeline's in-flight
     count)."""
     attention: Attention = "flash"
+    attention_span: int | None = None
+    """The longest sequence attention runs over, for the ``unfused`` model's s-long term (a
+    packed row attends inside each sequence); None: ``sequence_length``."""
+
+
+def training_shape(actor: ActorConfig, sequence_length: int, sequences: int) -> ActivationShape:
+    """The micro-batches of a training step of ``sequences`` sequences (one data-parallel rank)
+    of up to ``sequence_length`` tokens, under ``actor``'s batching. The planner takes the worst
+    case, every sequence at the cap: padded, ``micro_batch_size`` full rows; packed with a token
+    budget, rows of the budget (a lone sequence over it: its own length)."""
+    budget = actor.max_tokens_per_microbatch
+    if actor.pack_sequences and budget is not None:
+        per_row = max(1, budget // sequence_length)  # whole sequences fit
+        return ActivationShape(
+            micro_batch_size=1,
+            sequence_length=max(budget, sequence_length),
+            micro_batches=-(-sequences // per_row),
+            attention_span=sequence_length,
+        )
+    return ActivationShape(
+        micro_batch_size=actor.micro_batch_size,
+        sequence_length=sequence_length,
+        micro_batches=-(-sequences // actor.micro_batch_size),
+    )
 
 
 def layer_bytes(model: ModelConfig, parallel: ParallelConfig, shape: ActivationShape) -> int:
@@ -76,7 +100,8 @@ def layer_bytes(model: ModelConfig, parallel: ParallelConfig, shape: ActivationS
     norm_tokens = tokens // t if parallel.sequence_parallel else tokens
     norm_side = 4 * norm_tokens * h * e + 2 * norm_tokens * _FP32
     if shape.attention == "unfused":
-        attention = 6 * tokens * heads * d * e + tokens * heads * shape.sequence_length * e
+        span = shape.attention_span or shape.sequence_length
+        attention = 6 * tokens * heads * d * e + tokens * heads * span * e
     elif shape.attention == "flash":
         attention = tokens * (2 * heads + 2 * groups) * d * e + tokens * heads * _FP32
     else:

@@ -27,10 +27,10 @@ from bapo_megatron.config import Config, ModelConfig
 from bapo_megatron.distributed.layout import Accelerator, validate_layout
 from bapo_megatron.planning.activations import (
     DTYPE_BYTES,
-    ActivationShape,
     Attention,
     moe_tokens,
     stage_bytes,
+    training_shape,
 )
 from bapo_megatron.planning.engine_memory import COLOCATED, engine_memory, engine_ranks
 from bapo_megatron.planning.export_coverage import ExportCoverage, check_export
@@ -282,12 +282,8 @@ def _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention, expe
     distributed = config.optimizer.use_distributed_optimizer
     sequences = rollout.prompts_per_step * rollout.samples_per_prompt
     per_rank = -(-sequences // (dp * config.algorithm.optimizer_steps_per_rollout))
-    shape = ActivationShape(
-        micro_batch_size=config.actor.micro_batch_size,
-        sequence_length=prompt_tokens + rollout.max_new_tokens,
-        micro_batches=-(-per_rank // config.actor.micro_batch_size),
-        attention=attention,
-    )
+    shape = training_shape(config.actor, prompt_tokens + rollout.max_new_tokens, per_rank)
+    shape = dataclasses.replace(shape, attention=attention)
     layers = model.num_layers // parallel.pipeline_model_parallel_size
     colocated = rollout.engine in COLOCATED
     firsts = [megatron_rank(parallel, world, 0, d, 0) for d in range(dp)]

@@ -13,6 +13,7 @@ import torch
 
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.actor.logprobs import compute_logprobs, compute_logprobs_and_routes
+from bapo_megatron.actor.microbatches import Batching
 from bapo_megatron.algo.advantages import grpo_advantages, informative_groups
 from bapo_megatron.algo.importance_weights import importance_weights
 from bapo_megatron.data.experience import Group, prompts_at, split_groups, to_policy_batch
@@ -291,7 +292,8 @@ def recompute(run: Run, batch: PolicyBatch, current: torch.Tensor, gap: LogprobG
             batch,
             run.actor.context,
             run.actor.routing_replay,
-            micro_batch_size=cfg.actor.micro_batch_size,
+            batching=Batching.for_logprobs(cfg.actor),
+            fp8_multiple=run.actor.fp8_length_multiple,
             temperature=cfg.actor.temperature,
         )
         batch = dataclasses.replace(batch, routes=routes)
@@ -300,7 +302,8 @@ def recompute(run: Run, batch: PolicyBatch, current: torch.Tensor, gap: LogprobG
             run.actor.chunks,
             batch,
             run.actor.context,
-            micro_batch_size=cfg.actor.micro_batch_size,
+            batching=Batching.for_logprobs(cfg.actor),
+            fp8_multiple=run.actor.fp8_length_multiple,
             temperature=cfg.actor.temperature,
             with_entropy=False,
             routing=run.actor.routing_replay,

@@ -22,6 +22,7 @@ import torch
 
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.actor.logprobs import compute_logprobs_and_routes
+from bapo_megatron.actor.microbatches import Batching
 from bapo_megatron.distributed.collectives import max_over, sum_over
 from bapo_megatron.distributed.context import ParallelContext
 
@@ -55,7 +56,8 @@ class RouterAgreement:
             dataclasses.replace(batch, routes=None),
             actor.context,
             actor.routing_replay,
-            micro_batch_size=actor.actor_config.micro_batch_size,
+            batching=Batching.for_logprobs(actor.actor_config),
+            fp8_multiple=actor.fp8_length_multiple,
             temperature=temperature,
         )
         engine = batch.routes

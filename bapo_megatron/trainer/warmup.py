@@ -20,6 +20,7 @@ import torch
 from bapo_megatron.actor.actor import Actor, build_actor
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.actor.logprobs import compute_logprobs
+from bapo_megatron.actor.microbatches import Batching
 from bapo_megatron.actor.train_step import train_step
 from bapo_megatron.algo.search_plan import SearchPlan
 from bapo_megatron.config import ClipSearchConfig, Config, LossConfig, OptimizerConfig
@@ -70,7 +71,8 @@ def run_warmup(cfg: Config, task: Task, actor: Actor, log) -> None:
             student.chunks,
             batch,
             context,
-            micro_batch_size=cfg.actor.micro_batch_size,
+            batching=Batching.for_logprobs(cfg.actor),
+            fp8_multiple=student.fp8_length_multiple,
             temperature=temperature,
             with_entropy=False,
         )

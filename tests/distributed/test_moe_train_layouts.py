@@ -26,6 +26,11 @@ with given routes (random experts, the last token of each sequence missing) equa
 one-process run with those routes, also at PP2 with activation recompute, where the 1F1B
 schedule runs two forwards before the first backward, so the recompute must take its routes
 from Megatron's first-in-first-out queue.
+
+Packed rows (``actor.pack_sequences``, one sequence per row, so that the aux term sums the same
+micro-batches) give the same training runs at EP2 and at TP2 with sequence parallelism x EP2,
+without and with replayed routes (the routes travel with their tokens into the packed row and
+are split over the sequence-parallel ranks), and record the same routes at every layout.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from bapo_megatron.actor.logprobs import (  # noqa: E402
     compute_logprobs,
     compute_logprobs_and_routes,
 )
+from bapo_megatron.actor.microbatches import Batching  # noqa: E402
 from bapo_megatron.actor.model import (  # noqa: E402
     global_parameter_name,
     load_whole_model_weights,
@@ -113,6 +119,7 @@ LAYOUTS = {
     "tp2-sp-etp2": (ParallelConfig(**SP, expert_tensor_parallel_size=2), OPTIMIZER),
     "pp2": (ParallelConfig(pipeline_model_parallel_size=2), OPTIMIZER),
 }
+PACKED_LAYOUTS = ("ep2", "tp2-sp-ep2")
 REPLAY_LAYOUTS = {
     "ep2": LAYOUTS["ep2"][0],
     "tp2-sp-ep2": LAYOUTS["tp2-sp-ep2"][0],
@@ -198,17 +205,36 @@ def worker(args: argparse.Namespace) -> None:
         actor = build_actor(MODEL, ACTOR, OPTIMIZER, context)
         load_whole_model_weights(actor.chunks, weights, context)
         logprobs, _ = compute_logprobs(
-            actor.chunks, local, context, micro_batch_size=2, temperature=ACTOR.temperature
+            actor.chunks, local, context, batching=Batching(2), temperature=ACTOR.temperature
         )
         _, recorded = compute_logprobs_and_routes(
             actor.chunks,
             local,
             context,
             actor.routing_replay,
-            micro_batch_size=2,
+            batching=Batching(2),
+            temperature=ACTOR.temperature,
+        )
+        _, packed_recorded = compute_logprobs_and_routes(
+            actor.chunks,
+            local,
+            context,
+            actor.routing_replay,
+            batching=Batching(2, pack=True),
             temperature=ACTOR.temperature,
         )
         replay_runs = {}
+        if layout_name in PACKED_LAYOUTS:
+            packed = dataclasses.replace(ACTOR, pack_sequences=True)
+            for name, given, want in (
+                ("packed", local, final),
+                ("packed replay", dataclasses.replace(local, routes=routes[rows]), final_replay),
+            ):
+                run_packed = train(context, weights, given, actor_config=packed)
+                replay_runs[name] = dict(
+                    metrics=run_packed["metrics"],
+                    param_error=_param_error(run_packed["params"], want, context),
+                )
         for replay_name, replay_layout in REPLAY_LAYOUTS.items():
             if replay_layout != layout or layout_name not in REPLAY_LAYOUTS:
                 continue
@@ -227,6 +253,7 @@ def worker(args: argparse.Namespace) -> None:
             )
         results[layout_name] = dict(
             recorded=recorded,
+            packed_recorded=packed_recorded,
             replay_runs=replay_runs,
             metrics=run["metrics"],
             param_error=_param_error(run["params"], final, context),
@@ -272,7 +299,7 @@ def test_moe_layouts_match_the_single_process_run(tmp_path, single_process):
 
     def initial_logprobs(batch: PolicyBatch) -> torch.Tensor:
         return compute_logprobs(
-            reference_actor.chunks, batch, context, micro_batch_size=3, temperature=0.8
+            reference_actor.chunks, batch, context, batching=Batching(3), temperature=0.8
         )[0]
 
     batch = sequences(initial_logprobs)
@@ -282,7 +309,7 @@ def test_moe_layouts_match_the_single_process_run(tmp_path, single_process):
         batch,
         context,
         reference_actor.routing_replay,
-        micro_batch_size=2,
+        batching=Batching(2),
         temperature=ACTOR.temperature,
     )
     # replayed routes: random distinct experts, none for the last token of each sequence
@@ -319,6 +346,8 @@ def test_moe_layouts_match_the_single_process_run(tmp_path, single_process):
         tmp_path / "data.pt",
     )
 
+    positions = torch.arange(batch.tokens.shape[1])
+    kept_tokens = positions[None] <= last[:, None]  # what a packed row keeps
     results = gloo_launch.launch(
         __file__, 2, tmp_path, ["--data", tmp_path / "data.pt"], LAUNCH_TIMEOUT_S
     )
@@ -333,9 +362,14 @@ def test_moe_layouts_match_the_single_process_run(tmp_path, single_process):
             _assert_metrics_match(got["metrics"], reference["metrics"], what)
             errors[what] = got["param_error"]
             assert torch.equal(got["recorded"], ref_routes[got["rows"]]), what + " recorded"
+            # packed rows route every token up to its sequence's last response token alone
+            kept = kept_tokens[got["rows"]]
+            want = torch.where(kept[..., None, None], ref_routes[got["rows"]], -1)
+            assert torch.equal(got["packed_recorded"], want), what + " packed recorded"
             for replay_name, run in got["replay_runs"].items():
+                want = reference if replay_name == "packed" else replay_reference
                 _assert_metrics_match(
-                    run["metrics"], replay_reference["metrics"], f"{what} replay {replay_name}"
+                    run["metrics"], want["metrics"], f"{what} replay {replay_name}"
                 )
                 errors[f"{what} replay {replay_name}"] = run["param_error"]
     assert set(results[0]["pp2"]["replay_runs"]) == {"pp2", "pp2-recompute"}

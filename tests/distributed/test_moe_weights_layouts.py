@@ -39,6 +39,7 @@ import torch.distributed as dist  # noqa: E402
 
 from bapo_megatron.actor.batch import PolicyBatch  # noqa: E402
 from bapo_megatron.actor.logprobs import compute_logprobs  # noqa: E402
+from bapo_megatron.actor.microbatches import Batching  # noqa: E402
 from bapo_megatron.config import ParallelConfig  # noqa: E402
 from bapo_megatron.distributed.context import ParallelContext  # noqa: E402
 from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
@@ -95,7 +96,7 @@ def worker(args) -> None:
         context = ParallelContext.initialize(layout)
         model, chunks = hf_to_megatron(work / "hf", work / f"ckpt-{name}", context)
         results["logprobs", name] = compute_logprobs(
-            chunks, token_batch(), context, micro_batch_size=2, temperature=1.0
+            chunks, token_batch(), context, batching=Batching(2), temperature=1.0
         )
         if name == "ep2":  # what the live export yields on each rank
             results["export"] = [

@@ -18,6 +18,7 @@ from bapo_megatron.actor.logprobs import (  # noqa: E402
     compute_logprobs,
     compute_logprobs_and_routes,
 )
+from bapo_megatron.actor.microbatches import Batching  # noqa: E402
 from bapo_megatron.actor.routing_replay import validate_routes  # noqa: E402
 from bapo_megatron.actor.train_step import train_step  # noqa: E402
 from bapo_megatron.algo.search_plan import SearchPlan  # noqa: E402
@@ -67,7 +68,7 @@ def logprobs(actor, data: PolicyBatch) -> torch.Tensor:
         actor.chunks,
         data,
         actor.context,
-        micro_batch_size=ACTOR.micro_batch_size,
+        batching=Batching(ACTOR.micro_batch_size),
         temperature=1.0,
         routing=actor.routing_replay,
     )[0]
@@ -132,7 +133,12 @@ def test_recorded_routes_replayed_reproduce_the_logprobs_exactly(actor):
     data = batch()
     plain = logprobs(actor, data)
     recorded_lp, routes = compute_logprobs_and_routes(
-        actor.chunks, data, actor.context, actor.routing_replay, micro_batch_size=2, temperature=1.0
+        actor.chunks,
+        data,
+        actor.context,
+        actor.routing_replay,
+        batching=Batching(2),
+        temperature=1.0,
     )
     assert routes.shape == (*data.tokens.shape, 2, TOPK)
     assert torch.equal(recorded_lp, plain)
@@ -239,7 +245,7 @@ def test_near_tie_engine_in_bfloat16_disagrees_and_replay_removes_it(actor):
         data,
         engine.context,
         engine.routing_replay,
-        micro_batch_size=2,
+        batching=Batching(2),
         temperature=1.0,
     )
     response = data.response_mask

@@ -8,6 +8,11 @@ Compared: log-probs and entropy of the initial policy, per-step loss, grad norm,
 and rho, and every parameter after the 3 steps, for both granularities; at TP2/DP2 also with
 Megatron's distributed optimizer.
 
+Packed rows (``actor.pack_sequences``) give the same results: the log-probs and entropy at every
+layout, granularity `step` with a token budget (which regroups the sequences and, over DP2,
+balances them between the ranks) at TP2 with sequence parallelism x DP2 and at PP2 x DP2, and
+granularity `microbatch` packed by count (the padded run's micro-batches) at TP2 x PP2.
+
 With data parallelism, micro-batch i of the step is the union of micro-batch i of every rank;
 the one-process reference runs the same unions (sequences interleaved, micro-batches dp times
 larger), so granularity `microbatch` decides on the same tokens. Granularity `step` does not
@@ -35,6 +40,7 @@ import torch.distributed as dist
 from bapo_megatron.actor.actor import build_actor
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.actor.logprobs import compute_logprobs
+from bapo_megatron.actor.microbatches import Batching
 from bapo_megatron.actor.model import (
     global_parameter_name,
     load_whole_model_weights,
@@ -81,6 +87,12 @@ LAYOUTS = {
     ),
 }
 UNEVEN = {"5+3": [5, 3], "8+0": [8, 0]}
+BUDGET = dict(pack_sequences=True, max_tokens_per_microbatch=24)
+PACKED = {  # layout: (run name, granularity, actor fields)
+    "tp2-sp-dp2": [("packed budget step", "step", BUDGET)],
+    "pp2-dp2": [("packed budget step", "step", BUDGET)],
+    "tp2-pp2": [("packed microbatch", "microbatch", dict(pack_sequences=True))],
+}
 COMPARED = (
     "loss",
     "grad_norm",
@@ -146,11 +158,15 @@ def train(
     granularity: str,
     micro_batch_size: int = ACTOR.micro_batch_size,
     optimizer: OptimizerConfig = OPTIMIZER,
+    **actor_fields,
 ) -> dict:
-    """Build an actor with ``weights``, train STEPS steps on ``batch``; metrics per step and the
-    final parameters by global name (this rank's shards)."""
+    """Build an actor with ``weights`` (``actor_fields`` override ACTOR's), train STEPS steps on
+    ``batch``; metrics per step and the final parameters by global name (this rank's shards)."""
     actor = build_actor(
-        MODEL, dataclasses.replace(ACTOR, micro_batch_size=micro_batch_size), optimizer, context
+        MODEL,
+        dataclasses.replace(ACTOR, micro_batch_size=micro_batch_size, **actor_fields),
+        optimizer,
+        context,
     )
     load_whole_model_weights(actor.chunks, weights, context)
     step_plan = plan(granularity)
@@ -194,6 +210,12 @@ def worker(args: argparse.Namespace) -> None:
                 metrics=run["metrics"],
                 param_error=_param_error(run["params"], finals[(dp, "step")], context),
             )
+        for name, granularity, fields in PACKED.get(layout_name, ()):
+            run = train(context, weights, local, granularity, **fields)
+            reference = finals[(dp if granularity == "microbatch" else 1, granularity)]
+            runs[name] = dict(
+                metrics=run["metrics"], param_error=_param_error(run["params"], reference, context)
+            )
         if dp == 2:
             for case, counts in UNEVEN.items():
                 run = train(context, weights, shard_rows(batch, counts, context.dp_rank), "step")
@@ -204,7 +226,14 @@ def worker(args: argparse.Namespace) -> None:
         actor = build_actor(MODEL, ACTOR, OPTIMIZER, context)
         load_whole_model_weights(actor.chunks, weights, context)
         logprobs, entropy = compute_logprobs(
-            actor.chunks, local, context, micro_batch_size=2, temperature=ACTOR.temperature
+            actor.chunks, local, context, batching=Batching(2), temperature=ACTOR.temperature
+        )
+        packed_logprobs, packed_entropy = compute_logprobs(
+            actor.chunks,
+            local,
+            context,
+            batching=Batching(pack=True, max_tokens=24),
+            temperature=ACTOR.temperature,
         )
         rows = slice(context.dp_rank * even[0], (context.dp_rank + 1) * even[0])
         results[layout_name] = dict(
@@ -212,6 +241,8 @@ def worker(args: argparse.Namespace) -> None:
             rows=rows,
             logprobs=logprobs,
             entropy=entropy,
+            packed_logprobs=packed_logprobs,
+            packed_entropy=packed_entropy,
             dp=dp,
             ranks=(context.tp_rank, context.pp_rank, context.dp_rank),
         )
@@ -258,7 +289,7 @@ def test_layouts_match_the_single_process_run(tmp_path, single_process):
             reference_actor.chunks,
             batch,
             context,
-            micro_batch_size=3,
+            batching=Batching(3),
             temperature=ACTOR.temperature,
         )[0]
 
@@ -267,7 +298,7 @@ def test_layouts_match_the_single_process_run(tmp_path, single_process):
         reference_actor.chunks,
         batch,
         context,
-        micro_batch_size=NUM_SEQUENCES,
+        batching=Batching(NUM_SEQUENCES),
         temperature=ACTOR.temperature,
     )
     references = {}
@@ -319,9 +350,20 @@ def test_layouts_match_the_single_process_run(tmp_path, single_process):
                 atol=1e-5,
                 msg=what + " entropy",
             )
+            mask = batch.response_mask[got["rows"]]
+            for key in ("logprobs", "entropy"):
+                torch.testing.assert_close(
+                    got["packed_" + key][mask],
+                    {"logprobs": ref_logprobs, "entropy": ref_entropy}[key][got["rows"]][mask],
+                    rtol=1e-5,
+                    atol=1e-5,
+                    msg=f"{what} packed {key}",
+                )
             for run_name, run in got["runs"].items():
                 dp = got["dp"] if run_name in GRANULARITIES else 1
                 granularity = run_name if run_name in GRANULARITIES else "step"  # step: any split
+                if run_name == "packed microbatch":  # packed by count: the padded micro-batches
+                    dp, granularity = got["dp"], "microbatch"
                 _assert_metrics_match(
                     run["metrics"], references[(dp, granularity)]["metrics"], f"{what} {run_name}"
                 )

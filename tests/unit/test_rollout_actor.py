@@ -12,6 +12,7 @@ import torch
 from bapo_megatron.actor.actor import build_actor
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.actor.logprobs import compute_logprobs
+from bapo_megatron.actor.microbatches import Batching
 from bapo_megatron.config import ActorConfig, ModelConfig, OptimizerConfig, ParallelConfig
 from bapo_megatron.config.rope import Llama3RopeScaling
 from bapo_megatron.distributed.context import ParallelContext
@@ -78,7 +79,7 @@ def test_engine_logprobs_equal_actor_logprobs_after_export(variant):
             actor.chunks,
             PolicyBatch(tokens=tokens, response_mask=mask),
             context,
-            micro_batch_size=2,
+            batching=Batching(2),
             temperature=temperature,
         )
         torch.testing.assert_close(actor_logp[mask], engine_logp[mask], rtol=0, atol=2e-5)

@@ -13,6 +13,7 @@ import torch
 from bapo_megatron.actor.actor import build_actor  # noqa: E402
 from bapo_megatron.actor.batch import PolicyBatch  # noqa: E402
 from bapo_megatron.actor.logprobs import compute_logprobs, compute_logprobs_and_routes  # noqa: E402
+from bapo_megatron.actor.microbatches import Batching  # noqa: E402
 from bapo_megatron.config import ActorConfig, ModelConfig, OptimizerConfig  # noqa: E402
 from bapo_megatron.config.moe import MoeConfig  # noqa: E402
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine  # noqa: E402
@@ -77,7 +78,7 @@ def test_engine_runs_qwen3_moe_and_records_routes_the_actor_replays(single_proce
         batch,
         context,
         actor.routing_replay,
-        micro_batch_size=2,
+        batching=Batching(2),
         temperature=TEMPERATURE,
     )
     torch.testing.assert_close(live_logp[mask], engine_logp[mask], rtol=0, atol=2e-5)
@@ -93,7 +94,7 @@ def test_engine_runs_qwen3_moe_and_records_routes_the_actor_replays(single_proce
         actor.chunks,
         batch,
         context,
-        micro_batch_size=2,
+        batching=Batching(2),
         temperature=TEMPERATURE,
         routing=actor.routing_replay,
     )

@@ -12,6 +12,7 @@ import torch
 
 from bapo_megatron.actor import train_step as train_step_module  # noqa: E402
 from bapo_megatron.actor.logprobs import compute_logprobs  # noqa: E402
+from bapo_megatron.actor.microbatches import Batching  # noqa: E402
 from bapo_megatron.actor.model import global_parameter_name, load_whole_model_weights  # noqa: E402
 from bapo_megatron.actor.train_step import train_step  # noqa: E402
 from bapo_megatron.algo.search_plan import SearchPlan  # noqa: E402
@@ -73,7 +74,7 @@ def test_first_minibatch_after_recompute_skips_the_forward_and_equals_it(context
     skipping, forwarding = same_weights_actors(context, micro_batch_size=2)
     batch = long_failures(random_batch(7, n=6, length=16))
     recomputed, _ = compute_logprobs(
-        skipping.chunks, batch, context, micro_batch_size=2, temperature=0.9, with_entropy=False
+        skipping.chunks, batch, context, batching=Batching(2), temperature=0.9, with_entropy=False
     )
     batch = dataclasses.replace(batch, old_logprobs=torch.where(batch.response_mask, recomputed, 0))
     calls = count_forward_only(monkeypatch)

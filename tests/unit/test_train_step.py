@@ -18,6 +18,7 @@ import torch
 from bapo_megatron.actor.actor import build_actor
 from bapo_megatron.actor.batch import PolicyBatch, split_microbatches
 from bapo_megatron.actor.logprobs import compute_logprobs
+from bapo_megatron.actor.microbatches import Batching
 from bapo_megatron.actor.model import global_parameter_name, load_whole_model_weights
 from bapo_megatron.actor.train_step import train_step
 from bapo_megatron.algo.search_plan import SearchPlan
@@ -94,7 +95,7 @@ def test_forward_only_logprobs_match_float64(context):
         actor.chunks,
         PolicyBatch(tokens=batch.tokens, response_mask=batch.response_mask),
         context,
-        micro_batch_size=2,
+        batching=Batching(2),
         temperature=0.7,
     )
     assert logp.shape == entropy.shape == batch.tokens.shape

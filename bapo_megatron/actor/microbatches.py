@@ -1,0 +1,124 @@
+"""How one data-parallel rank's sequences become the micro-batches of a pass: rows right-padded
+to the longest sequence, ``micro_batch_size`` at a time (:func:`~bapo_megatron.actor.batch.
+split_microbatches`), or packed rows (:mod:`bapo_megatron.actor.packing`) filled by count or by
+a token budget (first-fit decreasing, :mod:`bapo_megatron.actor.token_budget`).
+
+Training steps and forward-only passes call the same two functions: :func:`plan_groups` (which
+sequences go together, and so how many micro-batches this rank needs: every data-parallel rank
+must then run the same count) and :func:`build_microbatches` (the micro-batches themselves,
+empty ones appended up to the agreed count).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from bapo_megatron.actor.batch import PolicyBatch, microbatch_count, split_microbatches
+from bapo_megatron.actor.packing import packed_row, round_up, sequence_lengths
+from bapo_megatron.actor.token_budget import over_budget, split_by_token_budget
+from bapo_megatron.config import ActorConfig
+from bapo_megatron.distributed.context import ParallelContext
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How one kind of pass splits its sequences (from the ``actor`` section)."""
+
+    micro_batch_size: int = 1
+    """Sequences per micro-batch, padded or packed, where no token budget is set."""
+    pack: bool = False
+    """One packed row per micro-batch (``actor.pack_sequences``)."""
+    max_tokens: int | None = None
+    """Token budget of a packed micro-batch; None: ``micro_batch_size`` sequences each."""
+
+    @classmethod
+    def for_training(cls, actor: ActorConfig) -> Batching:
+        return cls(actor.micro_batch_size, actor.pack_sequences, actor.max_tokens_per_microbatch)
+
+    @classmethod
+    def for_logprobs(cls, actor: ActorConfig) -> Batching:
+        return cls(actor.micro_batch_size, actor.pack_sequences, actor.logprob_token_budget())
+
+
+def length_multiple(context: ParallelContext, fp8_multiple: int = 1) -> int:
+    """What a sequence's length (packed) or a row's length (padded) must be a multiple of:
+    sequence parallelism splits it over the tensor-parallel ranks, and ``fp8_multiple`` is what
+    the FP8 GEMMs of Transformer Engine's layers need (16, or 128 for the blockwise recipe)."""
+    multiple = context.tp_size if context.config.sequence_parallel else 1
+    return math.lcm(multiple, fp8_multiple)
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Which sequences share a micro-batch, before any are built."""
+
+    count: int
+    """Micro-batches this rank needs."""
+    rows: list[list[int]] | None = None
+    """Packed: the batch rows of each micro-batch (None: padded, in order)."""
+    lengths: list[int] | None = None
+    """Packed: the tokens each sequence keeps (:func:`~bapo_megatron.actor.packing.
+    sequence_lengths`)."""
+    over_budget: int = 0
+    """Sequences longer than the token budget (each alone in its micro-batch)."""
+
+
+def plan_groups(batch: PolicyBatch, batching: Batching, multiple: int) -> Groups:
+    """The micro-batches ``batch`` needs under ``batching`` (sequences without a response token
+    are left out of packed rows: they predict nothing)."""
+    if not batching.pack:
+        return Groups(count=microbatch_count(batch.num_sequences, batching.micro_batch_size))
+    lengths = sequence_lengths(batch)
+    kept = [row for row, length in enumerate(lengths) if length > 0]
+    # a rank whose sequences have no response token still runs one (empty) micro-batch
+    least = 1 if batch.num_sequences else 0
+    if batching.max_tokens is None:
+        size = batching.micro_batch_size
+        rows = [kept[i : i + size] for i in range(0, len(kept), size)]
+        return Groups(count=max(len(rows), least), rows=rows, lengths=lengths)
+    packed = [round_up(lengths[row], multiple) for row in kept]
+    split = split_by_token_budget(packed, batching.max_tokens)
+    rows = [[kept[i] for i in group] for group in split]
+    return Groups(
+        count=max(len(rows), least),
+        rows=rows,
+        lengths=lengths,
+        over_budget=over_budget(packed, batching.max_tokens),
+    )
+
+
+def build_microbatches(
+    batch: PolicyBatch,
+    groups: Groups,
+    batching: Batching,
+    multiple: int,
+    count: int,
+    *,
+    uniform: bool,
+) -> list[PolicyBatch]:
+    """``count`` micro-batches (at least ``groups.count``; the others empty). ``uniform``: every
+    packed row gets the longest row's length (Megatron's pipeline schedules exchange one shape
+    per pass); padded rows always share one shape."""
+    if groups.rows is None:
+        return split_microbatches(batch, batching.micro_batch_size, count, multiple)
+    if count < groups.count:
+        raise ValueError(f"{groups.count} packed micro-batches do not fit in {count}")
+    rows = groups.rows + [[] for _ in range(count - len(groups.rows))]
+    row_length = None
+    if uniform:
+        used = [sum(round_up(groups.lengths[r], multiple) for r in group) for group in rows]
+        row_length = max(max(used), round_up(2, multiple))
+    return [packed_row(batch, group, groups.lengths, multiple, row_length) for group in rows]
+
+
+def padding_share(microbatches: list[PolicyBatch]) -> tuple[int, int]:
+    """(positions computed, of which padding) over ``microbatches``: the cost of padding."""
+    computed = sum(mb.tokens.numel() for mb in microbatches)
+    real = 0
+    for mb in microbatches:
+        if mb.segments is not None:
+            real += int(mb.segments.real_tokens().sum())
+        else:
+            real += sum(sequence_lengths(mb))
+    return computed, computed - real

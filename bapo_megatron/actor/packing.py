@@ -1,0 +1,168 @@
+"""Packed rows: the sequences of a micro-batch concatenated into one row (Megatron's THD
+format), so that no forward or backward pass computes right padding.
+
+A packed micro-batch is a one-row :class:`~bapo_megatron.actor.batch.PolicyBatch` whose
+``segments`` say where each sequence lies in the row. Each sequence keeps its tokens up to its
+last response token (what follows it predicts nothing the loss or the log-probs use) and is
+padded to the layout's length multiple (sequence parallelism splits the row over the
+tensor-parallel ranks; FP8 GEMMs want multiples of 16 or 128); a padding segment may close the
+row where the pipeline needs rows of one length. Padding inside a segment lies after the
+sequence's real tokens, so causal attention keeps it from them, and it is never a response
+token. The model sees the segment boundaries as ``PackedSeqParams.cu_seqlens``: rotary
+embeddings restart at every segment and attention stays inside it.
+
+Every per-token tensor of the packed row is gathered from the unpacked ``[n, s]`` batch through
+one index (``source_index``: the flat position ``row * s + column`` each packed token came
+from, -1 for padding), and results go back through the same index (:func:`unpack_tokens`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from bapo_megatron.actor.batch import PolicyBatch
+
+
+@dataclass(frozen=True)
+class PackedSegments:
+    """Where the sequences of one packed row lie."""
+
+    cu_seqlens: torch.Tensor
+    """int32 [segments + 1]: segment boundaries in the row, from 0 to the row's length."""
+    sequences: tuple[int, ...]
+    """The row of the unpacked batch each segment holds (-1: a padding segment)."""
+    source_index: torch.Tensor
+    """int64 [row length]: ``row * s + column`` of the unpacked batch each token came from;
+    -1 for padding."""
+
+    @property
+    def row_length(self) -> int:
+        return int(self.source_index.shape[0])
+
+    @property
+    def max_seqlen(self) -> int:
+        return int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
+
+    def real_tokens(self) -> torch.Tensor:
+        """bool [row length]: the token is a sequence's own (not padding)."""
+        return self.source_index >= 0
+
+    def sequence_ids(self) -> torch.Tensor:
+        """int64 [1, row length]: the segment each token belongs to (what the `seq-mean-*`
+        aggregations average over)."""
+        spans = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        return torch.repeat_interleave(torch.arange(len(spans)), spans.long())[None]
+
+    def position_ids(self) -> torch.Tensor:
+        """int64 [1, row length]: each token's position inside its segment."""
+        starts = torch.repeat_interleave(
+            self.cu_seqlens[:-1].long(), (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+        )
+        return (torch.arange(self.row_length) - starts)[None]
+
+    def packed_seq_params(self, device: torch.device) -> PackedSeqParams:
+        """Megatron's description of the row. The padded boundaries are the same as the real
+        ones: a segment's padding is part of it (after its tokens), which both the local spec's
+        attention and Transformer Engine's `padding_causal` THD attention accept."""
+        cu = self.cu_seqlens.to(device=device, dtype=torch.int32)
+        longest = self.max_seqlen
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu,
+            cu_seqlens_kv_padded=cu,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+        )
+
+
+def sequence_lengths(batch: PolicyBatch) -> list[int]:
+    """Tokens each sequence keeps in a packed row: up to and including its last response token
+    (0 for a sequence without any, which is left out of the rows)."""
+    mask = batch.response_mask
+    if mask.numel() == 0:
+        return [0] * batch.num_sequences
+    positions = torch.arange(mask.shape[1])
+    return (torch.where(mask, positions, -1).amax(dim=1) + 1).tolist()
+
+
+def round_up(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def packed_row(
+    batch: PolicyBatch,
+    rows: list[int],
+    lengths: list[int],
+    multiple: int,
+    row_length: int | None = None,
+) -> PolicyBatch:
+    """The sequences ``rows`` of ``batch`` (their ``lengths`` from :func:`sequence_lengths`) as
+    one packed row, each padded to ``multiple``; a padding segment extends the row to
+    ``row_length`` when given. No rows gives a row of padding alone (an empty micro-batch: at
+    least ``multiple`` and 2 tokens)."""
+    s = batch.tokens.shape[1]
+    spans = [round_up(lengths[row], multiple) for row in rows]
+    used = sum(spans)
+    total = max(used, row_length or 0, round_up(2, multiple))
+    if row_length is not None and row_length < used:
+        raise ValueError(f"packed row: {used} tokens do not fit in a row of {row_length}")
+    source = torch.full((total,), -1, dtype=torch.long)
+    bounds, start = [0], 0
+    for row, span in zip(rows, spans, strict=True):
+        source[start : start + lengths[row]] = row * s + torch.arange(lengths[row])
+        start += span
+        bounds.append(start)
+    sequences = list(rows)
+    if total > used:
+        bounds.append(total)
+        sequences.append(-1)
+    segments = PackedSegments(
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
+        sequences=tuple(sequences),
+        source_index=source,
+    )
+    adv = batch.advantages
+    if adv is not None and adv.dim() == 1:  # one value per sequence: copied to its tokens
+        adv = adv[:, None].expand(batch.tokens.shape)
+    return PolicyBatch(
+        tokens=_gathered(batch.tokens.long(), source, 0),
+        response_mask=_gathered(batch.response_mask, source, False),
+        old_logprobs=_gathered(batch.old_logprobs, source, 0.0),
+        advantages=_gathered(adv, source, 0.0),
+        is_weights=_gathered(batch.is_weights, source, 0.0),
+        routes=_gathered(batch.routes, source, -1),
+        segments=segments,
+    )
+
+
+def _gathered(values: torch.Tensor | None, source: torch.Tensor, fill) -> torch.Tensor | None:
+    """``[1, T, ...]``: the per-token ``values [n, s, ...]`` at ``source`` (``fill`` at -1)."""
+    if values is None:
+        return None
+    flat = values.reshape(-1, *values.shape[2:])
+    real = source >= 0
+    out = flat[source.clamp(min=0)]
+    out[~real] = fill
+    return out[None]
+
+
+def unpack_tokens(
+    packed: list[torch.Tensor], microbatches: list[PolicyBatch], shape: tuple[int, int]
+) -> torch.Tensor:
+    """Per-token results of packed rows (``packed[m]``: ``[1, T_m, ...]`` for micro-batch m)
+    in the unpacked batch's ``[n, s, ...]`` layout; positions no row computed hold 0 (-1 for
+    integer results such as routes: no route)."""
+    n, s = shape
+    trailing = packed[0].shape[2:]
+    integer = not packed[0].dtype.is_floating_point
+    out = torch.full((n * s, *trailing), -1 if integer else 0, dtype=packed[0].dtype)
+    for values, microbatch in zip(packed, microbatches, strict=True):
+        source = microbatch.segments.source_index
+        real = source >= 0
+        out[source[real]] = values[0, : source.shape[0]][real.to(values.device)].to(out.device)
+    return out.reshape(n, s, *trailing)
