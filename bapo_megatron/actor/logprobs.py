@@ -151,19 +151,22 @@ def _forward_pass(
         forward_only=True,
         before_forward=None if routing is None else routing.before_forward,
     )
-    b, padded_len = microbatches[0].tokens.shape
-    result = torch.empty(2 if with_entropy else 1, count * b, padded_len, device=context.device)
+    # Every micro-batch's [b, T_m] values, flattened into one tensor for one broadcast (packed
+    # rows differ in length where no pipeline needs them equal).
+    keys = ("logprobs", "entropy") if with_entropy else ("logprobs",)
+    sizes = [mb.tokens.numel() for mb in microbatches]
     if context.is_last_stage():
-        result[0] = torch.cat([out["logprobs"] for out in outputs])
-        if with_entropy:
-            result[1] = torch.cat([out["entropy"] for out in outputs])
-    if context.pp_size > 1:
-        dist.broadcast(result, src=last_stage_rank(context), group=context.pp_group)
-    result = result.cpu()
-    if microbatches[0].segments is not None:  # packed rows back into [n, s]
-        result = torch.stack(
-            [unpack_tokens(list(part[:, None]), microbatches, (n, s)) for part in result]
-        )
+        flat = torch.cat([out[key].reshape(-1) for key in keys for out in outputs])
     else:
-        result = result[:, :n, :s]
+        flat = torch.empty(len(keys) * sum(sizes), device=context.device)
+    if context.pp_size > 1:
+        dist.broadcast(flat, src=last_stage_rank(context), group=context.pp_group)
+    flat = flat.cpu()
+    result = []
+    for part in flat.split(sum(sizes)):
+        values = [v.view(mb.tokens.shape) for v, mb in zip(part.split(sizes), microbatches)]
+        if microbatches[0].segments is not None:  # packed rows back into [n, s]
+            result.append(unpack_tokens(values, microbatches, (n, s)))
+        else:
+            result.append(torch.cat(values)[:n, :s])
     return result[0], (result[1] if with_entropy else None), microbatches

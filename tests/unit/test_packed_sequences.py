@@ -45,6 +45,9 @@ MODEL = ModelConfig(
     max_position_embeddings=64,
 )
 OPTIMIZER = OptimizerConfig(lr=1e-3, clip_grad=0.0)
+# Adam's first update is about lr * sign(g): float rounding in a near-zero gradient component
+# moves it by up to that much; 1% of it (as tests/distributed/test_train_layouts.py allows).
+PARAM_TOLERANCE = 0.01 * OPTIMIZER.lr
 COMPARED = (
     "loss",
     "grad_norm",
@@ -64,7 +67,8 @@ COMPARED = (
 
 def long_tailed_batch(seed: int, n: int = 7, length: int = 40) -> PolicyBatch:
     """Right-padded sequences with a long tail: most end early, one runs to ``length``, one has
-    no response token at all. Per-token advantages, importance weights."""
+    no response token at all. Per-token advantages, mostly negative (the search moves the
+    bounds), and importance weights."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(1, MODEL.vocab_size, (n, length), generator=g)
     mask = torch.zeros(n, length, dtype=torch.bool)
@@ -82,7 +86,7 @@ def long_tailed_batch(seed: int, n: int = 7, length: int = 40) -> PolicyBatch:
         tokens=tokens,
         response_mask=mask,
         old_logprobs=old,
-        advantages=torch.randn(n, length, generator=g),
+        advantages=torch.randn(n, length, generator=g) - 0.8,  # mostly negative: rho < rho0
         is_weights=weights,
     )
 
@@ -128,12 +132,11 @@ def _assert_same_step(packed, padded, what):
     for key in COMPARED:
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), f"{what}: {key}"
     for name in want_grads:
-        torch.testing.assert_close(
-            got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=f"{what}: grad {name}"
-        )
-        torch.testing.assert_close(
-            got_params[name], want_params[name], rtol=1e-5, atol=1e-6, msg=f"{what}: {name}"
-        )
+        scale = float(want_grads[name].abs().max())
+        grad_error = float((got_grads[name] - want_grads[name]).abs().max())
+        assert grad_error <= 1e-5 * scale + 1e-7, f"{what}: grad {name} off by {grad_error:.3g}"
+        param_error = float((got_params[name] - want_params[name]).abs().max())
+        assert param_error < PARAM_TOLERANCE, f"{what}: {name} off by {param_error:.3g}"
 
 
 def test_packed_logprobs_and_entropy_equal_padded(context, start_weights):
