@@ -1,8 +1,10 @@
 """Build the policy as Megatron-Core ``GPTModel`` chunks for this rank's place in the layout.
 
 The layer spec is Transformer Engine's when it is importable and a CUDA GPU is visible, otherwise
-Megatron's local (plain torch) spec with RMSNorm, which is what runs on the CPU; both carry the
-per-head q/k RMSNorm of Qwen3 when ``qk_layernorm``. Rotary position embeddings use
+Megatron's local (plain torch) spec with RMSNorm, which is what runs on the CPU, with its core
+attention replaced by :class:`~bapo_megatron.actor.core_attention.SdpaCoreAttention` (torch's
+fused attention, and packed THD sequences, which Megatron's unfused module refuses); both carry
+the per-head q/k RMSNorm of Qwen3 when ``qk_layernorm``. Rotary position embeddings use
 ``rope_theta``, and Llama 3.x's ``rope_scaling`` is installed the transformers way
 (:mod:`bapo_megatron.actor.rope`); the output layer shares the embedding matrix when
 ``tie_word_embeddings``. Each chunk knows from the context whether it holds the embedding
@@ -15,6 +17,7 @@ vocabulary (``parallel_output``), which the log-prob code consumes without gathe
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import torch
@@ -29,6 +32,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from bapo_megatron.actor.core_attention import SdpaCoreAttention
 from bapo_megatron.actor.megatron_config import to_transformer_config
 from bapo_megatron.actor.rope import install_rope_frequencies
 from bapo_megatron.config import ModelConfig, ParallelConfig
@@ -61,20 +65,42 @@ def layer_spec(
     mixture-of-experts model gets the spec of its chunk's block instead (``config``, the
     pipeline rank and virtual stage say which layers): Megatron picks, per layer, the dense MLP
     or the experts from ``config.moe_layer_freq``. ``device``: the run's ``parallel.device``
-    (Transformer Engine's layers only on CUDA)."""
+    (Transformer Engine's layers only on CUDA). The local spec's core attention is
+    :class:`SdpaCoreAttention` instead of Megatron's ``DotProductAttention``; Transformer
+    Engine's spec keeps its own."""
+    use_te = uses_transformer_engine(device)
     if model.is_moe:
         if config is None:
             raise ValueError("layer_spec: a mixture-of-experts model needs its TransformerConfig")
-        return get_gpt_decoder_block_spec(
+        block = get_gpt_decoder_block_spec(
             config,
-            use_transformer_engine=uses_transformer_engine(device),
+            use_transformer_engine=use_te,
             normalization="RMSNorm",
             vp_stage=vp_stage,
             pp_rank=pp_rank,
         )
-    if uses_transformer_engine(device):
+        if use_te:
+            return block
+        layers = [_with_sdpa_core_attention(layer) for layer in block.layer_specs]
+        return dataclasses.replace(block, layer_specs=layers)
+    if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model.qk_layernorm)
+    local = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=model.qk_layernorm)
+    return _with_sdpa_core_attention(local)
+
+
+def _with_sdpa_core_attention(layer: ModuleSpec) -> ModuleSpec:
+    """A copy of the local spec's decoder layer ``layer`` whose self-attention builds
+    :class:`SdpaCoreAttention` as its core attention (Megatron's specs are shared between
+    layers, so they are copied, not changed)."""
+    attention = layer.submodules.self_attention
+    attention = dataclasses.replace(
+        attention,
+        submodules=dataclasses.replace(attention.submodules, core_attention=SdpaCoreAttention),
+    )
+    return dataclasses.replace(
+        layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention)
+    )
 
 
 def build_model(

@@ -170,7 +170,7 @@ def measured_vs_planned(actor, model, context, batch, args, marks: dict[str, int
         micro_batch_size=args.micro_batch_size,
         sequence_length=batch.tokens.shape[1],
         micro_batches=-(-batch.tokens.shape[0] // args.micro_batch_size),
-        attention="unfused",
+        attention="sdpa",
     )
     activations = stage_bytes(model, context.config, shape, 0, model.num_layers)
     if model.is_moe:  # the dispatcher's buffers are transient, so within the step's peak

@@ -40,8 +40,8 @@ NOT_RUN = {
     "Transformer Engine layers and FP8": "Transformer Engine (171 MiB wheel plus a source-only "
     "extension) cannot be carried to the lent machine",
     "vLLM and SGLang on a GPU": "their wheels (311 MiB, > 900 MiB) cannot be carried",
-    "flash attention": "it comes with Transformer Engine; the local layer spec's unfused "
-    "attention ran instead",
+    "Transformer Engine's fused attention": "it comes with Transformer Engine; the local layer "
+    "spec's attention (torch SDPA) ran instead",
 }
 
 
@@ -178,7 +178,7 @@ def memory(checks: Checks, size: str = "qwen3-8b-4l") -> dict:
     if "memory" not in variant:
         return {"status": "not run", "why": "memory is measured with torch.cuda only"}
     return {"status": "passed", "model": f"{MEMORY_MODELS[size]}, bf16, distributed optimizer, "
-            "unfused attention", **variant["memory"]}
+            "SDPA attention", **variant["memory"]}
 
 
 def loss_bench(checks: Checks) -> dict:

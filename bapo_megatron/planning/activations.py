@@ -6,19 +6,23 @@ saves (e = bytes of the activation dtype, h hidden, f FFN width, d head size, a 
 heads, t tensor-parallel size; "norm side" tensors are divided by t only under sequence
 parallelism, the others always, since heads and FFN columns are split):
 
-- ``unfused`` attention (Megatron's local layer spec, what runs on the CPU): 4 norm-side h-wide
-  tensors (layer input, normed input, residual, normed residual), 6 head-side (a/t)·d-wide ones
-  (rotated q, k and v expanded to the query heads, their copies for the batched products, the
-  attention output), 5 (f/t)-wide MLP tensors (the gate/up product, the SwiGLU pieces, the down
-  projection's input), the (a/t)·s attention probabilities per token (s = sequence length) and
-  two fp32 RMSNorm statistics. Counted from the saved tensors of a CPU forward pass
+- ``sdpa`` attention (Megatron's local layer spec with the project's core attention,
+  :mod:`bapo_megatron.actor.core_attention`: torch's ``scaled_dot_product_attention``; what runs
+  on the CPU, and on a GPU without Transformer Engine): 6 norm-side h-wide tensors (each of the
+  two torch RMSNorms keeps its input, the input times the inverse RMS, and its output for the
+  next linear layer) and their two fp32 statistics, the q/k/v projection output
+  ((a/t + 2g/t)·d wide; v is a view of it), rotated q and k ((a/t)·d and (g/t)·d), the attention
+  output ((a/t)·d, also the output projection's input), one fp32 log-sum-exp per head, with
+  Qwen3's q/k RMSNorm (``qk_layernorm``) the normalised q and k and an fp32 statistic per head,
+  and 5 (f/t)-wide MLP tensors (the gate/up product, the SwiGLU pieces, the down projection's
+  input); no s-long term. Counted from the saved tensors of a CPU forward pass
   (tests/unit/test_layout_planner_measured.py measures it).
-- ``flash`` attention (Transformer Engine's fused attention on a GPU): the same norm-side
-  tensors, rotated q and the attention output ((a/t)·d each), k and v unexpanded ((g/t)·d each),
-  3 (f/t)-wide MLP tensors and one fp32 softmax statistic per head; no s-long term. This is a
-  model of what Transformer Engine keeps (as in Korthikanti et al., "Reducing Activation
-  Recomputation in Large Transformer Models", and Megatron-LM's ``theoretical_memory_usage``),
-  not a measurement: there is no GPU here.
+- ``flash`` attention (Transformer Engine's fused attention on a GPU): 4 norm-side h-wide
+  tensors (layer input, normed input, residual, normed residual), rotated q and the attention
+  output ((a/t)·d each), k and v unexpanded ((g/t)·d each), 3 (f/t)-wide MLP tensors and one
+  fp32 softmax statistic per head. This is a model of what Transformer Engine keeps (as in
+  Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", and
+  Megatron-LM's ``theoretical_memory_usage``), not a measurement: there is no GPU here.
 
 A mixture-of-experts layer (:mod:`~bapo_megatron.planning.moe_memory`) saves the same norm-side
 and attention tensors, and instead of the MLP's f-wide ones its router's and experts' tensors.
@@ -45,10 +49,12 @@ from typing import Literal
 from bapo_megatron.config import ActorConfig, ModelConfig, ParallelConfig
 from bapo_megatron.planning.moe_memory import moe_mlp_bytes, stage_moe_layers
 
-Attention = Literal["unfused", "flash"]
+Attention = Literal["sdpa", "flash"]
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-SWIGLU_TENSORS = {"unfused": 5, "flash": 3}
+SWIGLU_TENSORS = {"sdpa": 5, "flash": 3}
 """f-wide tensors one token leaves saved in a SwiGLU MLP, per attention model (above)."""
+NORM_TENSORS = {"sdpa": 6, "flash": 4}
+"""Norm-side h-wide tensors one token leaves saved in a decoder layer, per attention model."""
 _FP32 = 4
 
 
@@ -64,9 +70,6 @@ class ActivationShape:
     """Micro-batches per optimizer step on one data-parallel rank (caps the pipeline's in-flight
     count)."""
     attention: Attention = "flash"
-    attention_span: int | None = None
-    """The longest sequence attention runs over, for the ``unfused`` model's s-long term (a
-    packed row attends inside each sequence); None: ``sequence_length``."""
 
 
 def training_shape(actor: ActorConfig, sequence_length: int, sequences: int) -> ActivationShape:
@@ -81,7 +84,6 @@ def training_shape(actor: ActorConfig, sequence_length: int, sequences: int) -> 
             micro_batch_size=1,
             sequence_length=max(budget, sequence_length),
             micro_batches=-(-sequences // per_row),
-            attention_span=sequence_length,
         )
     return ActivationShape(
         micro_batch_size=actor.micro_batch_size,
@@ -98,14 +100,15 @@ def layer_bytes(model: ModelConfig, parallel: ParallelConfig, shape: ActivationS
     h, d = model.hidden_size, model.head_dim
     heads, groups = model.num_attention_heads // t, model.num_query_groups // t
     norm_tokens = tokens // t if parallel.sequence_parallel else tokens
-    norm_side = 4 * norm_tokens * h * e + 2 * norm_tokens * _FP32
-    if shape.attention == "unfused":
-        span = shape.attention_span or shape.sequence_length
-        attention = 6 * tokens * heads * d * e + tokens * heads * span * e
-    elif shape.attention == "flash":
-        attention = tokens * (2 * heads + 2 * groups) * d * e + tokens * heads * _FP32
+    if shape.attention not in NORM_TENSORS:
+        raise ValueError(f"attention must be 'sdpa' or 'flash', got {shape.attention!r}")
+    norm_side = NORM_TENSORS[shape.attention] * norm_tokens * h * e + 2 * norm_tokens * _FP32
+    if shape.attention == "sdpa":
+        attention = tokens * ((3 * heads + 3 * groups) * d * e + heads * _FP32)
+        if model.qk_layernorm:
+            attention += tokens * (heads + groups) * (d * e + _FP32)
     else:
-        raise ValueError(f"attention must be 'unfused' or 'flash', got {shape.attention!r}")
+        attention = tokens * (2 * heads + 2 * groups) * d * e + tokens * heads * _FP32
     return norm_side + attention + dense_mlp_bytes(model, parallel, shape)
 
 

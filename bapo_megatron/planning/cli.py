@@ -35,9 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--attention",
-        choices=("flash", "unfused"),
+        choices=("flash", "sdpa"),
         default="flash",
-        help="activation model: Transformer Engine's fused attention (GPU) or the local spec's",
+        help="activation model: Transformer Engine's fused attention (GPU) or the local spec's "
+        "(torch SDPA: the CPU, or a GPU without Transformer Engine)",
     )
     parser.add_argument(
         "--all-ranks", action="store_true", help="simulate every rank, not one replica"

@@ -8,7 +8,7 @@
 - Activations: measured deterministically (not RSS) as the bytes of the distinct storages autograd
   saves for backward (``torch.autograd.graph.saved_tensors_hooks``; parameters excluded) during
   one micro-batch's forward pass and log-probs, which is what the train step holds at its peak
-  without pipelining (each micro-batch runs forward then backward). The planner's ``unfused``
+  without pipelining (each micro-batch runs forward then backward). The planner's ``sdpa``
   estimate (the local layer spec the CPU runs) must be within 25% of it. For a mixture-of-experts
   layer (router, alltoall dispatch, experts), the same holds, and what the layer saves beyond a
   dense layer (two models that differ in that layer only) must be within 5% of the MoE estimate.
@@ -116,24 +116,29 @@ def test_activation_estimate_within_25_percent_of_the_measured_saved_tensors(
         micro_batch_size=micro_batch_size,
         sequence_length=length,
         micro_batches=1,
-        attention="unfused",
+        attention="sdpa",
     )
     estimate = stage_bytes(model, ParallelConfig(), shape, 0, model.num_layers)
     assert abs(estimate - measured) <= 0.25 * measured, (estimate, measured)
 
 
-def test_flash_estimate_drops_the_quadratic_term():
+def test_activation_estimates_are_linear_in_the_sequence_length():
+    """Neither attention model keeps an s x s tensor (both are fused kernels)."""
     model = tiny("bfloat16")
-    shapes = [
-        ActivationShape(micro_batch_size=1, sequence_length=s, micro_batches=1, attention=a)
-        for s in (64, 128)
-        for a in ("unfused", "flash")
-    ]
-    unfused64, flash64, unfused128, flash128 = (
-        stage_bytes(model, ParallelConfig(), shape, 0, 2) for shape in shapes
-    )
-    assert flash128 == 2 * flash64  # linear in the sequence length
-    assert unfused128 > 2 * unfused64  # the s x s attention probabilities
+    for attention in ("sdpa", "flash"):
+        short, long = (
+            stage_bytes(
+                model,
+                ParallelConfig(),
+                ActivationShape(
+                    micro_batch_size=1, sequence_length=s, micro_batches=1, attention=attention
+                ),
+                0,
+                2,
+            )
+            for s in (64, 128)
+        )
+        assert long == 2 * short, attention
 
 
 @pytest.mark.parametrize("micro_batch_size,length", [(1, 128), (4, 32)])
@@ -164,7 +169,7 @@ def test_moe_layer_estimate_matches_the_measured_saved_tensors(context, micro_ba
         micro_batch_size=micro_batch_size,
         sequence_length=length,
         micro_batches=1,
-        attention="unfused",
+        attention="sdpa",
     )
     measured, estimate = {}, {}
     for name, dense_layers in (("moe", (0,)), ("dense", (0, 1))):  # layer 2 is MoE in both
@@ -178,7 +183,7 @@ def test_moe_layer_estimate_matches_the_measured_saved_tensors(context, micro_ba
         model((0,)),
         ParallelConfig(),
         4,
-        SWIGLU_TENSORS["unfused"],
+        SWIGLU_TENSORS["sdpa"],
     )
     extra_measured = measured["moe"] - measured["dense"]
     extra_estimate = estimate["moe"] - estimate["dense"]
