@@ -150,15 +150,20 @@ def microbatch_count(num_sequences: int, micro_batch_size: int) -> int:
 
 
 def split_microbatches(
-    batch: PolicyBatch, micro_batch_size: int, num_microbatches: int, seq_multiple: int = 1
+    batch: PolicyBatch,
+    micro_batch_size: int,
+    num_microbatches: int,
+    seq_multiple: int = 1,
+    length: int | None = None,
 ) -> list[PolicyBatch]:
     """``num_microbatches`` micro-batches of exactly ``micro_batch_size`` sequences each.
 
     Sequences are taken in order; the short last micro-batch and any further ones (data-parallel
     ranks must all run the same count) are filled with empty rows: token 0, no response token,
     advantage 0, log-prob 0. The sequence length is padded to a multiple of ``seq_multiple``
-    (sequence parallelism splits it over tensor-parallel ranks). Megatron's pipeline schedules
-    exchange activations of one fixed shape, hence equal shapes throughout.
+    (sequence parallelism splits it over tensor-parallel ranks), or is ``length`` when given (a
+    length agreed with other ranks). Megatron's pipeline schedules exchange activations of one
+    fixed shape, hence equal shapes throughout.
     """
     if num_microbatches < microbatch_count(batch.num_sequences, micro_batch_size):
         raise ValueError(
@@ -166,8 +171,10 @@ def split_microbatches(
             f"micro-batches of {micro_batch_size}"
         )
     rows = num_microbatches * micro_batch_size
-    length = max(batch.tokens.shape[1], 2)
-    length = -(-length // seq_multiple) * seq_multiple
+    longest = -(-max(batch.tokens.shape[1], 2) // seq_multiple) * seq_multiple
+    if length is not None and length < longest:
+        raise ValueError(f"rows of {longest} tokens do not fit in an agreed length of {length}")
+    length = longest if length is None else length
 
     def padded(value: torch.Tensor | None, per_token: bool) -> torch.Tensor | None:
         if value is None:

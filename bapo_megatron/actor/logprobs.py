@@ -13,6 +13,8 @@ import torch.distributed as dist
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.actor.microbatches import (
     Batching,
+    agree_forward_pass,
+    agreed_row_length,
     build_microbatches,
     length_multiple,
     plan_groups,
@@ -122,16 +124,19 @@ def _forward_pass(
     fp8_multiple: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[PolicyBatch]]:
     n, s = batch.tokens.shape
-    if n == 0:
+    if n == 0 and context.config.expert_model_parallel_size == 1:
         empty = torch.zeros(0, s)
         return empty, (empty.clone() if with_entropy else None), []
     multiple = length_multiple(context, fp8_multiple)
     groups = plan_groups(batch, batching, multiple)
-    count = max(groups.count, 1)
+    count, longest = agree_forward_pass(groups, context)
+    if count == 0:  # no rank has a sequence
+        empty = torch.zeros(0, s)
+        return empty, (empty.clone() if with_entropy else None), []
     if context.vpp_size is not None:  # the interleaved schedule wants whole groups of PP
         count = -(-max(count, context.pp_size) // context.pp_size) * context.pp_size
     microbatches = build_microbatches(
-        batch, groups, batching, multiple, count, uniform=context.pp_size > 1
+        batch, groups, batching, multiple, count, agreed_row_length(groups, context, longest)
     )
 
     def per_microbatch(microbatch: PolicyBatch, logits: torch.Tensor):

@@ -14,6 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 from bapo_megatron.actor.batch import PolicyBatch, microbatch_count, split_microbatches
 from bapo_megatron.actor.packing import packed_row, round_up, sequence_lengths
 from bapo_megatron.actor.token_budget import over_budget, split_by_token_budget
@@ -62,13 +65,18 @@ class Groups:
     sequence_lengths`)."""
     over_budget: int = 0
     """Sequences longer than the token budget (each alone in its micro-batch)."""
+    row_length: int = 0
+    """The longest row this rank builds (padded: the batch's length, rounded up)."""
 
 
 def plan_groups(batch: PolicyBatch, batching: Batching, multiple: int) -> Groups:
     """The micro-batches ``batch`` needs under ``batching`` (sequences without a response token
     are left out of packed rows: they predict nothing)."""
     if not batching.pack:
-        return Groups(count=microbatch_count(batch.num_sequences, batching.micro_batch_size))
+        return Groups(
+            count=microbatch_count(batch.num_sequences, batching.micro_batch_size),
+            row_length=round_up(max(batch.tokens.shape[1], 2), multiple),
+        )
     lengths = sequence_lengths(batch)
     kept = [row for row, length in enumerate(lengths) if length > 0]
     # a rank whose sequences have no response token still runs one (empty) micro-batch
@@ -76,7 +84,12 @@ def plan_groups(batch: PolicyBatch, batching: Batching, multiple: int) -> Groups
     if batching.max_tokens is None:
         size = batching.micro_batch_size
         rows = [kept[i : i + size] for i in range(0, len(kept), size)]
-        return Groups(count=max(len(rows), least), rows=rows, lengths=lengths)
+        return Groups(
+            count=max(len(rows), least),
+            rows=rows,
+            lengths=lengths,
+            row_length=_longest_row(rows, lengths, multiple),
+        )
     packed = [round_up(lengths[row], multiple) for row in kept]
     split = split_by_token_budget(packed, batching.max_tokens)
     rows = [[kept[i] for i in group] for group in split]
@@ -85,7 +98,42 @@ def plan_groups(batch: PolicyBatch, batching: Batching, multiple: int) -> Groups
         rows=rows,
         lengths=lengths,
         over_budget=over_budget(packed, batching.max_tokens),
+        row_length=_longest_row(rows, lengths, multiple),
     )
+
+
+def _longest_row(rows: list[list[int]], lengths: list[int], multiple: int) -> int:
+    used = [sum(round_up(lengths[r], multiple) for r in group) for group in rows]
+    return max([*used, round_up(2, multiple)])
+
+
+def rows_agree_over_data_parallel(context: ParallelContext) -> bool:
+    """Whether every data-parallel rank's rows must have one length: Megatron's `allgather`
+    token dispatcher gathers the tokens of the expert-parallel ranks (drawn from data-parallel
+    ranks) into one tensor and needs the same count from each."""
+    parallel = context.config
+    return parallel.expert_model_parallel_size > 1 and parallel.moe_token_dispatcher == "allgather"
+
+
+def agreed_row_length(groups: Groups, context: ParallelContext, agreed: int | None) -> int | None:
+    """The length every row of this pass gets (None: each keeps its own): the longest over the
+    data-parallel ranks (``agreed``, gathered by the caller) where they must agree, this rank's
+    longest where a pipeline needs one shape, else none."""
+    if rows_agree_over_data_parallel(context):
+        return agreed
+    return groups.row_length if context.pp_size > 1 else None
+
+
+def agree_forward_pass(groups: Groups, context: ParallelContext) -> tuple[int, int]:
+    """(micro-batch count, longest row) of a forward-only pass, the largest over the data x
+    context parallel group where expert parallelism runs collectives between those ranks inside
+    every forward (one all-reduce); this rank's own otherwise."""
+    local = (groups.count, groups.row_length)
+    if context.config.expert_model_parallel_size == 1 or context.dp_cp_size == 1:
+        return local
+    agreed = torch.tensor(local, dtype=torch.long, device=context.device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=context.dp_cp_group)
+    return int(agreed[0]), int(agreed[1])
 
 
 def build_microbatches(
@@ -94,21 +142,16 @@ def build_microbatches(
     batching: Batching,
     multiple: int,
     count: int,
-    *,
-    uniform: bool,
+    row_length: int | None = None,
 ) -> list[PolicyBatch]:
-    """``count`` micro-batches (at least ``groups.count``; the others empty). ``uniform``: every
-    packed row gets the longest row's length (Megatron's pipeline schedules exchange one shape
-    per pass); padded rows always share one shape."""
+    """``count`` micro-batches (at least ``groups.count``; the others empty), every row
+    ``row_length`` long when given (:func:`agreed_row_length`; padded rows always share one
+    length, the batch's unless given)."""
     if groups.rows is None:
-        return split_microbatches(batch, batching.micro_batch_size, count, multiple)
+        return split_microbatches(batch, batching.micro_batch_size, count, multiple, row_length)
     if count < groups.count:
         raise ValueError(f"{groups.count} packed micro-batches do not fit in {count}")
     rows = groups.rows + [[] for _ in range(count - len(groups.rows))]
-    row_length = None
-    if uniform:
-        used = [sum(round_up(groups.lengths[r], multiple) for r in group) for group in rows]
-        row_length = max(max(used), round_up(2, multiple))
     return [packed_row(batch, group, groups.lengths, multiple, row_length) for group in rows]
 
 

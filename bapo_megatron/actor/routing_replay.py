@@ -175,10 +175,12 @@ class RoutingReplay:
     # ---------------------------------------------------------------- recording
 
     def recorded_routes(self, microbatches: list[PolicyBatch], rows: int) -> torch.Tensor:
-        """``[rows, s, moe_layers, topk]`` routes of the first ``rows`` sequences of the
-        recorded pass over ``microbatches`` (the same on every rank of the model replica;
-        collective over the tensor and pipeline groups)."""
-        b, s = microbatches[0].tokens.shape
+        """``[rows, s, moe_layers, topk]`` routes of the first ``rows`` rows of the recorded pass
+        over ``microbatches`` (s: the longest micro-batch's length; -1 past a shorter one's),
+        the same on every rank of the model replica (collective over the tensor and pipeline
+        groups)."""
+        b = microbatches[0].tokens.shape[0]
+        s = max(mb.tokens.shape[1] for mb in microbatches)  # packed rows may differ in length
         count = len(microbatches)
         full = torch.full(
             (count * b, s, self.num_layers, self.topk),
@@ -192,9 +194,11 @@ class RoutingReplay:
                 raise AssertionError(
                     f"routing replay: {len(recorded)} recorded passes for {count} micro-batches"
                 )
-            per_rank = s // self.context.tp_size if self.context.config.sequence_parallel else s
-            start = self.context.tp_rank * per_rank if per_rank != s else 0
             for m, indices in enumerate(recorded):
+                length = microbatches[m].tokens.shape[1]
+                sp = self.context.config.sequence_parallel
+                per_rank = length // self.context.tp_size if sp else length
+                start = self.context.tp_rank * per_rank if sp else 0
                 part = indices.view(per_rank, b, self.topk).transpose(0, 1)  # [b, s_local, k]
                 full[m * b : (m + 1) * b, start : start + per_rank, layer] = part
         for group, size in (

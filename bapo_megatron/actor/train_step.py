@@ -40,6 +40,7 @@ from bapo_megatron.actor.logprobs import token_logprobs
 from bapo_megatron.actor.microbatches import (
     Batching,
     Groups,
+    agreed_row_length,
     build_microbatches,
     length_multiple,
     padding_share,
@@ -87,11 +88,12 @@ def train_step(
         batch = balance_data_parallel(batch, context, actor.model_config.hidden_size)
     multiple = length_multiple(context, actor.fp8_length_multiple)
     groups = plan_groups(batch, batching, multiple)
-    count, tokens, sequences, real_tokens, over_budget = _agree_on_step(batch, groups, context)
+    agreed = _agree_on_step(batch, groups, context)
+    count, tokens, sequences, real_tokens, over_budget, longest = agreed
     if context.vpp_size is not None:  # the interleaved schedule wants whole groups of PP
         count = -(-max(count, context.pp_size) // context.pp_size) * context.pp_size
     microbatches = build_microbatches(
-        batch, groups, batching, multiple, count, uniform=context.pp_size > 1
+        batch, groups, batching, multiple, count, agreed_row_length(groups, context, longest)
     )
     normalizer = tokens if loss.aggregation == "token-mean" else sequences
     reduce = all_reduce_sum(context.dp_cp_group)
@@ -208,10 +210,11 @@ def _before_forward(aux, replay):
 
 def _agree_on_step(
     batch: PolicyBatch, groups: Groups, context
-) -> tuple[int, float, float, float, float]:
+) -> tuple[int, float, float, float, float, int]:
     """(largest micro-batch count, global response tokens, global responding sequences, global
     real tokens: every position up to each sequence's last response token, global sequences
-    over the token budget) over the data x context parallel group, in one collective."""
+    over the token budget, longest row) over the data x context parallel group, in one
+    collective."""
     mask = batch.response_mask
     positions = torch.arange(mask.shape[1])
     real = (torch.where(mask, positions, -1).amax(dim=1) + 1).sum() if mask.numel() else 0
@@ -222,6 +225,7 @@ def _agree_on_step(
             float(loss_normalizer(mask, "seq-mean-token-sum")),
             float(real),
             float(groups.over_budget),
+            float(groups.row_length),
         ],
         dtype=torch.float64,
         device=context.device,
@@ -241,6 +245,7 @@ def _agree_on_step(
         float(gathered[:, 2].sum()),
         float(gathered[:, 3].sum()),
         float(gathered[:, 4].sum()),
+        int(gathered[:, 5].max()),
     )
 
 

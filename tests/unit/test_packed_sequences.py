@@ -205,7 +205,7 @@ def test_budget_split_builds_rows_within_budget():
     batch = long_tailed_batch(4)
     batching = Batching(pack=True, max_tokens=24)
     groups = plan_groups(batch, batching, multiple=4)
-    rows = build_microbatches(batch, groups, batching, 4, groups.count + 2, uniform=False)
+    rows = build_microbatches(batch, groups, batching, 4, groups.count + 2)
     lengths = sequence_lengths(batch)
     seen = sorted(r for mb in rows for r in mb.segments.sequences if r >= 0)
     assert seen == [i for i, length in enumerate(lengths) if length > 0]  # each once, row 3 out
@@ -214,7 +214,7 @@ def test_budget_split_builds_rows_within_budget():
         assert mb.tokens.shape[1] % 4 == 0
         assert mb.tokens.shape[1] <= 24 or len(real) == 1  # only a lone sequence goes over
     assert all(not mb.response_mask.any() for mb in rows[-2:])  # the appended empty ones
-    uniform = build_microbatches(batch, groups, batching, 4, groups.count, uniform=True)
+    uniform = build_microbatches(batch, groups, batching, 4, groups.count, groups.row_length)
     assert len({mb.tokens.shape[1] for mb in uniform}) == 1
     # the tokens and masks come back where they were
     tokens = unpack_tokens([mb.tokens for mb in rows], rows, tuple(batch.tokens.shape))
