@@ -44,7 +44,8 @@ if [ -n "$pass" ]; then
         # Model Runner V2, whose sampler the full-vocabulary log-prob hook does not know yet
         vllm) VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
                 VLLM_USE_V2_MODEL_RUNNER=0 python3 -m bapo_megatron.device_check.run \
-                --device cuda --out "$out" --only vllm --label vllm "$@" || status=1 ;;
+                --device cuda --out "$out" --only vllm --label vllm --check-timeout 420 \
+                "$@" || status=1 ;;
         *) echo "GPU_PASS must be te or vllm, got $pass" >&2; exit 2 ;;
     esac
     exit $status
