@@ -24,6 +24,7 @@ def check_training(cfg: Config) -> None:
     _check_experts(cfg)
     _check_schedule(cfg)
     _check_placement(cfg)
+    _check_quantization(cfg)
     _check_asynchronous(cfg)
     _check_packing(cfg)
 
@@ -185,6 +186,17 @@ def _check_placement(cfg: Config) -> None:
             "rollout.release_memory_during_training frees a colocated engine's memory for the "
             "actor; with rollout.placement=disaggregated the engine has its own ranks (set it "
             "to false)"
+        )
+
+
+def _check_quantization(cfg: Config) -> None:
+    """A quantized engine needs a CUDA GPU (``auto`` is checked when the engine starts)."""
+    quantization = cfg.rollout.quantization
+    if quantization is not None and cfg.parallel.device == "cpu":
+        raise ValueError(
+            f"rollout.quantization={quantization!r} needs the engine on a CUDA GPU with FP8, "
+            "but parallel.device is 'cpu' (vLLM's CPU build has no FP8; set "
+            "rollout.quantization=null)"
         )
 
 

@@ -56,10 +56,16 @@ class ParallelConfig:
     token). Only used by mixture-of-experts models."""
     fp8: Fp8Format | None = None
     """FP8 format for Transformer Engine GEMMs: `e4m3`, or `hybrid` (e4m3 forward, e5m2
-    gradients); None: no FP8. Passed through to Megatron."""
+    gradients); None: no FP8. Passed through to Megatron (``TransformerConfig.fp8``). Needs
+    Transformer Engine's layers on a CUDA GPU with FP8 (compute capability >= 8.9: Ada, Hopper,
+    Blackwell): refused with ``device: cpu`` here, and without TE or such a GPU by
+    :func:`~bapo_megatron.distributed.layout.validate_layout`. Every micro-batch's tokens must
+    then be a multiple of :func:`fp8_length_multiple`."""
     fp8_recipe: Fp8Recipe = "delayed"
-    """Transformer Engine scaling recipe: `delayed`, `tensorwise`, `mxfp8` (Blackwell) or
-    `blockwise`. Passed through to Megatron."""
+    """Transformer Engine scaling recipe (Megatron's names, ``TransformerConfig.fp8_recipe``):
+    `delayed` (per-tensor scales from an amax history), `tensorwise` (per-tensor scales of the
+    current tensor), `blockwise` (1x128 / 128x128 blocks; Hopper and newer) or `mxfp8`
+    (Blackwell only). Read only when ``fp8`` is set."""
     fp8_amax_history_len: int = 1
     """Window of amax values kept for the delayed-scaling factor. Passed through to Megatron."""
     fp8_amax_compute_algo: Fp8AmaxAlgo = "most_recent"
@@ -122,6 +128,11 @@ class ParallelConfig:
                 "['delayed', 'tensorwise', 'mxfp8', 'blockwise'], "
                 f"got {self.fp8_recipe!r}"
             )
+        if self.fp8 is not None and self.device == "cpu":
+            raise ValueError(
+                f"{prefix}.fp8={self.fp8!r} runs in Transformer Engine's layers on a CUDA GPU, "
+                f"but {prefix}.device is 'cpu' (set {prefix}.fp8=null)"
+            )
         if self.fp8_amax_compute_algo not in ("most_recent", "max"):
             raise ValueError(
                 f"{prefix}.fp8_amax_compute_algo must be 'most_recent' or 'max', "
@@ -142,3 +153,35 @@ class ParallelConfig:
             * self.pipeline_model_parallel_size
             * self.context_parallel_size
         )
+
+
+FP8_LENGTH_MULTIPLES: dict[str, int] = {
+    "delayed": 16,
+    "tensorwise": 16,
+    "mxfp8": 32,
+    "blockwise": 128,
+}
+"""What the tokens of one micro-batch must be a multiple of, per FP8 recipe (see
+:func:`fp8_length_multiple`)."""
+
+
+def fp8_length_multiple(parallel: ParallelConfig) -> int:
+    """What the number of tokens of each micro-batch (the GEMMs' token dimension, sequences x
+    padded length when packed) must be a multiple of under ``parallel``'s FP8 mode; 1 without
+    FP8. For the packing code, which pads to it.
+
+    - `delayed`, `tensorwise`: 16. cuBLASLt's FP8 GEMMs need every dimension a multiple of 16
+      (Transformer Engine asserts it before each FP8 GEMM, and Megatron's
+      ``get_fp8_align_size`` pads MoE tokens per expert to 16).
+    - `mxfp8`: 32, the MX block (32 elements share one scale; Megatron aligns to 32).
+    - `blockwise`: 128. The weight-gradient GEMM contracts over the tokens, whose activations
+      and output gradients are quantized in 1x128 blocks along that dimension; Megatron's
+      helper says 16 for it (for the per-expert split), so 128 is the safe choice until the
+      GPU check measures the smaller one.
+
+    Under sequence parallelism each tensor-parallel rank holds 1/TP of the tokens, so the
+    padding multiple is this times the TP size there
+    (:func:`bapo_megatron.actor.logprobs.seq_multiple` gives the TP factor)."""
+    if parallel.fp8 is None:
+        return 1
+    return FP8_LENGTH_MULTIPLES[parallel.fp8_recipe]

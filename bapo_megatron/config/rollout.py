@@ -15,6 +15,9 @@ WeightTransport = Literal["process-group", "same-host"]
 WEIGHT_TRANSPORTS: tuple[str, ...] = ("process-group", "same-host")
 InflightUpdate = Literal["continue", "resume"]
 INFLIGHT_UPDATES: tuple[str, ...] = ("continue", "resume")
+Quantization = Literal["fp8"]
+QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+QUANTIZED_ENGINES: tuple[str, ...] = ("vllm", "sglang")
 
 
 @dataclass(kw_only=True)
@@ -65,6 +68,15 @@ class RolloutConfig:
     ``gpu_memory_utilization`` (its own budget, which must fit in what the actor leaves free) or
     SGLang's ``mem_fraction_static`` (a share of the whole GPU, the actor's memory included), so
     the same number means more KV cache under SGLang."""
+    quantization: Quantization | None = None
+    """Quantization of an in-process vLLM/SGLang engine (`vllm`, `sglang`), passed as their
+    ``quantization`` argument: `fp8` (the engine quantizes the bf16 weights it loads, at start
+    and at every weight update, to FP8 with per-tensor scales, and runs FP8 GEMMs); None: the
+    engine computes in the model's dtype. Needs a CUDA GPU with FP8 (compute capability >= 8.9;
+    vLLM's CPU build has no FP8), and leaves the actor in its own dtype: the behaviour
+    log-probs then differ from the actor's by the quantization error (``logprob_diff/*``),
+    which ``algorithm.off_policy_correction`` can weight. A server engine's quantization is set
+    where the server starts (``--quantization fp8``)."""
     release_memory_during_training: bool = False
     """Have the engine free its weights and KV cache while the actor trains and reload them for
     the weight sync (colocated GPU runs; a logged no-op where the engine cannot)."""
@@ -163,6 +175,23 @@ class RolloutConfig:
             )
         if self.engine.endswith("-server") and not self.server_urls:
             raise ValueError(f"{prefix}.engine={self.engine!r} needs {prefix}.server_urls")
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATIONS:
+                raise ValueError(
+                    f"{prefix}.quantization must be one of {list(QUANTIZATIONS)} or null, "
+                    f"got {self.quantization!r}"
+                )
+            if self.engine not in QUANTIZED_ENGINES:
+                where = (
+                    "start the server with --quantization instead"
+                    if self.engine.endswith("-server")
+                    else "the embedded engine computes in the model's dtype"
+                )
+                raise ValueError(
+                    f"{prefix}.quantization={self.quantization!r} applies to the in-process "
+                    f"engines {list(QUANTIZED_ENGINES)}; {prefix}.engine={self.engine!r}: {where} "
+                    f"(set {prefix}.quantization=null)"
+                )
         if self.weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(
                 f"{prefix}.weight_transport must be one of {list(WEIGHT_TRANSPORTS)}, "

@@ -36,6 +36,7 @@ from bapo_megatron.config import (
     OptimizerConfig,
     ParallelConfig,
 )
+from bapo_megatron.device_check.passes import layer_spec_of
 from bapo_megatron.device_check.shapes import model_config, random_batch
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.planning.activations import (
@@ -70,8 +71,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--memory", action="store_true", help="measure memory per component")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--fp8", choices=("e4m3", "hybrid"), help="FP8 GEMMs (needs TE, a GPU)")
+    parser.add_argument("--fp8-recipe", default="delayed", help="with --fp8: TE's scaling recipe")
     parser.add_argument("--json", required=True, help="where the results go")
     return parser.parse_args(argv)
+
+
+def parallel_config(args: argparse.Namespace) -> ParallelConfig:
+    """The one-rank layout of this process, with its FP8 mode (refused where it cannot run:
+    ``parallel.fp8`` names the reason)."""
+    return ParallelConfig(device=args.device, fp8=args.fp8, fp8_recipe=args.fp8_recipe)
 
 
 def parameter_digest(actor) -> str:
@@ -125,6 +134,7 @@ def run_variant(args, variant: str, context, model, start: Path, batch) -> dict:
         "step_seconds": times,
         "tokens_per_s": batch.tokens.numel() / min(times),
         "parameters_sha256": parameter_digest(actor),
+        "layer_spec": layer_spec_of(actor.chunks),
     }
     if args.memory and device.type == "cuda":
         marks.update(before_step=step_base, after_steps=_allocated(device),
@@ -219,13 +229,16 @@ def main(argv: list[str] | None = None) -> None:
     else:
         start, model = None, model_config(args.size, cpu_sized=args.cpu_sized, dtype=args.dtype)
     batch = random_batch(model.vocab_size, sequences=args.sequences, length=args.length, seed=7)
-    context = ParallelContext.initialize(ParallelConfig(device=args.device))
+    context = ParallelContext.initialize(parallel_config(args))
     results = []
     try:
         for variant in args.variants.split(","):
             results.append(run_variant(args, variant, context, model, start, batch))
     finally:
         context.teardown()
+    spec = results[0].pop("layer_spec") if results else None
+    for result in results[1:]:
+        result.pop("layer_spec")
     out = {
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
@@ -235,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         "response_tokens_per_step": int(batch.response_mask.sum()),
         "distributed_optimizer": args.distributed_optimizer,
         "deterministic": args.deterministic,
+        "layer_spec": spec,
+        "fp8": {"format": args.fp8, "recipe": args.fp8_recipe} if args.fp8 else None,
         "variants": results,
     }
     path = Path(args.json)

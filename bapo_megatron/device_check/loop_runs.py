@@ -1,10 +1,12 @@
 """The RL loop end to end on one device, as the device check runs it: the main job's
 configuration (``examples/tiny_cpu/train.yaml``) through ``python -m bapo_megatron.train`` on the
 device, with the embedded engine on the same device, checkpoints, TensorBoard, and a run killed
-with SIGKILL and resumed, whose metrics must equal the uninterrupted run's."""
+with SIGKILL and resumed, whose metrics must equal the uninterrupted run's; and the loop with
+vLLM colocated (:func:`vllm_loop_inputs`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -12,6 +14,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bapo_megatron.config import ModelConfig
+from bapo_megatron.data.synthetic_task import synthetic_rows, walk_tokenizer
+from bapo_megatron.device_check.shapes import write_start_folder
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG = REPO_ROOT / "examples" / "tiny_cpu" / "train.yaml"
@@ -161,3 +167,47 @@ def resume_check(
         "resumed_records": len(got),
         "first_differing_steps": differ[:5],
     }
+
+
+# A 2-layer Qwen2 over the synthetic tasks' 15-token vocabulary, heads of 64 (GPU attention
+# kernels) or 32 (vLLM's CPU attention takes 32, 64, 80, ...).
+VLLM_LOOP_MODEL = ModelConfig(
+    model_type="qwen2", num_layers=2, hidden_size=128, ffn_hidden_size=256,
+    num_attention_heads=2, num_query_groups=1, vocab_size=16, max_position_embeddings=64,
+    tie_word_embeddings=True, rope_theta=1e6,
+)
+
+
+def vllm_loop_inputs(work: Path, *, gpu: bool) -> list[str]:
+    """What the loop with an in-process vLLM starts from, written into ``work``: an HF folder
+    (random weights, the synthetic tasks' tokenizer saved beside them: vLLM starts from a
+    folder, ``train.model_path``), a prompt file of `walk` problems, and the run's YAML (JSON is
+    YAML); returns the overrides that name it. On a GPU the engine sleeps while the actor
+    trains (``rollout.release_memory_during_training``), bf16 with the distributed optimizer."""
+    model = VLLM_LOOP_MODEL if gpu else dataclasses.replace(VLLM_LOOP_MODEL, hidden_size=64,
+                                                             head_dim=None)
+    folder = write_start_folder(model, work / "start", seed=0)
+    walk_tokenizer().save_pretrained(folder)
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(
+        json.dumps({"id": row.id, "prompt": row.prompt, "answer": row.answer}) + "\n"
+        for row in synthetic_rows("walk", 200, seed=0)
+    ))
+    config = {
+        "data": {"train_file": str(prompts)},
+        "reward": {"name": "exact_match", "workers": 1},
+        "warmup": {"steps": 0},
+        "rollout": {"engine": "vllm", "prompts_per_step": 8, "samples_per_prompt": 4,
+                    "max_new_tokens": 16, "gpu_memory_utilization": 0.3,
+                    "release_memory_during_training": gpu},
+        "loss": {"aggregation": "token-mean", "clip": {"preset": "paper"}},
+        "actor": {"micro_batch_size": 32, "temperature": 1.0, "seed": 1},
+        "optimizer": {"lr": 1.0e-4, "weight_decay": 0.0, "clip_grad": 1.0,
+                      "use_distributed_optimizer": gpu},
+        "train": {"steps": 6 if gpu else 3, "model_path": str(folder), "seed": 0,
+                  "params_dtype": "bfloat16" if gpu else "float32"},
+        "checkpoint": {"interval": 3},
+    }
+    path = work / "train.yaml"
+    path.write_text(json.dumps(config, indent=1))
+    return [f"--config={path}"]

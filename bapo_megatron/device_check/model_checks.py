@@ -2,7 +2,9 @@
 
 - ``conversion``: an HF folder written by transformers -> Megatron checkpoint -> HF folder on
   the device; the Megatron actor's logits against transformers' own forward of the same folder
-  on the same device, and the round trip's tensors against the originals (bitwise).
+  on the same device, and the round trip's tensors against the originals (bitwise). Reports
+  the layer spec the model was built from and how many of its parameters carry Transformer
+  Engine's fused norm names (``linear_qkv`` / ``linear_fc1.layer_norm_weight``).
 - ``engine``: the embedded engine's generated tokens/s on the device.
 - ``hf-speed``: train-step tokens/s of transformers' model of the actor's shape (torch SDPA
   attention) with the same BAPO loss and Adam on the same batch, what an FSDP-style trainer runs
@@ -26,6 +28,7 @@ from bapo_megatron.algo.policy_loss import bapo_loss, loss_normalizer
 from bapo_megatron.algo.search_plan import SearchPlan
 from bapo_megatron.config import ClipSearchConfig, ModelConfig, ParallelConfig
 from bapo_megatron.device_check.actor_steps import _sync
+from bapo_megatron.device_check.passes import fused_norm_parameters, layer_spec_of
 from bapo_megatron.device_check.shapes import model_config, random_batch, write_start_folder
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
@@ -52,6 +55,7 @@ def conversion(args) -> dict:
                 hf_folder, dtype=torch.float32
             ).to(context.device).eval()
             theirs = reference(input_ids=tokens).logits.float()
+        spec, fused = layer_spec_of(chunks), fused_norm_parameters(chunks)
         megatron_to_hf(work / "megatron", work / "hf_back", context)
     finally:
         context.teardown()
@@ -74,6 +78,8 @@ def conversion(args) -> dict:
         "logits_max_abs_diff_vs_transformers": diff,
         "logits_max_abs": scale,
         "tolerance": "1e-4 x max(1, max |logit|) (float32 on both sides; kernels differ)",
+        "layer_spec": spec,
+        "fused_norm_parameters": fused,
         "round_trip_tensors": len(original),
         "round_trip_mismatched": mismatched[:10],
     }

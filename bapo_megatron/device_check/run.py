@@ -2,20 +2,21 @@
 fits a lent GPU's minutes, and the same command on the CPU (tiny sizes, under a minute) so that
 it cannot rot between GPU runs. Each check runs in a process of its own with a deadline; a check
 that fails or overruns is recorded with its error and the others still run. Writes
-``device_check.json`` (every figure) and ``device_check.md`` (a summary) into ``--out``.
+``device_check[-LABEL].json`` (every figure) and ``.md`` (a summary) into ``--out``.
 
     python -m bapo_megatron.device_check.run --device cuda --out $OUT
     python -m bapo_megatron.device_check.run --device cpu --out /tmp/check   # CI-sized
+    python -m bapo_megatron.device_check.run --device cuda --out $OUT --spec te   # TE pass
+    python -m bapo_megatron.device_check.run --device cuda --out $OUT --only vllm # vLLM pass
 
-What one GPU cannot run (NCCL groups across ranks, TP/PP on CUDA, the NCCL weight broadcast)
-and what cannot be carried to the lent machine (Transformer Engine, FP8, vLLM, SGLang) is listed
-in the report as not run, with the reason.
+The Transformer Engine and vLLM passes need packages the GPU image lacks
+(:mod:`bapo_megatron.device_check.passes`); without them they are refused, with a report that
+says why, and exit status 2. What a run did not cover is listed in its report with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -24,25 +25,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import megatron.core
 import torch
-import transformers
 
-from bapo_megatron.device_check import loop_runs
+from bapo_megatron.device_check import loop_runs, passes
 from bapo_megatron.device_check.compare import compare_actor_runs, summary_markdown
+from bapo_megatron.device_check.measurements import loss_bench, memory, model_check, speed
 from bapo_megatron.device_check.shapes import model_config, write_start_folder
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ALL_VARIANTS = "paper/step,paper/microbatch,reference/step,reference/microbatch"
-NOT_RUN = {
-    "multi-GPU NCCL (TP/PP/DP on CUDA, NCCL weight broadcast)": "the lent machine has one GPU; "
-    "NCCL refuses two ranks on one device",
-    "Transformer Engine layers and FP8": "Transformer Engine (171 MiB wheel plus a source-only "
-    "extension) cannot be carried to the lent machine",
-    "vLLM and SGLang on a GPU": "their wheels (311 MiB, > 900 MiB) cannot be carried",
-    "Transformer Engine's fused attention": "it comes with Transformer Engine; the local layer "
-    "spec's attention (torch SDPA) ran instead",
-}
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
+"""The FP8 recipes a Hopper GPU runs (``mxfp8`` is Blackwell's)."""
 
 
 class Checks:
@@ -84,9 +77,12 @@ class Checks:
 
 
 def actor_comparison(checks: Checks, size: str, variants: str, steps: int, cpu_variants: str,
-                     cpu_steps: int, sequences: int, length: int) -> dict:
+                     cpu_steps: int, sequences: int, length: int,
+                     fp8_recipes: tuple[str, ...] = ()) -> dict:
     """``size`` trained on the device (bf16 on a GPU) against the same steps in float32 on the
-    CPU, from one HF folder of bf16 weights."""
+    CPU, from one HF folder of bf16 weights. With ``fp8_recipes``, one device run per recipe
+    in FP8 (`hybrid`) against the one reference instead. In the TE pass the device runs must
+    have been built from Transformer Engine's layers."""
     a = checks.args
     start = write_start_folder(model_config(size, cpu_sized=not checks.gpu),
                                checks.work / f"start-{size}", seed=0)
@@ -101,11 +97,34 @@ def actor_comparison(checks: Checks, size: str, variants: str, steps: int, cpu_v
         "--steps", str(cpu_steps), "--threads", str(a.cpu_threads if checks.gpu else 1), *common,
     ])
     dtype = "bfloat16" if checks.gpu else "float32"
-    device_run = checks.python(
-        "bapo_megatron.device_check.actor_steps", "--device", a.device, "--dtype", dtype,
-        "--variants", variants, "--steps", str(steps), *common, timeout=a.check_timeout,
-    )
-    return compare_actor_runs(device_run, reference.result(a.check_timeout), bf16=checks.gpu)
+    device_argv = ["--device", a.device, "--dtype", dtype, "--variants", variants, "--steps",
+                   str(steps), *common]
+    if not fp8_recipes:
+        device_run = checks.python("bapo_megatron.device_check.actor_steps", *device_argv,
+                                   timeout=a.check_timeout)
+        return _judged(checks, device_run, reference.result(a.check_timeout), fp8=False)
+    runs = {}
+    for recipe in fp8_recipes:
+        try:
+            runs[recipe] = checks.python(
+                "bapo_megatron.device_check.actor_steps", *device_argv, "--fp8", "hybrid",
+                "--fp8-recipe", recipe, timeout=a.check_timeout)
+        except Exception as error:  # noqa: BLE001 - recorded, the other recipes go on
+            runs[recipe] = {"status": "error", "error": f"{type(error).__name__}: {error}"[-4000:]}
+    cpu = reference.result(a.check_timeout)
+    recipes = {r: run if "error" in run else _judged(checks, run, cpu, fp8=True)
+               for r, run in runs.items()}
+    passed = all(r["status"] == "passed" for r in recipes.values())
+    return {"status": "passed" if passed else "failed", "format": "hybrid", "recipes": recipes}
+
+
+def _judged(checks: Checks, device_run: dict, reference: dict, *, fp8: bool) -> dict:
+    result = compare_actor_runs(device_run, reference, bf16=checks.gpu, fp8=fp8)
+    result["layer_spec"] = device_run.get("layer_spec")
+    if checks.args.spec == "te" and result["layer_spec"] != "te":
+        result.update(status="failed", error="--spec te, but the actor was built from the "
+                      f"{result['layer_spec']!r} layer spec, not Transformer Engine's")
+    return result
 
 
 class BackgroundActorRun:
@@ -156,48 +175,6 @@ def distributed_optimizer(checks: Checks, argv: list[str]) -> dict:
     return {"status": "passed" if worst <= 1e-3 else "failed", "losses_plain": a,
             "losses_distributed_optimizer": b, "max_relative_difference": worst,
             "tolerance": "1e-3 relative (one data-parallel rank: the same updates, other order)"}
-
-
-MEMORY_MODELS = {
-    "qwen3-8b-4l": "Qwen3-8B layer shapes, 4 layers",
-    "qwen3-30b-a3b-2l": "Qwen3-30B-A3B layer shapes, 2 layers of 128 experts (top-8), all on "
-    "the one device",
-}
-
-
-def memory(checks: Checks, size: str = "qwen3-8b-4l") -> dict:
-    argv = ["--device", checks.args.device, "--size", size, "--variants", "paper/step",
-            "--steps", "2", "--distributed-optimizer", "--memory", "--micro-batch-size", "2",
-            "--dtype", "bfloat16" if checks.gpu else "float32"]
-    argv += ["--sequences", "4", "--length", "1024"] if checks.gpu else ["--cpu-sized",
-                                                                         "--sequences", "2",
-                                                                         "--length", "32"]
-    run = checks.python("bapo_megatron.device_check.actor_steps", *argv,
-                        timeout=checks.args.check_timeout)
-    variant = run["variants"][0]
-    if "memory" not in variant:
-        return {"status": "not run", "why": "memory is measured with torch.cuda only"}
-    return {"status": "passed", "model": f"{MEMORY_MODELS[size]}, bf16, distributed optimizer, "
-            "SDPA attention", **variant["memory"]}
-
-
-def loss_bench(checks: Checks) -> dict:
-    sizes = "1M,8M" if checks.gpu else "64K"
-    proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / "bench_bapo_loss.py"), "--sizes", sizes,
-         "--repeats", "5" if checks.gpu else "2", "--device", checks.args.device],
-        env=checks.env, cwd=REPO_ROOT, capture_output=True, text=True,
-        timeout=checks.args.check_timeout, check=False,
-    )
-    if proc.returncode:
-        raise RuntimeError(proc.stderr[-3000:])
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"status": "passed", **report}
-
-
-def model_check(checks: Checks, name: str, *argv: str) -> dict:
-    return checks.python("bapo_megatron.device_check.model_checks", name, "--device",
-                         checks.args.device, *argv, timeout=checks.args.check_timeout)
 
 
 def loop(checks: Checks, small: bool) -> dict:
@@ -253,59 +230,48 @@ def resume(checks: Checks) -> dict:
                                   kill_step=2, timeout=checks.args.check_timeout)
 
 
-def speed(checks: Checks) -> dict:
-    """Actor train-step tokens/s against transformers' model with SDPA, same loss and batch."""
-    size = "small"
-    start = write_start_folder(model_config(size, cpu_sized=not checks.gpu),
-                               checks.work / f"start-{size}", seed=0)
-    dtype = "bfloat16" if checks.gpu else "float32"
-    length = 1024 if checks.gpu else 32
-    common = ["--start", str(start), "--sequences", "16" if checks.gpu else "4", "--length",
-              str(length), "--micro-batch-size", "4", "--dtype", dtype, "--steps", "4"]
-    ours = checks.python("bapo_megatron.device_check.actor_steps", "--device",
-                         checks.args.device, "--variants",
-                         "paper/microbatch,paper/step,grpo/microbatch", *common,
+def conversion(checks: Checks) -> dict:
+    """HF -> Megatron -> HF on the device (:mod:`~bapo_megatron.device_check.model_checks`); in
+    the TE pass, through TE's layers and their fused norm names."""
+    (checks.work / "conversion").mkdir()
+    result = model_check(checks, "conversion", "--work", str(checks.work / "conversion"))
+    if checks.args.spec == "te" and result.get("layer_spec") != "te":
+        result.update(status="failed", error="--spec te, but the converted model was built from "
+                      f"the {result.get('layer_spec')!r} layer spec, not Transformer Engine's")
+    return result
+
+
+def vllm_engine(checks: Checks, quantization: str | None) -> dict:
+    """Our vLLM adapter against the actor on the device (:mod:`.vllm_checks`)."""
+    folder = checks.work / f"vllm-{quantization or 'bf16'}"
+    folder.mkdir()
+    return checks.python("bapo_megatron.device_check.vllm_checks", "--device", checks.args.device,
+                         "--work", str(folder),
+                         *(["--quantization", quantization] if quantization else []),
                          timeout=checks.args.check_timeout)
-    theirs = model_check(checks, "hf-speed", *common)
-    fastest = {v["variant"]: min(v["step_seconds"][1:]) for v in ours["variants"]}
-    tokens_per_s = ours["tokens_per_step"] / fastest["paper/microbatch"]
-    model = ours["model"]
-    flops_per_token = 6 * dense_parameters(model) + 6 * model["num_layers"] * model[
-        "hidden_size"] * length  # attention scores and values, forward + backward
-    peak = 989e12 if checks.gpu else None  # H100/H200 SXM dense bf16
-    return {
-        "status": "passed",
-        "actor_tokens_per_s": tokens_per_s,
-        "transformers_sdpa_tokens_per_s": theirs["tokens_per_s"],
-        "actor_over_transformers": tokens_per_s / theirs["tokens_per_s"],
-        "step_seconds": fastest,
-        # what BAPO's search (and, at granularity step, its extra forward) adds to a fixed clip
-        "paper_microbatch_over_fixed_clip": fastest["paper/microbatch"]
-        / fastest["grpo/microbatch"],
-        "paper_step_over_fixed_clip": fastest["paper/step"] / fastest["grpo/microbatch"],
-        "model_flops_per_token": flops_per_token,
-        "actor_mfu": tokens_per_s * flops_per_token / peak if peak else None,
-        "mfu_peak_flops": peak,
-    }
 
 
-def dense_parameters(model: dict) -> int:
-    """Matrix parameters a token's forward multiplies by (embedding lookup excluded, output
-    layer included)."""
-    h, f, layers = model["hidden_size"], model["ffn_hidden_size"], model["num_layers"]
-    d = model.get("head_dim") or h // model["num_attention_heads"]
-    q, kv = model["num_attention_heads"] * d, model["num_query_groups"] * d
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * f
-    return layers * per_layer + h * model["vocab_size"]
+def loop_vllm(checks: Checks) -> dict:
+    """The loop with vLLM colocated (``rollout.engine=vllm``), from an HF folder with a
+    tokenizer and a prompt file (:func:`~.loop_runs.vllm_loop_inputs`)."""
+    folder = checks.work / "loop-vllm"
+    folder.mkdir()
+    overrides = loop_runs.vllm_loop_inputs(folder, gpu=checks.gpu)
+    return loop_runs.loop_check(folder, checks.args.device, overrides, checks.env,
+                                checks.args.check_timeout)
+
+
+def not_on_this_device(why: str) -> dict:
+    return {"status": "not run", "why": why}
 
 
 def run_all(args: argparse.Namespace, work: Path) -> dict:
     checks = Checks(args, work)
     gpu = checks.gpu
-    only = set(args.only.split(",")) if args.only else None
+    only = passes.wanted_checks(args)
 
     def want(name: str) -> bool:
-        return only is None or name in only
+        return passes.selected(name, only)
 
     if want("actor_tiny"):
         # CPU-sized: one variant per preset and granularity is enough to keep the path alive
@@ -319,6 +285,9 @@ def run_all(args: argparse.Namespace, work: Path) -> dict:
     if want("actor_small"):
         checks.record("actor_small", actor_comparison, checks, "small",
                       ALL_VARIANTS, 3, "paper/step", 1, 8, 256 if gpu else 32)
+    if want("actor_fp8"):  # the ~0.5B model's matrix dimensions are multiples of 128
+        checks.record("actor_fp8", actor_comparison, checks, "small", "paper/step", 2,
+                      "paper/step", 1, 8, 256, FP8_RECIPES)
     tiny_argv = ["--device", args.device, "--size", "tiny", "--variants", "paper/step",
                  "--steps", "3", "--dtype", "bfloat16" if gpu else "float32"]
     if want("distributed_optimizer"):
@@ -338,9 +307,7 @@ def run_all(args: argparse.Namespace, work: Path) -> dict:
                                                            "--max-new-tokens", "8"]
         checks.record("engine", model_check, checks, "engine", *engine_argv)
     if want("conversion"):
-        (work / "conversion").mkdir()
-        checks.record("conversion", model_check, checks, "conversion", "--work",
-                      str(work / "conversion"))
+        checks.record("conversion", conversion, checks)
     if want("speed"):
         checks.record("speed", speed, checks)
     if want("loop_tiny"):
@@ -351,39 +318,31 @@ def run_all(args: argparse.Namespace, work: Path) -> dict:
         checks.record("loop_small", loop, checks, True)
     if want("loop_moe"):
         checks.record("loop_moe", loop_moe, checks)
+    for name, quantization in (("vllm_engine", None), ("vllm_engine_fp8", "fp8")):
+        if want(name):
+            if not gpu and name in passes.GPU_ONLY:
+                checks.record(name, not_on_this_device, passes.GPU_ONLY[name])
+            else:
+                checks.record(name, vllm_engine, checks, quantization)
+    if want("loop_vllm"):
+        checks.record("loop_vllm", loop_vllm, checks)
     return checks.results
 
 
-def environment(device: str) -> dict:
-
-    info = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "megatron_core": megatron.core.__version__,
-        "transformers": transformers.__version__,
-        "device": device,
-        "cpu_count": os.cpu_count(),
-    }
-    if device == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                    cuda=torch.version.cuda)
-    try:
-        info["commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-            text=True, check=False,
-        ).stdout.strip() or None
-    except OSError:
-        info["commit"] = None
-    return info
+def write_report(out: Path, label: str, report: dict) -> None:
+    stem = f"device_check{'-' + label if label else ''}"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    (out / f"{stem}.md").write_text(summary_markdown(report))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--out", required=True, help="folder for device_check.json/.md")
-    parser.add_argument("--only", help="comma list of check names (default: all)")
+    parser.add_argument("--only", help="comma list of check names, `vllm` for the vLLM pass's "
+                        "(default: all of the base pass, or of the TE pass with --spec te)")
+    parser.add_argument("--spec", choices=("auto", "te"), default="auto",
+                        help="te: the Transformer Engine pass (refused without TE)")
     parser.add_argument("--check-timeout", type=float, default=300.0, help="seconds per check")
     parser.add_argument("--cpu-threads", type=int, default=8, help="of the CPU reference runs")
     parser.add_argument("--label", default="", help="a name for this run in the report")
@@ -399,18 +358,18 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
+    report = {"label": args.label, "environment": passes.environment(args.device, REPO_ROOT)}
+    reason = passes.refusal(args, passes.wanted_checks(args))
+    if reason is not None:
+        print(f"device check refused: {reason}", file=sys.stderr)
+        report.update(wall_s=0.0, refused=reason, checks={}, not_run=passes.not_run(args, ()))
+        write_report(out, args.label, report)
+        return 2
     with tempfile.TemporaryDirectory(prefix="device-check-") as work:
         results = run_all(args, Path(work))
-    report = {
-        "label": args.label,
-        "environment": environment(args.device),
-        "wall_s": round(time.monotonic() - began, 1),
-        "checks": results,
-        "not_run": NOT_RUN,
-    }
-    stem = f"device_check{'-' + args.label if args.label else ''}"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
-    (out / f"{stem}.md").write_text(summary_markdown(report))
+    report.update(wall_s=round(time.monotonic() - began, 1), checks=results,
+                  not_run=passes.not_run(args, results))
+    write_report(out, args.label, report)
     print(json.dumps({name: r["status"] for name, r in results.items()}))
     return 0 if all(r["status"] in ("passed", "not run") for r in results.values()) else 1
 

@@ -54,6 +54,15 @@ class EngineSetup:
         """The dtype name an in-process vLLM/SGLang engine runs in."""
         return "bfloat16" if self.model.params_dtype == "bfloat16" else "float32"
 
+    def quantization_options(self) -> dict[str, str]:
+        """``{"quantization": ...}`` for an in-process vLLM/SGLang engine when
+        ``rollout.quantization`` is set, else ``{}``. Where the engine cannot quantize, it
+        refuses when it starts (vLLM: its CPU build, :meth:`VLLMEngine.from_pretrained
+        <bapo_megatron.rollout.vllm.engine.VLLMEngine.from_pretrained>`); ``parallel.device:
+        cpu`` is refused with the configuration (:mod:`bapo_megatron.config.checks`)."""
+        quantization = self.rollout.quantization
+        return {} if quantization is None else {"quantization": quantization}
+
     def hf_folder(self) -> str:
         """``model_path``, which in-process vLLM/SGLang start from; ``ValueError`` without it."""
         if self.model_path is None:

@@ -576,7 +576,10 @@ def test_in_process_needs_sglang(monkeypatch):
         SGLangEngine.in_process("/nowhere")
 
 
-@pytest.mark.parametrize(("device", "want"), [("cuda", {"base_gpu_id": 4}), ("cpu", {})])
+@pytest.mark.parametrize(
+    ("device", "want"),
+    [("cuda", {"base_gpu_id": 4}), ("cuda:4", {"base_gpu_id": 4}), ("cpu", {})],
+)
 def test_in_process_sglang_starts_its_workers_at_its_ranks_gpu(monkeypatch, tmp_path, device, want):
     """Two replicas of a node (first ranks at local GPUs 0 and 4) must not both start SGLang's
     workers at GPU 0, SGLang's default."""

@@ -28,7 +28,8 @@ def start_in_process(setup: EngineSetup) -> RolloutEngine:
     otherwise take GPUs 0.. of the node, so two replicas sharing a node would both land there."""
 
     rollout = setup.rollout
-    placement = {"base_gpu_id": torch.cuda.current_device()} if setup.device == "cuda" else {}
+    on_gpu = setup.device.startswith("cuda")  # the trainer passes its rank's, e.g. "cuda:0"
+    placement = {"base_gpu_id": torch.cuda.current_device()} if on_gpu else {}
     return SGLangEngine.in_process(
         setup.hf_folder(),
         dtype=setup.engine_dtype,
@@ -37,6 +38,7 @@ def start_in_process(setup: EngineSetup) -> RolloutEngine:
         bucket_bytes=rollout.weight_bucket_mib * 2**20,
         record_routes=setup.record_routes,
         **placement,
+        **setup.quantization_options(),
     )
 
 

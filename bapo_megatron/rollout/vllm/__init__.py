@@ -33,6 +33,7 @@ def start_in_process(setup: EngineSetup) -> RolloutEngine:
         max_model_len=setup.model.max_position_embeddings,
         enable_sleep_mode=True,
         record_routes=setup.record_routes,
+        **setup.quantization_options(),
     )
 
 

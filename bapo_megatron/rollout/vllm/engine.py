@@ -65,7 +65,7 @@ Mapping onto the protocol:
 - Memory: vLLM's ``sleep``/``wake_up`` are ignored on CPU, so there :meth:`release_memory` and
   :meth:`resume_memory` are logged no-ops (the weights stay loaded; the protocol still asks for
   an update after resuming, and the adapter enforces it). On GPUs they call ``sleep(level=1)`` /
-  ``wake_up()``.
+  ``wake_up(tags=["weights"])`` then ``wake_up(tags=["kv_cache"])``.
 """
 
 from __future__ import annotations
@@ -218,6 +218,7 @@ class VLLMEngine(ResubmittingEngine):
         full_vocab_logprobs: bool = True,
         kv_cache_gib: int = 1,
         record_routes: bool = False,
+        quantization: str | None = None,
         **llm_kwargs: Any,
     ) -> VLLMEngine:
         """Start ``vllm.LLM`` on the HF folder ``folder`` in this process (its weights become
@@ -226,8 +227,9 @@ class VLLMEngine(ResubmittingEngine):
         ``VLLM_CPU_KVCACHE_SPACE`` (GiB) unless already set, and on CPU
         ``enable_chunked_prefill=False`` unless given (seeded requests crash a CPU vLLM that
         prefills in chunks: see the module docstring); with ``record_routes`` (a
-        mixture-of-experts model) ``enable_return_routed_experts``; other keyword arguments go
-        to ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``)."""
+        mixture-of-experts model) ``enable_return_routed_experts``; ``quantization``
+        (``rollout.quantization``: `fp8`) is vLLM's own, refused on a CPU vLLM (no FP8 kernels);
+        other keyword arguments go to ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         try:
@@ -247,6 +249,13 @@ class VLLMEngine(ResubmittingEngine):
         }
         if _on_cpu():
             options["enable_chunked_prefill"] = False
+        if quantization is not None:
+            if _on_cpu():
+                raise ValueError(
+                    f"rollout.quantization={quantization!r}: this vLLM runs on the CPU, whose "
+                    "build has no FP8 kernels (set rollout.quantization=null)"
+                )
+            options["quantization"] = quantization
         if record_routes:
             options["enable_return_routed_experts"] = True
         options.update(llm_kwargs)
@@ -343,11 +352,14 @@ class VLLMEngine(ResubmittingEngine):
             self.llm.sleep(level=1)
 
     def _resume(self) -> None:
-        """``wake_up()`` on GPUs; a logged no-op on CPU."""
+        """On GPUs ``wake_up`` by tags, the weights before the KV cache (the order RL trainers
+        use, so that the weights are back before the cache takes the rest of the engine's
+        budget); vLLM resumes scheduling once both are resident. A logged no-op on CPU."""
         if self._on_cpu:
             log.warning("vLLM on CPU: resume_memory() is a no-op")
         else:
-            self.llm.wake_up()
+            self.llm.wake_up(tags=["weights"])
+            self.llm.wake_up(tags=["kv_cache"])
 
     def _alive(self) -> bool:
         return not self.llm.llm_engine.is_sleeping()
