@@ -15,6 +15,7 @@ from bapo_megatron.actor.moe_aux_loss import MoeAuxLoss
 from bapo_megatron.actor.optimizer import build_optimizer, wrap_data_parallel
 from bapo_megatron.actor.routing_replay import RoutingReplay
 from bapo_megatron.config import ActorConfig, ModelConfig, OptimizerConfig
+from bapo_megatron.config.parallel import fp8_length_multiple
 from bapo_megatron.distributed.context import ParallelContext
 
 
@@ -41,8 +42,9 @@ class Actor:
 
     @property
     def fp8_length_multiple(self) -> int:
-        """What FP8 layers need every sequence length to be a multiple of (1 without FP8)."""
-        return 1
+        """What FP8 layers need each rank's token count per micro-batch to be a multiple of (1
+        without FP8)."""
+        return fp8_length_multiple(self.context.config)
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameter shards by their Megatron names (``chunk<i>.`` prefixed when the

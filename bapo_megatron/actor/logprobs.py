@@ -16,7 +16,7 @@ from bapo_megatron.actor.microbatches import (
     agree_forward_pass,
     agreed_row_length,
     build_microbatches,
-    length_multiple,
+    length_multiples,
     plan_groups,
 )
 from bapo_megatron.actor.packing import unpack_tokens
@@ -127,8 +127,8 @@ def _forward_pass(
     if n == 0 and context.config.expert_model_parallel_size == 1:
         empty = torch.zeros(0, s)
         return empty, (empty.clone() if with_entropy else None), []
-    multiple = length_multiple(context, fp8_multiple)
-    groups = plan_groups(batch, batching, multiple)
+    multiples = length_multiples(context, fp8_multiple)
+    groups = plan_groups(batch, batching, multiples)
     count, longest = agree_forward_pass(groups, context)
     if count == 0:  # no rank has a sequence
         empty = torch.zeros(0, s)
@@ -136,7 +136,7 @@ def _forward_pass(
     if context.vpp_size is not None:  # the interleaved schedule wants whole groups of PP
         count = -(-max(count, context.pp_size) // context.pp_size) * context.pp_size
     microbatches = build_microbatches(
-        batch, groups, batching, multiple, count, agreed_row_length(groups, context, longest)
+        batch, groups, batching, multiples, count, agreed_row_length(groups, context, longest)
     )
 
     def per_microbatch(microbatch: PolicyBatch, logits: torch.Tensor):

@@ -11,7 +11,6 @@ empty ones appended up to the agreed count).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +43,23 @@ class Batching:
         return cls(actor.micro_batch_size, actor.pack_sequences, actor.logprob_token_budget())
 
 
-def length_multiple(context: ParallelContext, fp8_multiple: int = 1) -> int:
-    """What a sequence's length (packed) or a row's length (padded) must be a multiple of:
-    sequence parallelism splits it over the tensor-parallel ranks, and ``fp8_multiple`` is what
-    the FP8 GEMMs of Transformer Engine's layers need (16, or 128 for the blockwise recipe)."""
-    multiple = context.tp_size if context.config.sequence_parallel else 1
-    return math.lcm(multiple, fp8_multiple)
+@dataclass(frozen=True)
+class Multiples:
+    """What lengths must be multiples of."""
+
+    sequence: int = 1
+    """Each packed sequence: sequence parallelism splits every row over the tensor-parallel
+    ranks (and a packed sequence must not straddle a rank unevenly)."""
+    row: int = 1
+    """Each row (its total tokens): ``sequence`` times what FP8 GEMMs need of each rank's token
+    count (16, 128 for the blockwise recipe), which applies to the row, not to each sequence."""
+
+
+def length_multiples(context: ParallelContext, fp8_multiple: int = 1) -> Multiples:
+    """The :class:`Multiples` of ``context``'s layout (``fp8_multiple``:
+    :func:`~bapo_megatron.config.parallel.fp8_length_multiple`, 1 without FP8)."""
+    sequence = context.tp_size if context.config.sequence_parallel else 1
+    return Multiples(sequence=sequence, row=sequence * fp8_multiple)
 
 
 @dataclass(frozen=True)
@@ -69,13 +79,13 @@ class Groups:
     """The longest row this rank builds (padded: the batch's length, rounded up)."""
 
 
-def plan_groups(batch: PolicyBatch, batching: Batching, multiple: int) -> Groups:
+def plan_groups(batch: PolicyBatch, batching: Batching, multiples: Multiples) -> Groups:
     """The micro-batches ``batch`` needs under ``batching`` (sequences without a response token
     are left out of packed rows: they predict nothing)."""
     if not batching.pack:
         return Groups(
             count=microbatch_count(batch.num_sequences, batching.micro_batch_size),
-            row_length=round_up(max(batch.tokens.shape[1], 2), multiple),
+            row_length=round_up(max(batch.tokens.shape[1], 2), multiples.row),
         )
     lengths = sequence_lengths(batch)
     kept = [row for row, length in enumerate(lengths) if length > 0]
@@ -88,9 +98,9 @@ def plan_groups(batch: PolicyBatch, batching: Batching, multiple: int) -> Groups
             count=max(len(rows), least),
             rows=rows,
             lengths=lengths,
-            row_length=_longest_row(rows, lengths, multiple),
+            row_length=_longest_row(rows, lengths, multiples),
         )
-    packed = [round_up(lengths[row], multiple) for row in kept]
+    packed = [round_up(lengths[row], multiples.sequence) for row in kept]
     split = split_by_token_budget(packed, batching.max_tokens)
     rows = [[kept[i] for i in group] for group in split]
     return Groups(
@@ -98,13 +108,13 @@ def plan_groups(batch: PolicyBatch, batching: Batching, multiple: int) -> Groups
         rows=rows,
         lengths=lengths,
         over_budget=over_budget(packed, batching.max_tokens),
-        row_length=_longest_row(rows, lengths, multiple),
+        row_length=_longest_row(rows, lengths, multiples),
     )
 
 
-def _longest_row(rows: list[list[int]], lengths: list[int], multiple: int) -> int:
-    used = [sum(round_up(lengths[r], multiple) for r in group) for group in rows]
-    return max([*used, round_up(2, multiple)])
+def _longest_row(rows: list[list[int]], lengths: list[int], multiples: Multiples) -> int:
+    used = [sum(round_up(lengths[r], multiples.sequence) for r in group) for group in rows]
+    return round_up(max([*used, 2]), multiples.row)
 
 
 def rows_agree_over_data_parallel(context: ParallelContext) -> bool:
@@ -140,7 +150,7 @@ def build_microbatches(
     batch: PolicyBatch,
     groups: Groups,
     batching: Batching,
-    multiple: int,
+    multiples: Multiples,
     count: int,
     row_length: int | None = None,
 ) -> list[PolicyBatch]:
@@ -148,11 +158,13 @@ def build_microbatches(
     ``row_length`` long when given (:func:`agreed_row_length`; padded rows always share one
     length, the batch's unless given)."""
     if groups.rows is None:
-        return split_microbatches(batch, batching.micro_batch_size, count, multiple, row_length)
+        return split_microbatches(
+            batch, batching.micro_batch_size, count, multiples.row, row_length
+        )
     if count < groups.count:
         raise ValueError(f"{groups.count} packed micro-batches do not fit in {count}")
     rows = groups.rows + [[] for _ in range(count - len(groups.rows))]
-    return [packed_row(batch, group, groups.lengths, multiple, row_length) for group in rows]
+    return [packed_row(batch, group, groups.lengths, multiples, row_length) for group in rows]
 
 
 def padding_share(microbatches: list[PolicyBatch]) -> tuple[int, int]:

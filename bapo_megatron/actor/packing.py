@@ -19,11 +19,15 @@ from, -1 for padding), and results go back through the same index (:func:`unpack
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from bapo_megatron.actor.batch import PolicyBatch
+
+if TYPE_CHECKING:  # annotations only: microbatches imports this module
+    from bapo_megatron.actor.microbatches import Multiples
 
 
 @dataclass(frozen=True)
@@ -98,17 +102,17 @@ def packed_row(
     batch: PolicyBatch,
     rows: list[int],
     lengths: list[int],
-    multiple: int,
+    multiples: Multiples,
     row_length: int | None = None,
 ) -> PolicyBatch:
     """The sequences ``rows`` of ``batch`` (their ``lengths`` from :func:`sequence_lengths`) as
-    one packed row, each padded to ``multiple``; a padding segment extends the row to
-    ``row_length`` when given. No rows gives a row of padding alone (an empty micro-batch: at
-    least ``multiple`` and 2 tokens)."""
+    one packed row, each padded to ``multiples.sequence``; a padding segment extends the row to
+    ``multiples.row``, or to ``row_length`` when given. No rows gives a row of padding alone (an
+    empty micro-batch)."""
     s = batch.tokens.shape[1]
-    spans = [round_up(lengths[row], multiple) for row in rows]
+    spans = [round_up(lengths[row], multiples.sequence) for row in rows]
     used = sum(spans)
-    total = max(used, row_length or 0, round_up(2, multiple))
+    total = max(round_up(max(used, 2), multiples.row), row_length or 0)
     if row_length is not None and row_length < used:
         raise ValueError(f"packed row: {used} tokens do not fit in a row of {row_length}")
     source = torch.full((total,), -1, dtype=torch.long)

@@ -42,7 +42,7 @@ from bapo_megatron.actor.microbatches import (
     Groups,
     agreed_row_length,
     build_microbatches,
-    length_multiple,
+    length_multiples,
     padding_share,
     plan_groups,
 )
@@ -86,14 +86,14 @@ def train_step(
     batching = Batching.for_training(actor.actor_config)
     if batching.max_tokens is not None and context.dp_size > 1:
         batch = balance_data_parallel(batch, context, actor.model_config.hidden_size)
-    multiple = length_multiple(context, actor.fp8_length_multiple)
-    groups = plan_groups(batch, batching, multiple)
+    multiples = length_multiples(context, actor.fp8_length_multiple)
+    groups = plan_groups(batch, batching, multiples)
     agreed = _agree_on_step(batch, groups, context)
     count, tokens, sequences, real_tokens, over_budget, longest = agreed
     if context.vpp_size is not None:  # the interleaved schedule wants whole groups of PP
         count = -(-max(count, context.pp_size) // context.pp_size) * context.pp_size
     microbatches = build_microbatches(
-        batch, groups, batching, multiple, count, agreed_row_length(groups, context, longest)
+        batch, groups, batching, multiples, count, agreed_row_length(groups, context, longest)
     )
     normalizer = tokens if loss.aggregation == "token-mean" else sequences
     reduce = all_reduce_sum(context.dp_cp_group)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from bapo_megatron.config.parallel import fp8_length_multiple
+
 if TYPE_CHECKING:  # annotations only: run.py imports this module
     from bapo_megatron.config.model import ModelConfig
     from bapo_megatron.config.run import Config
@@ -43,13 +45,14 @@ def _check_packing(cfg: Config) -> None:
             "packing off or context parallelism off"
         )
     multiple = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
+    multiple *= fp8_length_multiple(parallel)
     for name in ("max_tokens_per_microbatch", "logprob_max_tokens_per_microbatch"):
         budget = getattr(actor, name)
         if budget is not None and budget < multiple:
             raise ValueError(
                 f"actor.{name}={budget} is below the layout's length multiple {multiple} "
-                "(parallel.tensor_model_parallel_size under sequence parallelism): no sequence "
-                "fits"
+                "(parallel.tensor_model_parallel_size under sequence parallelism, times what "
+                "parallel.fp8_recipe needs): no row fits"
             )
 
 

@@ -179,9 +179,9 @@ def fp8_length_multiple(parallel: ParallelConfig) -> int:
       helper says 16 for it (for the per-expert split), so 128 is the safe choice until the
       GPU check measures the smaller one.
 
-    Under sequence parallelism each tensor-parallel rank holds 1/TP of the tokens, so the
-    padding multiple is this times the TP size there
-    (:func:`bapo_megatron.actor.logprobs.seq_multiple` gives the TP factor)."""
+    Under sequence parallelism each tensor-parallel rank holds 1/TP of the tokens, so a row's
+    length is padded to this times the TP size there
+    (:func:`bapo_megatron.actor.microbatches.length_multiples`)."""
     if parallel.fp8 is None:
         return 1
     return FP8_LENGTH_MULTIPLES[parallel.fp8_recipe]

@@ -19,7 +19,12 @@ import torch
 from bapo_megatron.actor.actor import build_actor
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.actor.logprobs import compute_logprobs
-from bapo_megatron.actor.microbatches import Batching, build_microbatches, plan_groups
+from bapo_megatron.actor.microbatches import (
+    Batching,
+    Multiples,
+    build_microbatches,
+    plan_groups,
+)
 from bapo_megatron.actor.model import global_parameter_name, load_whole_model_weights
 from bapo_megatron.actor.packing import sequence_lengths, unpack_tokens
 from bapo_megatron.actor.train_step import train_step
@@ -204,17 +209,23 @@ def test_packed_microbatch_granularity_equals_padded(context, start_weights):
 def test_budget_split_builds_rows_within_budget():
     batch = long_tailed_batch(4)
     batching = Batching(pack=True, max_tokens=24)
-    groups = plan_groups(batch, batching, multiple=4)
-    rows = build_microbatches(batch, groups, batching, 4, groups.count + 2)
+    multiples = Multiples(sequence=4, row=16)  # TP4 under SP, and an FP8 recipe's 4 per rank
+    groups = plan_groups(batch, batching, multiples)
+    rows = build_microbatches(batch, groups, batching, multiples, groups.count + 2)
     lengths = sequence_lengths(batch)
     seen = sorted(r for mb in rows for r in mb.segments.sequences if r >= 0)
     assert seen == [i for i, length in enumerate(lengths) if length > 0]  # each once, row 3 out
     for mb in rows:
         real = [r for r in mb.segments.sequences if r >= 0]
-        assert mb.tokens.shape[1] % 4 == 0
-        assert mb.tokens.shape[1] <= 24 or len(real) == 1  # only a lone sequence goes over
+        assert mb.tokens.shape[1] % 16 == 0
+        spans = mb.segments.cu_seqlens[1:] - mb.segments.cu_seqlens[:-1]
+        assert all(int(span) % 4 == 0 for span in spans)
+        used = sum(int(span) for span, r in zip(spans, mb.segments.sequences) if r >= 0)
+        assert used <= 24 or len(real) == 1  # only a lone sequence goes over
     assert all(not mb.response_mask.any() for mb in rows[-2:])  # the appended empty ones
-    uniform = build_microbatches(batch, groups, batching, 4, groups.count, groups.row_length)
+    uniform = build_microbatches(
+        batch, groups, batching, multiples, groups.count, groups.row_length
+    )
     assert len({mb.tokens.shape[1] for mb in uniform}) == 1
     # the tokens and masks come back where they were
     tokens = unpack_tokens([mb.tokens for mb in rows], rows, tuple(batch.tokens.shape))
