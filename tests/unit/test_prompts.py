@@ -540,3 +540,20 @@ def test_the_trainer_reads_the_verl_layout_with_its_keys(tmp_path):
     encode = task.tokenizer.convert_tokens_to_ids
     assert encode_prompt(task, task.rows[0], "2", 8) == encode(list("27>12:"))
     assert encode_prompt(task, task.rows[1], "2", 8) == encode(list("13>5:"))
+
+
+def test_the_readme_example_is_read_as_the_readme_says(tmp_path, monkeypatch):
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("## Bring your own data")
+    section = readme[start : readme.index("\n## ", start + 1)]
+    code = section.split("```python\n")[1].split("```")[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})  # writes train.parquet
+    answer_key = re.search(r"data\.answer_key=([\w.]+)", section).group(1)
+    [row] = load_prompts(tmp_path / "train.parquet", answer_key=answer_key).rows
+    assert row.answer == "42" and row.data_source == "openai/gsm8k"
+    assert chat_messages(row) == [
+        {"role": "user", "content": "What is 6 times 7? Put the answer in \\boxed{}."}
+    ]
