@@ -120,8 +120,6 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Heavy imports here, not at the top: dist_checkpointing's writer starts a 'spawn' Manager
     # that re-imports the main module, which imports this one.
-    import torch.distributed as dist
-
     from bapo_megatron.config import ParallelConfig
     from bapo_megatron.distributed.context import ParallelContext
     from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf
@@ -129,7 +127,6 @@ def main(argv: list[str] | None = None) -> None:
     layout = f"TP{args.tp}/PP{args.pp}" + (
         f"/EP{args.ep}/ETP{args.etp}" if (args.ep, args.etp) != (1, 1) else ""
     )
-    started = dist.is_initialized()
     try:
         # no sequence parallelism: it changes no weight (a mixture-of-experts model is built
         # with it where its layers need it, weights/convert.py conversion_context)
@@ -142,8 +139,6 @@ def main(argv: list[str] | None = None) -> None:
             )
         )
     except ValueError as err:  # a layout that does not fit the world size
-        if not started and dist.is_initialized():  # the world it joined to find that out
-            dist.destroy_process_group()
         print(f"{parser.prog}: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     progress = not args.no_progress
