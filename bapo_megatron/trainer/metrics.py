@@ -81,26 +81,25 @@ def rollout_metrics(
         )
     )
     samples = max(totals["samples"], 1.0)
-    return (
-        {
-            "reward/mean": totals["reward"] / samples,
-            "reward/accuracy": totals["correct"] / samples,
-            "response_length/mean": totals["length"] / samples,
-            "response_length/right": totals["length_right"] / max(totals["right"], 1.0),
-            "response_length/wrong": totals["length_wrong"] / max(totals["wrong"], 1.0),
-            "rollout/truncated_fraction": totals["truncated"] / samples,
-            # how many failures run to the length cap (the premise of BAPO: failures run long)
-            "rollout/wrong_truncated_fraction": totals["truncated_wrong"]
-            / max(totals["wrong"], 1.0),
-            "rollout/finished_groups": totals["groups"],
-            "rollout/informative_groups": totals["informative_groups"],
-            "rollout/generated_tokens": totals["generated_tokens"],
-            "reward/timeouts": totals["reward_timeouts"],
-            "reward/errors": totals["reward_errors"],
-        }
-        | _reward_metrics(counts, context)
-        | (_asynchronous_metrics(totals, context.dp_size) if asynchronous else {})
-    )
+    metrics = {
+        "reward/mean": totals["reward"] / samples,
+        "reward/accuracy": totals["correct"] / samples,
+        "response_length/mean": totals["length"] / samples,
+        "response_length/right": totals["length_right"] / max(totals["right"], 1.0),
+        "response_length/wrong": totals["length_wrong"] / max(totals["wrong"], 1.0),
+        "rollout/truncated_fraction": totals["truncated"] / samples,
+        # how many failures run to the length cap (the premise of BAPO: failures run long)
+        "rollout/wrong_truncated_fraction": totals["truncated_wrong"] / max(totals["wrong"], 1.0),
+        "rollout/finished_groups": totals["groups"],
+        "rollout/informative_groups": totals["informative_groups"],
+        "rollout/generated_tokens": totals["generated_tokens"],
+        "reward/timeouts": totals["reward_timeouts"],
+        "reward/errors": totals["reward_errors"],
+    }
+    metrics.update(_reward_metrics(counts, context))
+    if asynchronous:
+        metrics.update(_asynchronous_metrics(totals, context.dp_size))
+    return metrics
 
 
 def _reward_metrics(counts: RolloutCounts, context: ParallelContext) -> dict[str, float]:

@@ -1,5 +1,5 @@
 """Rewards: math answers through math-verify, the registry, the signatures a reward may have
-(ours, verl's), and the time-bounded pool."""
+(ours, verl's), the time-bounded pool, and the metrics the trainer logs from dict results."""
 
 from __future__ import annotations
 
@@ -189,3 +189,15 @@ def test_pool_runs_a_verl_reward_unchanged_and_keeps_its_metrics():
         "3: reward 'tests.helpers.verl_rewards:compute_score' on response 3 ('x'): "
         "NotImplementedError: Reward function is not implemented for data_source='gsm8k'"
     ]
+
+
+def test_the_trainer_logs_returned_numbers_as_their_mean_over_the_checks(single_process):
+    from bapo_megatron.trainer.metrics import RolloutCounts, rollout_metrics
+
+    counts = RolloutCounts(samples=4.0, reward=2.0, correct=2.0)
+    counts.add_reward_metrics([{"acc": 1.0, "accuracy": 0.0}, {}, {"acc": 0.0}, {"acc": 1.0}])
+    metrics = rollout_metrics(counts, single_process)
+    assert metrics["reward/acc"] == 2 / 3  # over the 3 checks that returned it
+    # a name the trainer uses itself keeps the trainer's value; the returned one is renamed
+    assert metrics["reward/accuracy"] == 0.5 and metrics["reward/returned_accuracy"] == 0.0
+    assert "reward/acc" not in rollout_metrics(RolloutCounts(), single_process)  # none returned
