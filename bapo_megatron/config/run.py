@@ -23,7 +23,17 @@ class DataConfig:
     """Where prompts come from: a prompt file, or the built-in synthetic task."""
 
     train_file: str | None = None
-    """JSONL or parquet prompt set (fields ``prompt``, ``answer``, optional ``id``)."""
+    """JSONL or parquet prompt set: a prompt and an answer per row (the fields
+    ``prompt_key`` and ``answer_key`` name), optional ``id``, ``data_source`` and
+    ``extra_info`` (:mod:`bapo_megatron.data.prompts`)."""
+    prompt_key: str = "prompt"
+    """Field of each row holding its prompt, a dotted path into nested objects: text, or a
+    list of chat messages (``[{"role": "user", "content": ...}]``, as verl's and OpenRLHF's
+    data write it) put in the chat template as they are. With the default, a row without
+    ``prompt`` is read from ``problem`` (AIME-format benchmarks)."""
+    answer_key: str = "answer"
+    """Field of each row holding its ground-truth answer (a string or a number), a dotted path
+    into nested objects: ``reward_model.ground_truth`` for verl's preprocessed data sets."""
     synthetic_task: SyntheticTask | None = None
     """Generate the prompts instead (:mod:`bapo_megatron.data.synthetic_task`): `walk` ("7>12" ->
     "8 9 10 11 12"), `seek` (count up a ring to the first number ending in a digit; a miss that
@@ -36,7 +46,8 @@ class DataConfig:
     skip_bad_rows: bool = False
     """Skip (and count) malformed rows of ``train_file`` instead of stopping at the first."""
     system_prompt: str | None = None
-    """System turn put before every prompt in the chat template; None: none."""
+    """System turn put before every prompt in the chat template (except those given as chat
+    messages with a system message of their own); None: none."""
     shuffle: bool = True
     """Visit the prompts in a seeded random order, reshuffled every epoch."""
 
@@ -52,6 +63,13 @@ class DataConfig:
                 f"got {self.synthetic_task!r}"
             )
         require_at_least(self.synthetic_size, 1, f"{prefix}.synthetic_size")
+        for name in ("prompt_key", "answer_key"):
+            path = getattr(self, name)
+            if not path or not all(part.strip() for part in path.split(".")):
+                raise ValueError(
+                    f"{prefix}.{name} must be a field name or a dotted path of field names "
+                    f"(e.g. reward_model.ground_truth), got {path!r}"
+                )
 
 
 @dataclass(kw_only=True)

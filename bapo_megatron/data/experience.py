@@ -17,6 +17,7 @@ import torch
 
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.data.prompts import PromptRow
+from bapo_megatron.data.record_fields import ChatMessage
 from bapo_megatron.rollout.protocol import RolloutSample
 
 
@@ -70,8 +71,11 @@ def row_to_plain(row: PromptRow) -> dict:
 
 
 def row_from_plain(plain: dict) -> PromptRow:
-    """Undo :func:`row_to_plain`."""
-    return PromptRow(**plain)
+    """Undo :func:`row_to_plain` (a prompt of chat messages comes back as its messages)."""
+    prompt = plain["prompt"]
+    if not isinstance(prompt, str):
+        prompt = tuple(ChatMessage(**message) for message in prompt)
+    return PromptRow(**{**plain, "prompt": prompt})
 
 
 def prompt_order(num_prompts: int, seed: int, epoch: int, shuffle: bool) -> list[int]:

@@ -82,7 +82,13 @@ def load_task(cfg: Config) -> Task:
         if problem is not None:
             raise ValueError(problem)
 
-    prompts = load_prompts(data.train_file, skip_bad_rows=data.skip_bad_rows, check_row=check_fits)
+    prompts = load_prompts(
+        data.train_file,
+        prompt_key=data.prompt_key,
+        answer_key=data.answer_key,
+        skip_bad_rows=data.skip_bad_rows,
+        check_row=check_fits,
+    )
     if prompts.skipped:
         log.warning(
             "%s: skipped %d bad rows; first: %s",

@@ -92,6 +92,17 @@ def max_over(
     return tensor.tolist()
 
 
+def union_over(names: list[str], group: dist.ProcessGroup | None) -> list[str]:
+    """The sorted union of every rank's ``names`` over ``group`` (one small all-gather;
+    nothing in a one-process run): what ranks must agree on before reducing values that only
+    some of them have."""
+    gathered = [names]
+    if _world(group) > 1:
+        gathered = [None] * _world(group)
+        dist.all_gather_object(gathered, list(names), group=group)
+    return sorted({name for rank_names in gathered for name in rank_names})
+
+
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Wait for every rank of ``group`` (nothing in a one-process run)."""
     if _world(group) > 1:

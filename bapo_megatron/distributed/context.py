@@ -98,7 +98,7 @@ class ParallelContext:
         otherwise as a world of one process. The backend is NCCL when ``config.device`` resolves
         to CUDA (:mod:`bapo_megatron.distributed.device`), else gloo; on the CPU, the
         Megatron-Core CPU patches are applied first. Sizes that do not fit
-        the world raise ``ValueError`` (see
+        the world raise ``ValueError``, after destroying a world created here (see
         :func:`bapo_megatron.distributed.layout.validate_layout` for the checks that also need
         the model). ``gloo_groups=False`` skips Megatron's extra gloo
         groups, for a world whose backend cannot make them (the layout planner's fake world).
@@ -130,18 +130,22 @@ class ParallelContext:
                     backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
                 )
         world_size = dist.get_world_size()
+        problem = None
         if world_size % config.model_parallel_size:
-            raise ValueError(
+            problem = (
                 f"world size {world_size} is not divisible by tensor x pipeline x context parallel "
                 f"= {config.model_parallel_size}"
             )
-        stage_ranks = world_size // config.pipeline_model_parallel_size
-        if stage_ranks % config.expert_parallel_size:
-            raise ValueError(
+        elif (world_size // config.pipeline_model_parallel_size) % config.expert_parallel_size:
+            problem = (
                 f"world size {world_size} / pipeline {config.pipeline_model_parallel_size} is not "
                 "divisible by expert tensor x expert model parallel = "
                 f"{config.expert_parallel_size}"
             )
+        if problem is not None:
+            if owns:  # the world was joined to find this out: leave the process as it was
+                dist.destroy_process_group()
+            raise ValueError(problem)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=config.tensor_model_parallel_size,
             pipeline_model_parallel_size=config.pipeline_model_parallel_size,

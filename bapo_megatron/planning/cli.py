@@ -3,9 +3,10 @@ rank by rank without a GPU (:func:`bapo_megatron.planning.plan.plan_layout`).
 
 Prints the layout (and for a mixture-of-experts model its expert layout), the distinct
 parameters of all shards, the parameters (and experts) of each simulated rank, the export check
-the memory of the fullest GPU and, with optimizer offload, the host memory per rank and per node;
-the last line is one JSON object with all of it. Exits 1 when
-the recipe does not pass (the reasons, with the numbers, are printed and in the JSON's
+the memory of the fullest GPU, with optimizer offload the host memory per rank and per node, and
+the command that converts the model to a Megatron checkpoint at the recipe's layout
+(:mod:`bapo_megatron.planning.conversion`); the last line is one JSON object with all of it.
+Exits 1 when the recipe does not pass (the reasons, with the numbers, are printed and in the JSON's
 ``problems``), 2 on bad input.
 """
 
@@ -17,6 +18,7 @@ import sys
 
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.config.loading import load_config
+from bapo_megatron.planning.conversion import conversion_command
 from bapo_megatron.planning.plan import GB, plan_layout
 
 
@@ -137,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             f"): up to {most:.2f} GB per rank, {max(nodes):.2f} GB on the fullest node of "
             f"{args.gpus_per_node} GPUs (half of it pinned), beside the processes' own memory"
         )
+    command = summary["conversion_command"] = conversion_command(config, args.gpus_per_node)
+    print(f"convert (optional; the trainer reads the HF folder itself): {command}")
     for problem in plan.problems:
         print(f"REFUSED: {problem}", file=sys.stderr)
     print(json.dumps(summary))

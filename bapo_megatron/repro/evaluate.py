@@ -2,7 +2,12 @@
 
 For each problem i of the benchmark, ``n`` responses are sampled (``EvalSettings.k``) and
 scored with a named reward (default ``math``: math-verify on the last ``\\boxed{}``); a response
-is correct when its reward is at least ``correct_threshold``. With c_i correct responses of n:
+is correct when its reward is at least ``correct_threshold``. The benchmark is read as the
+trainer reads its prompt file (:mod:`bapo_megatron.data.prompts`: the fields
+``EvalSettings.prompt_key`` and ``answer_key`` name, prompts as text or chat messages), and the
+reward may be verl's ``compute_score`` (:mod:`bapo_megatron.rewards.calling`); the numbers a
+dict result carries beside its score are averaged in the report's ``reward_metrics``. With c_i
+correct responses of n:
 
 - avg@k (k = n, the samples per problem) = mean_i c_i / n, the expected accuracy of one sample;
 - pass@k = mean_i [1 - C(n - c_i, k) / C(n, k)] for each k <= n: the unbiased estimator of the
@@ -38,7 +43,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bapo_megatron.data.prompts import PromptRow, load_prompts, prompt_token_ids
+from bapo_megatron.data.prompts import (
+    DEFAULT_ANSWER_KEY,
+    DEFAULT_PROMPT_KEY,
+    PromptRow,
+    load_prompts,
+    prompt_token_ids,
+)
 from bapo_megatron.files.atomic import write_text_atomically
 from bapo_megatron.repro.checkpoint_source import (
     load_tokenizer,
@@ -111,7 +122,14 @@ class EvalSettings:
     reward_workers: int = 2
     reward_timeout_s: float = 10.0
     system: str | None = None
-    """System prompt put before each problem in the chat template; None: none."""
+    """System prompt put before each problem in the chat template (except problems given as
+    chat messages with a system message of their own); None: none."""
+    prompt_key: str = DEFAULT_PROMPT_KEY
+    """Field of each benchmark row holding the problem, a dotted path (as ``data.prompt_key``:
+    with the default, ``problem`` in rows without ``prompt``)."""
+    answer_key: str = DEFAULT_ANSWER_KEY
+    """Field of each benchmark row holding the answer, a dotted path (as ``data.answer_key``,
+    e.g. ``reward_model.ground_truth``)."""
     keep_responses: bool = False
     """Put every decoded response and its reward in the report."""
 
@@ -127,6 +145,12 @@ class EvalSettings:
             raise ValueError(f"pass_ks must lie in [1, k={self.k}], got {list(self.pass_ks)}")
         object.__setattr__(self, "pass_ks", ks)
         self.sampling(0)  # validates temperature, top_p, top_k
+        for name in ("prompt_key", "answer_key"):
+            path = getattr(self, name)
+            if not path or not all(part.strip() for part in path.split(".")):
+                raise ValueError(
+                    f"{name} must be a field name or a dotted path of field names, got {path!r}"
+                )
 
     def sampling(self, batch: int, stop_token_ids: Sequence[int] = ()) -> SamplingParams:
         return SamplingParams(
@@ -162,6 +186,8 @@ class Counts:
 
     bad_rows: list[str] = field(default_factory=list)
     scoring_errors: list[str] = field(default_factory=list)
+    reward_metrics: dict[str, list[float]] = field(default_factory=dict)
+    """The numbers the reward's dict results carried beside their scores, by name."""
 
 
 # ------------------------------------------------------------------------ generation and scoring
@@ -228,7 +254,16 @@ def evaluate_rows(
                 [ids for _, ids in batch], settings.sampling(batch_index, stop_token_ids)
             )
             texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-            scored = pool.score(texts, [row.answer for row, _ in batch for _ in range(n)])
+            rows = [row for row, _ in batch for _ in range(n)]
+            scored = pool.score(
+                texts,
+                [row.answer for row in rows],
+                data_sources=[row.data_source for row in rows],
+                extra_infos=[row.extra_info for row in rows],
+            )
+            for returned in scored.metrics:
+                for name, value in returned.items():
+                    counts.reward_metrics.setdefault(name, []).append(value)
             failed = {}  # sample position -> "error" / "timeout"
             for message in scored.errors:
                 position, _, text = message.partition(": ")
@@ -308,7 +343,12 @@ def run_evaluation(
 
     started = time.monotonic()
     get_reward(settings.reward)  # an unknown reward fails before the model is loaded
-    prompts = load_prompts(benchmark, skip_bad_rows=True)
+    prompts = load_prompts(
+        benchmark,
+        prompt_key=settings.prompt_key,
+        answer_key=settings.answer_key,
+        skip_bad_rows=True,
+    )
     counts = Counts(bad_rows=list(prompts.skipped))
     source = resolve_checkpoint(checkpoint)
     model = model_config(source)
@@ -365,6 +405,11 @@ def run_evaluation(
         "scoring_errors": sum(r.scoring_errors for r in results),
         "scoring_error_messages": counts.scoring_errors[:_MAX_MESSAGES],
         "timeouts": sum(r.timeouts for r in results),
+        # the mean of each, over the checks that returned it
+        "reward_metrics": {
+            name: sum(values) / len(values)
+            for name, values in sorted(counts.reward_metrics.items())
+        },
         "per_problem": per_problem,
         "wall_time_s": time.monotonic() - started,
     }

@@ -2,6 +2,10 @@
 
     # an HF folder on an AIME-format JSONL or parquet file (fields problem/prompt, answer, id)
     bapo-evaluate Qwen2.5-Math-1.5B/ aime24.parquet --k 16 --out report.json
+    # a verl-format parquet file (chat messages, the answer in reward_model.ground_truth),
+    # scored by verl's compute_score
+    bapo-evaluate Qwen2.5-Math-1.5B/ math500.parquet --answer-key reward_model.ground_truth \\
+        --reward verl.utils.reward_score:default_compute_score
     # a Megatron checkpoint (converted, or a trainer's: its step folder or its checkpoint root)
     bapo-evaluate run/checkpoints aime24.jsonl --tokenizer Qwen2.5-Math-1.5B/ \\
         --k 8 --max-new-tokens 4096 --temperature 0.6 --top-p 0.95 --out report.json
@@ -41,7 +45,21 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint root (its latest step is taken)",
     )
     parser.add_argument(
-        "benchmark", help="JSONL or parquet file with problem (or prompt), answer and optional id"
+        "benchmark",
+        help="JSONL or parquet file with problem (or prompt), answer and optional id, or the "
+        "fields --prompt-key and --answer-key name",
+    )
+    parser.add_argument(
+        "--prompt-key",
+        default="prompt",
+        help="field holding each problem, text or chat messages; a dotted path into nested "
+        "objects (default prompt, or problem in rows without it)",
+    )
+    parser.add_argument(
+        "--answer-key",
+        default="answer",
+        help="field holding each answer; a dotted path into nested objects, e.g. "
+        "reward_model.ground_truth (default answer)",
     )
     parser.add_argument("--out", default="report.json", help="report file (default report.json)")
     parser.add_argument("--k", type=int, default=16, help="samples per problem (default 16)")
@@ -131,6 +149,8 @@ def run(argv: list[str] | None = None) -> dict:
             reward_workers=args.reward_workers,
             reward_timeout_s=args.reward_timeout,
             system=args.system,
+            prompt_key=args.prompt_key,
+            answer_key=args.answer_key,
             keep_responses=args.keep_responses,
         )
         report = run_evaluation(

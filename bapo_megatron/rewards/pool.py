@@ -7,9 +7,13 @@ training step, and neither may a worker that dies (an OOM kill, a segfault in a 
   ``timeout_reward``, is counted, and its worker is killed and replaced (threads cannot be);
 - the whole batch gets ``batch_timeout_s``: what has not finished by then scores
   ``timeout_reward`` and is counted, so many slow checks cannot add up to an unbounded wait;
-- a check that raises, returns something that is not a finite number, or whose worker dies,
-  scores ``error_reward`` and is counted with a message naming the reward and the response;
-  a dead worker is replaced and the batch goes on.
+- a check that raises, returns something that is not a finite number (or a dict with one
+  under ``score``), or whose worker dies, scores ``error_reward`` and is counted with a message
+  naming the reward and the response; a dead worker is replaced and the batch goes on.
+
+Each check is called in the reward's own signature, with the row's ``data_source`` and
+``extra_info`` where it asks for them, and a dict result's other numbers are kept as the check's
+metrics (:mod:`bapo_megatron.rewards.calling`).
 
 Each worker is a process of its own with its own pipe (not a ``multiprocessing.Pool``, whose
 ``terminate`` blocks for good once one of its workers has died).
@@ -18,7 +22,6 @@ Each worker is a process of its own with its own pipe (not a ``multiprocessing.P
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing
 import multiprocessing.connection
 import time
@@ -26,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from bapo_megatron.megatron_patches.child_processes import exit_with_parent
+from bapo_megatron.rewards.calling import RewardInput, read_outcome, reward_caller
 from bapo_megatron.rewards.registry import get_reward
 
 log = logging.getLogger(__name__)
@@ -35,25 +39,25 @@ STARTUP_TIMEOUT_S = 120.0
 _LOGGED_ERRORS = 5  # error messages logged per batch; all are counted and kept in ScoredBatch
 
 
-def _score(name: str, response: str, ground_truth: str) -> tuple[float | None, str | None]:
+def _score(call, given: RewardInput) -> tuple[float | None, str | None, dict[str, float]]:
+    """(score, None, metrics) of one check, or (None, what went wrong, {})."""
     try:
-        value = get_reward(name)(response, ground_truth)
+        value = call(given)
     except Exception as err:  # noqa: BLE001 - reported to the caller, counted, never fatal
-        return None, f"{type(err).__name__}: {err}"
+        return None, f"{type(err).__name__}: {err}", {}
     try:
-        reward = float(value)
-    except (TypeError, ValueError):
-        return None, f"returned {value!r}, not a number"
-    if not math.isfinite(reward):
-        return None, f"returned {reward}, not a finite number"
-    return reward, None
+        outcome = read_outcome(value)
+    except ValueError as err:
+        return None, str(err), {}
+    return outcome.score, None, outcome.metrics
 
 
 def _serve(connection: multiprocessing.connection.Connection, name: str) -> None:
-    """A worker: load the reward, say so, then score ``(index, response, truth)`` requests until
+    """A worker: load the reward, say so, then score ``(index, RewardInput)`` requests until
     the pipe closes or ``None`` arrives."""
     exit_with_parent()
-    get_reward(name)  # imported now, so start-up is not charged to the first check
+    # imported now, so start-up is not charged to the first check
+    call = reward_caller(get_reward(name))
     connection.send("ready")
     while True:
         try:
@@ -62,8 +66,8 @@ def _serve(connection: multiprocessing.connection.Connection, name: str) -> None
             return
         if request is None:
             return
-        index, response, truth = request
-        connection.send((index, *_score(name, response, truth)))
+        index, given = request
+        connection.send((index, *_score(call, given)))
 
 
 @dataclass
@@ -77,6 +81,9 @@ class ScoredBatch:
     errors: list[str] = field(default_factory=list)
     """Messages of checks that failed (raised, returned no finite number, or lost their worker;
     scored ``error_reward``), by position: ``"i: message"``."""
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    """Per response, the metrics its check returned beside the score (empty for a number, a
+    failure or a timeout)."""
 
 
 class _Worker:
@@ -106,9 +113,9 @@ class _Worker:
                 f"starting (exit code {self.process.exitcode})"
             ) from None
 
-    def start(self, item: int, response: str, truth: str) -> None:
+    def start(self, item: int, given: RewardInput) -> None:
         self.item, self.started = item, time.monotonic()
-        self.connection.send((item, response, truth))
+        self.connection.send((item, given))
 
     def kill(self) -> None:
         self.process.kill()
@@ -141,7 +148,7 @@ class RewardPool:
         timeout_reward: float = 0.0,
         error_reward: float = 0.0,
     ) -> None:
-        get_reward(name)  # fail early on an unknown name
+        reward_caller(get_reward(name))  # fail early on an unknown name
         if workers < 1 or timeout_s <= 0 or (batch_timeout_s is not None and batch_timeout_s <= 0):
             raise ValueError(
                 f"RewardPool: workers must be >= 1, timeout_s and batch_timeout_s > 0, "
@@ -168,12 +175,31 @@ class RewardPool:
         worker.kill()
         self._workers[self._workers.index(worker)] = self._new_worker()
 
-    def score(self, responses: list[str], ground_truths: list[str]) -> ScoredBatch:
-        """Rewards of ``responses`` in order; returns within ``batch_timeout_s`` (plus the time
-        to replace killed workers)."""
-        if len(responses) != len(ground_truths):
-            raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
-        rewards: list[float | None] = [None] * len(responses)
+    def score(
+        self,
+        responses: list[str],
+        ground_truths: list[str],
+        *,
+        data_sources: list[str | None] | None = None,
+        extra_infos: list[dict | None] | None = None,
+    ) -> ScoredBatch:
+        """Rewards of ``responses`` in order, each checked against its ground truth (and, for
+        rewards that ask, its row's data source and extra information; None: none); returns
+        within ``batch_timeout_s`` (plus the time to replace killed workers)."""
+        count = len(responses)
+        data_sources = [None] * count if data_sources is None else data_sources
+        extra_infos = [None] * count if extra_infos is None else extra_infos
+        if not count == len(ground_truths) == len(data_sources) == len(extra_infos):
+            raise ValueError(
+                f"{count} responses but {len(ground_truths)} ground truths, "
+                f"{len(data_sources)} data sources, {len(extra_infos)} extra infos"
+            )
+        inputs = [
+            RewardInput(response=r, ground_truth=t, data_source=d, extra_info=e)
+            for r, t, d, e in zip(responses, ground_truths, data_sources, extra_infos)
+        ]
+        rewards: list[float | None] = [None] * count
+        metrics: list[dict[str, float]] = [{} for _ in range(count)]
         timed_out: set[int] = set()
         errors: dict[int, str] = {}
         waiting = deque(range(len(responses)))
@@ -190,7 +216,7 @@ class RewardPool:
             for worker in self._workers:
                 if worker.item is None and waiting:
                     item = waiting.popleft()
-                    worker.start(item, responses[item], ground_truths[item])
+                    worker.start(item, inputs[item])
             busy = [w for w in self._workers if w.item is not None]
             ends = [w.started + self.timeout_s for w in busy] + ([batch_end] if batch_end else [])
             multiprocessing.connection.wait(
@@ -202,14 +228,14 @@ class RewardPool:
                 closed = False
                 if worker.connection.poll():  # a result sent before a death is still taken
                     try:
-                        _, reward, error = worker.connection.recv()
+                        _, reward, error, returned = worker.connection.recv()
                     except (EOFError, OSError):
                         closed = True  # the worker is gone or going: wait for its exit code
                         worker.process.join(timeout=STARTUP_TIMEOUT_S)
                     else:
                         worker.item = None
                         if error is None:
-                            rewards[item] = reward
+                            rewards[item], metrics[item] = reward, returned
                         else:
                             fail(item, error)
                         continue
@@ -238,6 +264,7 @@ class RewardPool:
                 batch.rewards.append(self.error_reward)
             else:
                 batch.rewards.append(reward)
+            batch.metrics.append({} if item in timed_out or item in errors else metrics[item])
         for message in batch.errors[:_LOGGED_ERRORS]:
             log.warning("reward error (scored %s): %s", self.error_reward, message)
         return batch

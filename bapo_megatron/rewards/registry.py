@@ -1,4 +1,6 @@
-"""Named reward functions: ``(response text, ground truth) -> float``.
+"""Named reward functions: ``(response text, ground truth) -> float``, or one of the other
+signatures and results :mod:`bapo_megatron.rewards.calling` accepts (verl's ``compute_score``,
+a dict with a ``score``).
 
 Built-in rewards register themselves by name when their module is imported; any other function
 is named ``"package.module:function"`` and imported on first use (also inside pool workers, which
@@ -9,8 +11,9 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Any
 
-RewardFn = Callable[[str, str], float]
+RewardFn = Callable[..., Any]
 
 _REWARDS: dict[str, RewardFn] = {}
 _BUILTIN_MODULES = ("bapo_megatron.rewards.math_answer", "bapo_megatron.rewards.exact_match")

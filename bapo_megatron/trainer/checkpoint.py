@@ -81,6 +81,7 @@ from bapo_megatron.trainer.checkpoint_info import (
     read_trainer_info,
 )
 from bapo_megatron.trainer.checkpoint_integrity import write_checkpoint_manifest
+from bapo_megatron.trainer.state import IDENTITY_DEFAULTS
 from bapo_megatron.weights.megatron_checkpoint import (
     FORMAT_VERSION as WEIGHTS_FORMAT_VERSION,
 )
@@ -276,7 +277,7 @@ def load_checkpoint(
     info = read_trainer_info(folder)
     check_matches_run(folder, info, actor)
     if identity is not None:
-        check_same_run(folder, info, identity)
+        check_same_run(folder, info, identity, IDENTITY_DEFAULTS)
     check_files(folder, info.world_size)
     check_metadata(folder)
     rank_state = on_every_rank(

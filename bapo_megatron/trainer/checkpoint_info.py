@@ -183,9 +183,16 @@ def check_matches_run(folder: Path, info: TrainerInfo, actor: Actor) -> None:
             )
 
 
-def check_same_run(folder: Path, info: TrainerInfo, identity: dict[str, Any]) -> None:
-    """The run that saved ``folder`` must have had this run's identifying settings."""
-    saved = info.run or {}
+def check_same_run(
+    folder: Path,
+    info: TrainerInfo,
+    identity: dict[str, Any],
+    defaults: dict[str, Any] | None = None,
+) -> None:
+    """The run that saved ``folder`` must have had this run's identifying settings; a setting
+    the checkpoint does not record was saved with its value in ``defaults`` (settings added
+    after the checkpoint was written), else None."""
+    saved = {**(defaults or {}), **(info.run or {})}
     differences = [
         f"{key}={saved.get(key)!r} (this run: {value!r})"
         for key, value in identity.items()

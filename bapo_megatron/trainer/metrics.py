@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from bapo_megatron.algo.importance_weights import WeightStatistics
-from bapo_megatron.distributed.collectives import max_over, sum_over
+from bapo_megatron.distributed.collectives import max_over, sum_over, union_over
 from bapo_megatron.distributed.context import ParallelContext
 
 
@@ -46,14 +46,34 @@ class RolloutCounts:
     engine_loads: float = 0.0
     trainer_wait_s: float = 0.0
     queued_items: float = 0.0
+    reward_metrics: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    """The metrics the reward's checks returned beside their scores (a dict result's other
+    numbers): name -> (sum, checks that returned it)."""
+
+    def add_reward_metrics(self, returned: list[dict[str, float]]) -> None:
+        """Add each check's returned metrics (:attr:`ScoredBatch.metrics
+        <bapo_megatron.rewards.pool.ScoredBatch.metrics>`)."""
+        for metrics in returned:
+            for name, value in metrics.items():
+                total, count = self.reward_metrics.get(name, (0.0, 0.0))
+                self.reward_metrics[name] = (total + value, count + 1.0)
+
+
+_SUMMED = [f.name for f in dataclasses.fields(RolloutCounts) if isinstance(f.default, float)]
+"""The :class:`RolloutCounts` fields that are plain sums."""
+_REWARD_METRICS = ("mean", "accuracy", "timeouts", "errors")
+"""The trainer's own ``reward/*`` metrics; a reward's metric of one of these names is logged as
+``reward/returned_<name>``."""
 
 
 def rollout_metrics(
     counts: RolloutCounts, context: ParallelContext, *, asynchronous: bool = False
 ) -> dict[str, float]:
     """Reward, accuracy, lengths and rollout counts of the step, over every replica (with
-    ``asynchronous``, also the engines' and the trainer's waits, in-flight updates and drops)."""
-    names = [f.name for f in dataclasses.fields(RolloutCounts)]
+    ``asynchronous``, also the engines' and the trainer's waits, in-flight updates and drops),
+    and the reward's own metrics: ``reward/<name>``, the mean over the checks that returned
+    it."""
+    names = _SUMMED
     totals = dict(
         zip(
             names,
@@ -61,7 +81,7 @@ def rollout_metrics(
         )
     )
     samples = max(totals["samples"], 1.0)
-    return {
+    metrics = {
         "reward/mean": totals["reward"] / samples,
         "reward/accuracy": totals["correct"] / samples,
         "response_length/mean": totals["length"] / samples,
@@ -75,7 +95,27 @@ def rollout_metrics(
         "rollout/generated_tokens": totals["generated_tokens"],
         "reward/timeouts": totals["reward_timeouts"],
         "reward/errors": totals["reward_errors"],
-    } | (_asynchronous_metrics(totals, context.dp_size) if asynchronous else {})
+    }
+    metrics.update(_reward_metrics(counts, context))
+    if asynchronous:
+        metrics.update(_asynchronous_metrics(totals, context.dp_size))
+    return metrics
+
+
+def _reward_metrics(counts: RolloutCounts, context: ParallelContext) -> dict[str, float]:
+    """``reward/<name>`` of every metric a check returned on some replica: its mean over the
+    checks of every replica that returned it."""
+    names = union_over(sorted(counts.reward_metrics), context.dp_group)
+    if not names:
+        return {}
+    pairs = [counts.reward_metrics.get(name, (0.0, 0.0)) for name in names]
+    sums = sum_over([x for pair in pairs for x in pair], context.dp_group, context.device)
+    out = {}
+    for i, name in enumerate(names):
+        total, count = sums[2 * i], sums[2 * i + 1]
+        label = f"returned_{name}" if name in _REWARD_METRICS else name
+        out[f"reward/{label}"] = total / count
+    return out
 
 
 def _asynchronous_metrics(totals: dict[str, float], replicas: int) -> dict[str, float]:

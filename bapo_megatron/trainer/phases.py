@@ -151,7 +151,12 @@ def _score(run: Run, finished: list[PausedGroup]) -> Experience:
         return Experience([], counts)
     flat = [(row, s) for row, samples in finished for s in samples]
     texts = [task.tokenizer.decode(s.token_ids, skip_special_tokens=True) for _, s in flat]
-    scored = run.rewards.score(texts, [row.answer for row, _ in flat])
+    scored = run.rewards.score(
+        texts,
+        [row.answer for row, _ in flat],
+        data_sources=[row.data_source for row, _ in flat],
+        extra_infos=[row.extra_info for row, _ in flat],
+    )
     n = len(finished[0][1])
     values = torch.tensor(scored.rewards, dtype=torch.float64).reshape(len(finished), n)
     advantages = grpo_advantages(values, normalize_std=algo.normalize_std)
@@ -186,6 +191,7 @@ def _score(run: Run, finished: list[PausedGroup]) -> Experience:
         reward_timeouts=float(scored.timed_out),
         reward_errors=float(len(scored.errors)),
     )
+    counts.add_reward_metrics(scored.metrics)
     return Experience(groups, counts)
 
 

@@ -128,6 +128,8 @@ IDENTITY_FIELDS = (
     "train.model_path",
     "train.load_checkpoint",
     "data.train_file",
+    "data.prompt_key",
+    "data.answer_key",
     "data.synthetic_task",
     "data.synthetic_size",
     "data.shuffle",
@@ -138,6 +140,10 @@ IDENTITY_FIELDS = (
 """The settings that make a checkpoint this run's: its seeds, where its weights started and
 what it learns from. A resume with another value of any of them would continue another run's
 history (the model, layout and schedule are checked by the checkpoint itself)."""
+
+IDENTITY_DEFAULTS = {"data.prompt_key": "prompt", "data.answer_key": "answer"}
+"""Identifying settings added after checkpoints were first written, and the value a checkpoint
+that does not record one was saved with."""
 
 
 def run_identity(cfg: Any) -> dict[str, Any]:

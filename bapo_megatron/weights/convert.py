@@ -12,6 +12,10 @@ build the actor's chunks for this rank:
   bucket by bucket and each stage writes its buckets as safetensors shards; rank 0 names the
   shards, writes the index and restores the config and tokenizer files.
 
+A mixture-of-experts model is built for conversion with Megatron's sequence parallelism
+wherever TP > 1 (:func:`conversion_context`): its MoE layers want it in training, and it
+changes no weight, so a conversion at any TP/PP/EP/expert-TP layout does not ask for it.
+
 Outputs are staged and renamed into place (:mod:`~bapo_megatron.files.atomic`). An output must
 lie apart from the inputs (not the same folder, inside one or containing one: replacing it would
 destroy what is read), and a conversion holds its output's lock
@@ -116,6 +120,21 @@ def output_locked(out_folder: str | Path) -> Iterator[None]:
             lock.release()
 
 
+def conversion_context(context: ParallelContext, model: ModelConfig) -> ParallelContext:
+    """The context a conversion builds ``model`` under: ``context`` itself, or, for a
+    mixture-of-experts model at TP > 1 without sequence parallelism, the same process groups
+    with ``sequence_parallel`` on. Sequence parallelism shards activations, not weights (a
+    checkpoint is the same with it or without), and the layout check asks for it with MoE
+    layers at TP > 1 because Megatron's MoE layer refuses to train without it; a conversion
+    never trains, so it takes it on rather than asking the user for it."""
+    parallel = context.config
+    if not model.is_moe or parallel.tensor_model_parallel_size == 1 or parallel.sequence_parallel:
+        return context
+    return dataclasses.replace(
+        context, config=dataclasses.replace(parallel, sequence_parallel=True)
+    )
+
+
 @torch.no_grad()
 def load_hf_weights(
     chunks: list[torch.nn.Module],
@@ -188,7 +207,8 @@ def hf_to_megatron(
 
     ``params_dtype`` (`float32` or `bfloat16`) is the dtype of the Megatron weights; default: the
     HF weights' when it is one of those, else float32. Returns the model and this rank's
-    converted chunks.
+    converted chunks (built under :func:`conversion_context`: a mixture-of-experts model at
+    TP > 1 with sequence parallelism).
     """
     check_apart(hf_folder, out_folder, "HF folder")
     check_output(out_folder, overwrite)
@@ -198,6 +218,7 @@ def hf_to_megatron(
                 DTYPE_NAMES[hf.dtype] if hf.dtype in (torch.float32, torch.bfloat16) else "float32"
             )
         model = dataclasses.replace(hf.model, params_dtype=params_dtype)
+        context = conversion_context(context, model)
         chunks = build_model(model, context.config, context, initialize=False)
         load_hf_weights(chunks, hf, context, progress=progress and _is_rank0())
         save_megatron_checkpoint(
@@ -347,6 +368,7 @@ def _megatron_to_hf(
     name = dtype or info.hf_dtype or info.model.params_dtype
     if name not in _BY_NAME:
         raise ValueError(f"dtype must be one of {sorted(_BY_NAME)}, got {name!r}")
+    context = conversion_context(context, info.model)
     chunks = build_model(info.model, context.config, context, initialize=False)
     load_megatron_checkpoint(chunks, info.model, checkpoint)
     write_hf_folder(

@@ -5,6 +5,10 @@
     torchrun --nproc-per-node 4 tools/convert_checkpoint.py hf-to-megatron \\
         Qwen2.5-0.5B/ ckpt/qwen-0.5b --tp 2 --pp 2
     bapo-convert-checkpoint megatron-to-hf ckpt/qwen-0.5b out/qwen-0.5b-hf
+    # a mixture-of-experts model: experts over the ranks of each pipeline stage (EP x expert TP
+    # must divide world size / PP)
+    torchrun --nproc-per-node 8 tools/convert_checkpoint.py hf-to-megatron \\
+        Qwen3-30B-A3B/ ckpt/qwen3-30b-a3b --tp 4 --ep 8
 
 (``bapo-convert-checkpoint`` and ``python tools/convert_checkpoint.py`` are the same command.)
 
@@ -84,6 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
         command.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
         command.add_argument(
+            "--ep",
+            type=int,
+            default=1,
+            help="expert-parallel size (mixture-of-experts models: each rank of a pipeline "
+            "stage holds num_experts / EP experts)",
+        )
+        command.add_argument(
+            "--etp",
+            type=int,
+            default=1,
+            help="expert tensor-parallel size (mixture-of-experts models: ranks each expert's "
+            "matrices are split over)",
+        )
+        command.add_argument(
             "--overwrite", action="store_true", help="replace the output folder if it exists"
         )
         command.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -106,9 +124,23 @@ def main(argv: list[str] | None = None) -> None:
     from bapo_megatron.distributed.context import ParallelContext
     from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf
 
-    context = ParallelContext.initialize(
-        ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    layout = f"TP{args.tp}/PP{args.pp}" + (
+        f"/EP{args.ep}/ETP{args.etp}" if (args.ep, args.etp) != (1, 1) else ""
     )
+    try:
+        # no sequence parallelism: it changes no weight (a mixture-of-experts model is built
+        # with it where its layers need it, weights/convert.py conversion_context)
+        context = ParallelContext.initialize(
+            ParallelConfig(
+                tensor_model_parallel_size=args.tp,
+                pipeline_model_parallel_size=args.pp,
+                expert_model_parallel_size=args.ep,
+                expert_tensor_parallel_size=args.etp,
+            )
+        )
+    except ValueError as err:  # a layout that does not fit the world size
+        print(f"{parser.prog}: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     progress = not args.no_progress
     # every rank may create them: mkdir with exist_ok tolerates a concurrent creation
     Path(args.out).absolute().parent.mkdir(parents=True, exist_ok=True)
@@ -124,8 +156,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             summary = (
                 f"wrote Megatron checkpoint {args.out} ({model.model_type}, "
-                f"{model.num_layers} layers, {model.params_dtype}) "
-                f"at TP{args.tp}/PP{args.pp}"
+                f"{model.num_layers} layers, {model.params_dtype}) at {layout}"
             )
         else:
             megatron_to_hf(
@@ -138,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                 overwrite=args.overwrite,
                 progress=progress,
             )
-            summary = f"wrote HF folder {args.out} from {args.checkpoint}"
+            summary = f"wrote HF folder {args.out} from {args.checkpoint} at {layout}"
         if context.rank == 0:
             print(summary, flush=True)
     except ValueError as err:  # bad input: the message names the file, tensor or field

@@ -19,6 +19,10 @@ data-parallel ranks), TP2 with sequence parallelism and EP2, TP2 with sequence p
 - export as the weight sync does, colocated and disaggregated (experts gathered over the
   expert-parallel group, also across replicas and with expert tensor parallelism): each
   engine's stream holds the whole model, bitwise.
+
+The command line (tools/convert_checkpoint.py) converts the folder on 4 processes started as
+torchrun starts them at TP2 x PP2 x EP2 (no sequence parallelism asked for), and back in one
+process (the checkpoint resharded on load): bitwise the original.
 """
 
 from __future__ import annotations
@@ -44,7 +48,10 @@ from bapo_megatron.config import ParallelConfig  # noqa: E402
 from bapo_megatron.distributed.context import ParallelContext  # noqa: E402
 from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
 from bapo_megatron.weights.export import export_weights  # noqa: E402
+from tests.e2e.test_train_disaggregated import finish  # noqa: E402
 from tests.helpers import gloo_launch, hf_models  # noqa: E402
+from tests.helpers.gloo_launch import REPO_ROOT  # noqa: E402
+from tests.helpers.train_runs import start_ranks  # noqa: E402
 
 SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
 LAYOUTS = {  # ep2 first: the others load its checkpoint
@@ -179,6 +186,26 @@ def test_qwen3_moe_converts_at_every_expert_layout(tmp_path, single_process):
         assert {expert for expert, _ in result["export"]} - {None} == {rank}
         assert experts == ({"0", "1"} if rank == 0 else {"2", "3"})
         assert bool(dense) == (rank == 0)
+
+
+@pytest.mark.multiprocess
+def test_command_line_converts_at_tp2_pp2_ep2_and_back(tmp_path, capsys):
+    from bapo_megatron.weights import convert_cli
+
+    hf_models.save_hf_moe_folder(tmp_path / "hf", seed=5)
+    hf, ckpt, back = (str(tmp_path / name) for name in ("hf", "ckpt", "back"))
+    tool = [sys.executable, str(REPO_ROOT / "tools" / "convert_checkpoint.py")]
+    layout = ["--tp", "2", "--pp", "2", "--ep", "2"]  # no sequence parallelism asked for
+    ranks = start_ranks([*tool, "hf-to-megatron", hf, ckpt, *layout, "--no-progress"], 4)
+    outputs = finish(ranks, LAUNCH_TIMEOUT_S)
+    assert [r.returncode for r in ranks] == [0] * 4, "\n".join(o[-3000:] for o in outputs)
+    assert (  # rank 0 says what it wrote
+        f"wrote Megatron checkpoint {ckpt} (qwen3_moe, 4 layers, float32) at TP2/PP2/EP2/ETP1"
+    ) in outputs[0]
+    # back in this process (a fifth interpreter start would cost more than the conversion)
+    convert_cli.main(["megatron-to-hf", ckpt, back, "--no-progress"])
+    assert f"wrote HF folder {back} from {ckpt} at TP1/PP1" in capsys.readouterr().out
+    assert_same_tensors(tmp_path / "back", hf_models.read_hf_tensors(tmp_path / "hf"))
 
 
 if __name__ == "__main__":

@@ -302,6 +302,51 @@ def test_training_starts_from_an_hf_folder_of_each_family(tmp_path, family):
     assert abs(step["bapo/ratio_min"] - 1) < 1e-5 and abs(step["bapo/ratio_max"] - 1) < 1e-5
 
 
+def test_verl_data_and_reward_train_unchanged(tmp_path):
+    """A verl-format parquet file (chat messages, the answer in `reward_model`, `data_source`,
+    `extra_info`) and a verl `compute_score` that dispatches on the data source and returns a
+    dict: the run reads the answer at its dotted path, hands each check its row, and logs the
+    dict's numbers as `reward/<key>`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    model = tmp_path / "model"
+    _walk_model_folder(model)
+    rows = [
+        {
+            "data_source": "walk",
+            "prompt": [{"role": "user", "content": "7>12"}],
+            "reward_model": {"style": "rule", "ground_truth": "8 9 10 11 12"},
+            "extra_info": {"index": 7},
+        },
+        {
+            "data_source": "words",
+            "prompt": [{"role": "user", "content": "3>5"}],
+            "reward_model": {"style": "rule", "ground_truth": "5"},
+            "extra_info": {"index": 8},
+        },
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    records = run_in_process(
+        tmp_path / "run",
+        "model=null",
+        f"train.model_path={model}",
+        "data.synthetic_task=null",
+        f"data.train_file={tmp_path / 'train.parquet'}",
+        "data.answer_key=reward_model.ground_truth",
+        "reward.name=tests.helpers.verl_rewards:compute_score",
+        "warmup.steps=0",
+        "train.steps=1",
+        "rollout.prompts_per_step=2",
+        "algorithm.optimizer_steps_per_rollout=1",
+    )
+    [rollout] = rollout_records(records)
+    assert rollout["reward/errors"] == 0  # both data sources dispatched
+    # `index` is returned for the `walk` row only (its extra_info), `words` for the other
+    assert rollout["reward/index"] == 7.0 and rollout["reward/words"] >= 0
+    assert 0 <= rollout["reward/acc"] <= 1 and "reward/pred" not in rollout  # text: not logged
+
+
 def test_prompt_file_and_hf_model_with_bad_rows(tmp_path):
     model = tmp_path / "model"
     _walk_model_folder(model)

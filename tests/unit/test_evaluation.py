@@ -392,6 +392,77 @@ def test_reward_errors_and_timeouts_are_counted_per_problem():
     assert not counts.scoring_errors and not counts.bad_rows
 
 
+# ------------------------------------------------------------------------ the field's layouts
+
+
+def _option(args: list[str], name: str, value: str) -> list[str]:
+    """``args`` with option ``name`` set to ``value``."""
+    at = args.index(name)
+    return [*args[:at], name, value, *args[at + 2 :]]
+
+
+def test_verl_and_openrlhf_benchmarks_through_the_command_line(known_answers, tmp_path):
+    """A verl-format parquet file (chat messages, a system turn included, the answer at
+    reward_model.ground_truth) scored by a verl compute_score that dispatches on data_source,
+    and an OpenRLHF-style JSONL file with its own keys: the known answers, bad rows counted."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    hf, _ = known_answers
+
+    def verl_row(source, turns, truth, index):
+        return {
+            "data_source": source,
+            "prompt": [{"role": role, "content": text} for role, text in turns],
+            "reward_model": {"style": "rule", "ground_truth": truth},
+            "extra_info": {"index": index},
+        }
+
+    rows = [
+        verl_row("walk", [("system", "be brief "), ("user", "find d")], "3", 0),  # right
+        verl_row("walk", [("user", "say b")], "5", 1),  # wrong
+        verl_row("words", [("user", "what is h")], "7", 2),  # right
+        {**verl_row("walk", [("user", "take c")], "2", 3), "reward_model": None},  # bad row
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "verl.parquet")
+    args = _option(
+        _args(tmp_path / "verl.json"), "--reward", "tests.helpers.verl_rewards:compute_score"
+    )
+    report = _tool_main(
+        [
+            str(hf),
+            str(tmp_path / "verl.parquet"),
+            *args,
+            "--answer-key",
+            "reward_model.ground_truth",
+        ]
+    )
+    assert {p["id"]: p["correct"] for p in report["per_problem"]} == {"0": K, "1": 0, "2": K}
+    assert report["scoring_errors"] == 0 and report["bad_rows"] == 1
+    assert report["bad_row_messages"] == [
+        f"{tmp_path / 'verl.parquet'} 0-based row 3: field 'reward_model.ground_truth' is "
+        "missing ('reward_model' is null)"
+    ]
+    # acc and index come from the `walk` rows' 2 x K checks, words from the `words` row's K
+    assert report["reward_metrics"] == {"acc": 0.5, "index": 0.5, "words": 1.0}
+    assert report["settings"]["answer_key"] == "reward_model.ground_truth"
+
+    openrlhf = tmp_path / "openrlhf.jsonl"
+    lines = [
+        {"input": "find d", "label": 3},
+        {"input": [{"role": "user", "content": "say b"}], "label": "5"},
+        {"input": "what is h"},
+    ]
+    openrlhf.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    keys = ["--prompt-key", "input", "--answer-key", "label"]
+    report = _tool_main([str(hf), str(openrlhf), *_args(tmp_path / "openrlhf.json"), *keys])
+    assert {p["id"]: p["correct"] for p in report["per_problem"]} == {"0": K, "1": 0}
+    assert report["bad_row_messages"] == [
+        f"{openrlhf}:3: field 'label' must be a non-empty string or a finite number, got None"
+    ]
+    assert report["reward_metrics"] == {}  # math_lenient returns numbers
+
+
 # ------------------------------------------------------------------------ refusals before the run
 
 

@@ -12,12 +12,14 @@ import functools
 import io
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 
 from bapo_megatron.config.loading import load_config
 from bapo_megatron.planning.cli import main
+from bapo_megatron.weights.convert_cli import build_parser as convert_parser
 from tests.e2e.test_examples import GPU_RECIPE_PARAMS, GPU_RECIPES
 from tests.helpers.published_configs import PUBLISHED_PARAMETERS, config_path, published_config
 
@@ -108,6 +110,54 @@ def test_moe_recipe_ranks_hold_their_experts(name, world, hf_config):
     assert worst["expert_optimizer"] == round((per_rank * 12 - moved * 8) / 1e9, 2)
     assert worst["optimizer_host"] >= round(moved * 16 / 1e9, 2)
     assert worst["dispatcher"] > 0 and worst["activations"] > 0
+    # the conversion at the recipe's layout: the command the planner prints is the one the
+    # recipe's header quotes, and the converter takes it
+    command = summary["conversion_command"]
+    assert command in recipe_commands(EXAMPLES / name)
+    words = command.split("tools/convert_checkpoint.py ")[1].split()
+    parsed = convert_parser().parse_args(words)
+    want = (tp, pp, ep, recipe.expert_tensor_parallel_size)
+    assert (parsed.tp, parsed.pp, parsed.ep, parsed.etp) == want
+    assert parsed.hf == loaded.train.model_path and parsed.params_dtype == "bfloat16"
+    # the fewest processes that hold the layout: PP x lcm(TP, EP x ETP), the world here
+    launched = re.search(r"(?:--nnodes (\d+) )?--nproc-per-node (\d+)", command)
+    assert int(launched.group(1) or 1) * int(launched.group(2)) == world
+
+
+@pytest.mark.parametrize(
+    "layout, want",
+    [
+        ([], "torchrun --nproc-per-node 1 {tool}"),
+        (
+            ["tensor_model_parallel_size=2", "expert_model_parallel_size=4"],
+            "torchrun --nproc-per-node 4 {tool} --tp 2 --ep 4",
+        ),
+        (
+            ["pipeline_model_parallel_size=2", "expert_model_parallel_size=8"],
+            "torchrun --nnodes 2 --nproc-per-node 8 --node-rank <0..1> --master-addr "
+            "<node 0 address> {tool} --pp 2 --ep 8",
+        ),
+        (  # 12 processes do not fill nodes of 8 GPUs: one machine's CPU
+            ["tensor_model_parallel_size=4", "expert_model_parallel_size=3"],
+            "BAPO_DEVICE=cpu torchrun --nproc-per-node 12 {tool} --tp 4 --ep 3",
+        ),
+    ],
+)
+def test_conversion_command_launches_the_fewest_processes_of_the_layout(layout, want):
+    from bapo_megatron.planning.conversion import conversion_command
+
+    overrides = ["model=null", "data.train_file=x.jsonl", "train.model_path=/m/"]
+    config = load_config(None, overrides + [f"parallel.{field}" for field in layout])
+    tool = "tools/convert_checkpoint.py hf-to-megatron /m /m-megatron"
+    assert conversion_command(config, gpus_per_node=8) == want.format(tool=tool)
+
+
+def recipe_commands(recipe: Path) -> list[str]:
+    """The commands quoted in a recipe's header comment (indented lines, continuations
+    joined)."""
+    header = [line[1:] for line in recipe.read_text().splitlines() if line.startswith("#")]
+    text = "\n".join(header).replace("\\\n", " ")
+    return [" ".join(line.split()) for line in text.splitlines() if line.startswith("   ")]
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""Rewards: math answers through math-verify, the registry, and the time-bounded pool."""
+"""Rewards: math answers through math-verify, the registry, the signatures a reward may have
+(ours, verl's), the time-bounded pool, and the metrics the trainer logs from dict results."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import time
 
 import pytest
 
+from bapo_megatron.rewards.calling import RewardInput, read_outcome, reward_caller
 from bapo_megatron.rewards.pool import RewardPool
 from bapo_megatron.rewards.registry import get_reward, register_reward
+from tests.helpers import verl_rewards
 
 
 @pytest.mark.parametrize(
@@ -113,3 +116,88 @@ def test_a_reward_that_is_not_a_finite_number_is_an_error_naming_reward_and_resp
         "1: reward 'tests.unit.test_rewards:slow_reward' on response 1 ('nan'): "
         "returned nan, not a finite number"
     ]
+
+
+def test_each_signature_is_called_with_what_it_names():
+    given = RewardInput(
+        response="8 9", ground_truth="8 9", data_source="walk", extra_info={"index": 4}
+    )
+    # verl's compute_score(data_source, solution_str, ground_truth, extra_info), by keyword
+    assert reward_caller(verl_rewards.compute_score)(given) == {
+        "score": 1.0,
+        "acc": True,
+        "index": 4,
+        "pred": "8 9",
+    }
+    # ours, with data_source asked for and extra_info not
+    call = reward_caller(verl_rewards.length_over_source)
+    assert call(given) == 3.0 and call(RewardInput("8 9", "", data_source="double")) == 6.0
+    # ours, plain: the row is not passed; **kwargs: all of it is
+    assert reward_caller(get_reward("exact_match"))(given) == 1.0
+    seen = {}
+    reward_caller(lambda response, truth, **row: seen.update(row) or 0.0)(given)
+    assert seen == {"data_source": "walk", "extra_info": {"index": 4}}
+
+
+@pytest.mark.parametrize(
+    "value, score, metrics",
+    [
+        (1, 1.0, {}),
+        (
+            {"score": 0.5, "acc": True, "n": 3, "pred": "x", "bad": float("nan")},
+            0.5,
+            {"acc": 1.0, "n": 3.0},
+        ),
+    ],
+)
+def test_a_number_or_a_dict_with_a_score_is_a_result(value, score, metrics):
+    outcome = read_outcome(value)
+    assert outcome.score == score and outcome.metrics == metrics
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"acc": 1.0}, "returned a dict without a 'score' key (keys ['acc'])"),
+        ({"score": "high"}, "returned 'high', not a number"),
+        ({"score": float("inf")}, "returned inf, not a finite number"),
+        (None, "returned None, not a number"),
+    ],
+)
+def test_a_result_without_a_finite_score_is_refused_saying_why(value, message):
+    with pytest.raises(ValueError) as raised:
+        read_outcome(value)
+    assert str(raised.value) == message
+
+
+def test_pool_runs_a_verl_reward_unchanged_and_keeps_its_metrics():
+    with RewardPool("tests.helpers.verl_rewards:compute_score", workers=1, timeout_s=60.0) as pool:
+        batch = pool.score(
+            ["8 9", "7", "a b c", "x"],
+            ["8 9", "8", "c", "x"],
+            data_sources=["walk", "walk", "words", "gsm8k"],
+            extra_infos=[{"index": 0}, None, None, None],
+        )
+    assert batch.rewards == [1.0, 0.0, 1.0, 0.0] and batch.timed_out == 0
+    assert batch.metrics == [
+        {"acc": 1.0, "index": 0.0},
+        {"acc": 0.0, "index": -1.0},
+        {"words": 3.0},
+        {},
+    ]
+    assert batch.errors == [
+        "3: reward 'tests.helpers.verl_rewards:compute_score' on response 3 ('x'): "
+        "NotImplementedError: Reward function is not implemented for data_source='gsm8k'"
+    ]
+
+
+def test_the_trainer_logs_returned_numbers_as_their_mean_over_the_checks(single_process):
+    from bapo_megatron.trainer.metrics import RolloutCounts, rollout_metrics
+
+    counts = RolloutCounts(samples=4.0, reward=2.0, correct=2.0)
+    counts.add_reward_metrics([{"acc": 1.0, "accuracy": 0.0}, {}, {"acc": 0.0}, {"acc": 1.0}])
+    metrics = rollout_metrics(counts, single_process)
+    assert metrics["reward/acc"] == 2 / 3  # over the 3 checks that returned it
+    # a name the trainer uses itself keeps the trainer's value; the returned one is renamed
+    assert metrics["reward/accuracy"] == 0.5 and metrics["reward/returned_accuracy"] == 0.0
+    assert "reward/acc" not in rollout_metrics(RolloutCounts(), single_process)  # none returned

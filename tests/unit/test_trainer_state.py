@@ -5,6 +5,7 @@ refused naming the field."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,9 +13,11 @@ import torch
 
 from bapo_megatron.data.experience import Group, ReplayBuffer
 from bapo_megatron.data.prompts import PromptRow
+from bapo_megatron.data.record_fields import ChatMessage
 from bapo_megatron.rollout.protocol import RolloutSample
 from bapo_megatron.trainer import rng_state
-from bapo_megatron.trainer.state import TrainerState
+from bapo_megatron.trainer.checkpoint_info import check_same_run
+from bapo_megatron.trainer.state import IDENTITY_DEFAULTS, TrainerState
 
 
 def _sample(index: int, finish: str | None) -> RolloutSample:
@@ -50,7 +53,17 @@ def _state() -> TrainerState:
             (
                 PromptRow(id="p3", prompt="1+1", answer="2"),
                 [_sample(0, "paused"), _sample(1, "stop")],
-            )
+            ),
+            (  # a row of the verl layout: chat messages, data source and extra information
+                PromptRow(
+                    id="p4",
+                    prompt=(ChatMessage("system", "Be brief."), ChatMessage("user", "2+2")),
+                    answer="4",
+                    data_source="openai/gsm8k",
+                    extra_info={"split": "train", "index": 4, "tags": ["a", None, 1.5]},
+                ),
+                [_sample(0, "paused")],
+            ),
         ],
         lag_queue=[[_group("l1")], []],
         tracker_runs={"wandb": "abc123", "mlflow": "0f1e2d"},
@@ -90,6 +103,21 @@ def test_damaged_trainer_state_is_refused_naming_the_field():
     # a checkpoint written before the trackers has no record of tracker runs: none to reopen
     fresh.load_checkpoint({k: v for k, v in saved.items() if k != "tracker_runs"}, "f.pt")
     assert fresh.step == 7 and fresh.tracker_runs == {}
+
+
+def test_a_checkpoint_from_before_the_data_keys_belongs_to_a_run_with_the_default_keys():
+    from types import SimpleNamespace
+
+    identity = {"train.seed": 0, "data.prompt_key": "prompt", "data.answer_key": "answer"}
+    older = SimpleNamespace(run={"train.seed": 0})  # saved before the keys were identifying
+    check_same_run(Path("ckpt"), older, identity, IDENTITY_DEFAULTS)
+    other = dict(identity, **{"data.answer_key": "reward_model.ground_truth"})
+    with pytest.raises(
+        ValueError,
+        match=r"ckpt belongs to another run: it was saved with data.answer_key='answer' "
+        r"\(this run: 'reward_model.ground_truth'\)",
+    ):
+        check_same_run(Path("ckpt"), older, other, IDENTITY_DEFAULTS)
 
 
 def test_rng_states_round_trip_through_a_weights_only_file(tmp_path, single_process):

@@ -520,6 +520,20 @@ def test_command_line_converts_both_ways_and_reports_bad_input(hf_folders, tmp_p
     assert failed.value.code == 2
     assert f"error: output {tmp_path / 'back'} already exists" in capsys.readouterr().err
     assert cli.byte_size("512MiB") == 512 * 2**20 and cli.byte_size("2GB") == 2 * 10**9
+    # a layout the world cannot hold: one line, exit 2, and the process's world left as it was
+    # (the expert layouts themselves: tests/distributed/test_moe_weights_layouts.py)
+    for command in (
+        ["hf-to-megatron", str(source)],
+        ["megatron-to-hf", str(tmp_path / "megatron")],
+    ):
+        with pytest.raises(SystemExit) as failed:
+            cli.main([*command, str(tmp_path / "x"), "--ep", "2", "--etp", "2"])
+        assert failed.value.code == 2
+        assert capsys.readouterr().err.endswith(
+            "error: world size 1 / pipeline 1 is not divisible by expert tensor x expert model "
+            "parallel = 4\n"
+        )
+        assert not torch.distributed.is_initialized()
 
 
 def test_command_line_creates_the_missing_parent_folders_of_its_output(
