@@ -27,9 +27,10 @@ them at the cap and the rest log-normal with median cap/8, after prompts of abou
 process of its own so that its peak memory is its own: padded micro-batches of 4 and of 1
 sequence, and packed rows filled up to ``--budget`` tokens. Per case: real tokens/s (prompt and
 response tokens, padding excluded, over the median step), the share of computed positions that
-are padding, and the peak resident memory of the process above what it held before the first
-step. The last line is one JSON object with ``packed_over_padded`` (tokens/s of the packed case
-over each padded case) and ``padding_share`` (per case).
+are padding, and the peak memory above what the process held before the first step (resident
+memory on the CPU, allocated device memory on a GPU). The last line is one JSON object with
+``packed_over_padded`` (tokens/s of the packed case over each padded case) and
+``padding_share`` (per case).
 
 Usage: python3 tools/bench_actor_step.py [--layouts tp1,tp2,pp2,tp2-pp2] [--steps 5]
        python3 tools/bench_actor_step.py --packing [--length 1024] [--budget 4096]
@@ -252,14 +253,22 @@ def packing_worker(args: argparse.Namespace) -> None:
         tokens=tokens, response_mask=mask, old_logprobs=old, advantages=torch.randn(n, generator=g)
     )
     clip = ClipSearchConfig.from_preset("paper", granularity="step")
-    before = _rss_bytes()
+    cuda = context.device.type == "cuda"
+    if cuda:  # the device's memory, not the host's
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if cuda else _rss_bytes()
     times, metrics = [], {}
     for step in range(args.warmup + args.steps):
         start = time.perf_counter()
         metrics = train_step(actor, batch, LossConfig(clip=clip), SearchPlan.from_config(clip))
+        if cuda:
+            torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     result = dict(
         step_s=statistics.median(times),
         real_tokens=sum(p + r for p, r in pairs),

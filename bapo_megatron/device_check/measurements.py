@@ -56,6 +56,36 @@ def loss_bench(checks: Checks) -> dict:
     return {"status": "passed", **report}
 
 
+def packing(checks: Checks) -> dict:
+    """Packed rows against padded rows on the device (:mod:`.packed_rows`): the ~0.5B shape in
+    bf16 with 2k-token responses on a GPU, the tiny model on the CPU."""
+    argv = ["--device", checks.args.device]
+    argv += (["--size", "small", "--dtype", "bfloat16", "--sequences", "32", "--length", "2048"]
+             if checks.gpu else ["--size", "tiny", "--sequences", "8", "--length", "48"])
+    run = checks.python("bapo_megatron.device_check.packed_rows", *argv,
+                        timeout=checks.args.check_timeout)
+    if run["status"] != "passed":
+        raise RuntimeError(f"packed rows differ from padded rows beyond tolerance: {run}")
+    return run
+
+
+def packing_bench(checks: Checks) -> dict:
+    """``tools/bench_actor_step.py --packing``: real tokens/s and peak memory of packed rows
+    against padded micro-batches of 4 and 1, at L = 4096 on a GPU (CPU: a smoke size)."""
+    sizes = (["--length", "4096", "--sequences", "64", "--hidden", "1024", "--layers", "8",
+              "--vocab", "32768", "--steps", "3"] if checks.gpu else
+             ["--length", "32", "--sequences", "8", "--hidden", "32", "--layers", "1", "--vocab",
+              "64", "--steps", "1", "--warmup", "0"])
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools" / "bench_actor_step.py"), "--packing", *sizes],
+        env=checks.env, cwd=REPO_ROOT, capture_output=True, text=True,
+        timeout=checks.args.check_timeout, check=False,
+    )
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return {"status": "passed", **json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
 def model_check(checks: Checks, name: str, *argv: str) -> dict:
     return checks.python("bapo_megatron.device_check.model_checks", name, "--device",
                          checks.args.device, *argv, timeout=checks.args.check_timeout)

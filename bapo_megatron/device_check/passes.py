@@ -22,12 +22,13 @@ import torch
 import transformers
 
 TE_CHECKS = (
-    "actor_tiny", "actor_moe", "actor_small", "actor_fp8", "conversion", "loop_tiny", "resume",
-    "loop_moe",
+    "actor_tiny", "actor_moe", "actor_small", "actor_fp8", "packing", "conversion", "loop_tiny",
+    "resume", "loop_moe",
 )
 """The TE pass's checks by default: the actor's train steps against the float32 CPU reference
-(dense, MoE, ~0.5B, and the ~0.5B model in FP8 with each recipe Hopper runs), HF -> Megatron ->
-HF with TE's fused norm names, the loop, a SIGKILLed run resumed, the MoE loop."""
+(dense, MoE, ~0.5B, and the ~0.5B model in FP8 with each recipe Hopper runs), packed rows through
+TE's THD attention against padded rows, HF -> Megatron -> HF with TE's fused norm names, the
+loop, a SIGKILLed run resumed, the MoE loop."""
 VLLM_CHECKS = ("vllm_engine", "vllm_engine_fp8", "loop_vllm")
 """The vLLM pass's checks (``--only vllm``): the adapter against the actor on the device (its
 FP8 variant on a GPU only), and the loop colocated with vLLM."""

@@ -29,7 +29,14 @@ import torch
 
 from bapo_megatron.device_check import loop_runs, passes
 from bapo_megatron.device_check.compare import compare_actor_runs, summary_markdown
-from bapo_megatron.device_check.measurements import loss_bench, memory, model_check, speed
+from bapo_megatron.device_check.measurements import (
+    loss_bench,
+    memory,
+    model_check,
+    packing,
+    packing_bench,
+    speed,
+)
 from bapo_megatron.device_check.shapes import model_config, write_start_folder
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -302,6 +309,10 @@ def run_all(args: argparse.Namespace, work: Path) -> dict:
         checks.record("memory_moe", memory, checks, "qwen3-30b-a3b-2l")
     if want("loss_bench"):
         checks.record("loss_bench", loss_bench, checks)
+    if want("packing"):
+        checks.record("packing", packing, checks)
+    if want("packing_bench"):
+        checks.record("packing_bench", packing_bench, checks)
     if want("engine"):
         engine_argv = ["--dtype", "bfloat16"] if gpu else ["--cpu-sized", "--prompts", "4",
                                                            "--max-new-tokens", "8"]

@@ -12,8 +12,9 @@ import sys
 from bapo_megatron.device_check.compare import compare_actor_runs, summary_markdown
 from tests.helpers.gloo_launch import ONE_THREAD, REPO_ROOT
 
-# loss_bench only wraps tools/bench_bapo_loss.py, whose smoke test is in test_tools.py
-FAST_CHECKS = "actor_tiny,actor_moe,conversion,engine"
+# loss_bench and packing_bench only wrap tools/bench_bapo_loss.py and bench_actor_step.py,
+# whose smoke tests are in test_tools.py
+FAST_CHECKS = "actor_tiny,actor_moe,conversion,engine,packing"
 
 
 def test_the_check_runs_on_the_cpu_and_writes_its_report(tmp_path):
@@ -34,6 +35,9 @@ def test_the_check_runs_on_the_cpu_and_writes_its_report(tmp_path):
         assert variant["within_tolerance"] and variant["device_losses"] == variant[
             "reference_losses"]
     assert report["checks"]["conversion"]["round_trip_mismatched"] == []
+    packing = report["checks"]["packing"]  # float32: packed rows give the padded numbers
+    assert packing["logprob_gap_max"] < 1e-4 and packing["same_bounds"]
+    assert packing["padding_share"]["packed"] < packing["padding_share"]["padded"]
     assert report["environment"]["device"] == "cpu" and report["not_run"]
     table = (tmp_path / "device_check.md").read_text()
     assert all(f"| {name} | passed |" in table for name in FAST_CHECKS.split(","))

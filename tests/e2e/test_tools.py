@@ -71,6 +71,23 @@ def test_actor_step_benchmark_smoke():
     assert tp1["cases"]["grpo"]["vs_fixed_clip"] == 1.0
 
 
+def test_actor_step_packing_benchmark_smoke():
+    report = benchmark_report(
+        "bench_actor_step.py",
+        *("--packing", "--steps", "1", "--warmup", "0", "--sequences", "8", "--length", "32"),
+        *("--layers", "1", "--hidden", "32", "--vocab", "64"),
+    )
+    assert report["benchmark"] == "actor_step_packing"
+    cases = report["cases"]
+    assert set(cases) == {"padded_mb4", "padded_mb1", "packed"}
+    assert set(report["packed_over_padded"]) == {"padded_mb4", "padded_mb1"}
+    # the long tail leaves padded rows mostly padding; packed rows pad each sequence to 1 token
+    assert cases["padded_mb4"]["padding_share"] > 0.3
+    assert cases["packed"]["padding_share"] == 0.0
+    assert cases["packed"]["micro_batches"] < cases["padded_mb1"]["micro_batches"] == 8
+    assert report["padding_share"]["packed"] == 0.0
+
+
 def test_weights_benchmark_smoke(tmp_path):
     report = benchmark_report(
         "bench_weights.py",

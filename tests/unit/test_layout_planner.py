@@ -8,6 +8,7 @@ Oversized layouts (dense and MoE) and layouts that do not divide are refused wit
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import json
@@ -305,3 +306,30 @@ def test_bad_input_exits_2(capsys):
     out = capsys.readouterr()
     assert code == 2 and "does not exist" in out.err
     assert json.loads(out.out.strip().splitlines()[-1])["ok"] is False
+
+
+def test_a_token_budget_plans_rows_of_the_budget_without_an_attention_term():
+    """Packed rows under a token budget: the planner's worst case is a row of the budget (or
+    of one sequence over it), with as many rows as whole sequences at the cap need, and its
+    fused-attention estimate grows linearly with the row, with no s x s term."""
+    from bapo_megatron.config import ActorConfig, ModelConfig, ParallelConfig
+    from bapo_megatron.planning.activations import layer_bytes, training_shape
+
+    packed = ActorConfig(pack_sequences=True, max_tokens_per_microbatch=4096)
+    shape = training_shape(packed, sequence_length=1000, sequences=10)
+    assert (shape.micro_batch_size, shape.sequence_length, shape.micro_batches) == (1, 4096, 3)
+    over = training_shape(packed, sequence_length=5000, sequences=10)  # each alone, over budget
+    assert (over.sequence_length, over.micro_batches) == (5000, 10)
+    padded = training_shape(ActorConfig(micro_batch_size=4), sequence_length=1000, sequences=10)
+    assert (padded.micro_batch_size, padded.sequence_length, padded.micro_batches) == (4, 1000, 3)
+    model = ModelConfig(
+        model_type="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=128,
+        num_attention_heads=4, num_query_groups=2, vocab_size=128, max_position_embeddings=8192,
+    )
+    for attention in ("sdpa", "flash"):
+        one, two = (
+            layer_bytes(model, ParallelConfig(), dataclasses.replace(shape, attention=attention,
+                                                                     sequence_length=length))
+            for length in (2048, 4096)
+        )
+        assert two == 2 * one
