@@ -2,9 +2,14 @@
 
 Order of events, the same on every rank (collectives must line up):
 
-1. One all-gather over data x context parallel: each rank's micro-batch count, response tokens
-   and responding sequences. Every rank then runs the largest count (padding with empty
-   micro-batches) and knows the step's global loss normalizer.
+0. Under a token budget (``actor.max_tokens_per_microbatch``), the step's sequences are first
+   balanced over the data-parallel ranks by their cost
+   (:mod:`bapo_megatron.actor.data_balance`); each rank then splits its own into micro-batches,
+   padded rows or packed ones (:mod:`bapo_megatron.actor.microbatches`).
+1. One all-gather over data x context parallel: each rank's micro-batch count, response tokens,
+   responding sequences and longest row. Every rank then runs the largest count (padding with
+   empty micro-batches), knows the step's global loss normalizer, and, where expert parallelism
+   needs it, gives every row one length.
 2. Granularity `step` with a search: a no-grad forward pass over the step's micro-batches gives
    the search statistics; summed locally, reduced once over data x context parallel on the last
    stage, they fix the bounds for the whole step. Granularity `microbatch` (or fixed clips):
@@ -72,7 +77,9 @@ def train_step(
     including none) for one optimizer step and return the step's metrics, the same on every
     rank: `loss`, `entropy` (mean over response tokens), `response_tokens`, `grad_norm`, `lr`,
     `skipped` (1 when the update was dropped for a non-finite gradient norm),
-    `skipped_steps` (so far), `num_microbatches`, and the `bapo/*` search metrics. A
+    `skipped_steps` (so far), `num_microbatches`, `actor/padding_share` (share of the
+    positions computed that were padding), `actor/over_budget_sequences` (sequences longer than
+    the token budget, each run alone), and the `bapo/*` search metrics. A
     mixture-of-experts actor adds `moe/aux_loss` (the term added to the loss, coefficient
     included) and `moe/load_balancing_loss` (its value per MoE layer without the coefficient:
     1 when the routers spread tokens evenly).
