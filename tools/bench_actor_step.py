@@ -77,18 +77,46 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 # ------------------------------------------------------------------------ worker
 
 
+def bench_model(args: argparse.Namespace, positions: int):
+    """The benchmarks' Qwen2-style model: ``--layers``, ``--hidden``, 8 heads in 4 groups."""
+    from bapo_megatron.config import ModelConfig
+
+    return ModelConfig(
+        model_type="qwen2",
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        ffn_hidden_size=4 * args.hidden,
+        num_attention_heads=8,
+        num_query_groups=4,
+        vocab_size=args.vocab,
+        max_position_embeddings=positions,
+    )
+
+
+def off_policy_batch(tokens, mask, vocab: int, g):
+    """``tokens`` with response ``mask``: old log-probs around a typical value for ``vocab``
+    (ratios spread around 1), one random advantage per sequence."""
+    import torch
+
+    from bapo_megatron.actor.batch import PolicyBatch
+
+    n, s = tokens.shape
+    noise = 0.5 * torch.randn(n, s, generator=g)
+    old = torch.where(mask, -torch.log(torch.tensor(float(vocab))) + noise, 0.0)
+    advantages = torch.randn(n, generator=g)
+    return PolicyBatch(tokens=tokens, response_mask=mask, old_logprobs=old, advantages=advantages)
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
     from bapo_megatron.actor import train_step as train_step_module
     from bapo_megatron.actor.actor import build_actor
-    from bapo_megatron.actor.batch import PolicyBatch
     from bapo_megatron.algo.search_plan import SearchPlan
     from bapo_megatron.config import (
         ActorConfig,
         ClipSearchConfig,
         LossConfig,
-        ModelConfig,
         OptimizerConfig,
         ParallelConfig,
     )
@@ -101,16 +129,7 @@ def worker(args: argparse.Namespace) -> None:
     context = ParallelContext.initialize(
         ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     )
-    model = ModelConfig(
-        model_type="qwen2",
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        ffn_hidden_size=4 * args.hidden,
-        num_attention_heads=8,
-        num_query_groups=4,
-        vocab_size=args.vocab,
-        max_position_embeddings=max(args.length, 64),
-    )
+    model = bench_model(args, max(args.length, 64))
     actor = build_actor(
         model,
         ActorConfig(micro_batch_size=args.micro_batch_size),
@@ -122,14 +141,7 @@ def worker(args: argparse.Namespace) -> None:
     tokens = torch.randint(0, args.vocab, (n, s), generator=g)
     mask = torch.zeros(n, s, dtype=torch.bool)
     mask[:, s // 4 :] = True
-    old = torch.where(
-        mask,
-        -torch.log(torch.tensor(float(args.vocab))) + 0.5 * torch.randn(n, s, generator=g),
-        0.0,
-    )
-    batch = PolicyBatch(
-        tokens=tokens, response_mask=mask, old_logprobs=old, advantages=torch.randn(n, generator=g)
-    )
+    batch = off_policy_batch(tokens, mask, args.vocab, g)
 
     search_seconds = [0.0]
 
@@ -202,14 +214,12 @@ def packing_worker(args: argparse.Namespace) -> None:
     import torch
 
     from bapo_megatron.actor.actor import build_actor
-    from bapo_megatron.actor.batch import PolicyBatch
     from bapo_megatron.actor.train_step import train_step
     from bapo_megatron.algo.search_plan import SearchPlan
     from bapo_megatron.config import (
         ActorConfig,
         ClipSearchConfig,
         LossConfig,
-        ModelConfig,
         OptimizerConfig,
         ParallelConfig,
     )
@@ -226,16 +236,7 @@ def packing_worker(args: argparse.Namespace) -> None:
     context = ParallelContext.initialize(ParallelConfig())
     pairs = long_tailed_lengths(args.sequences, args.length)
     width = max(p + r for p, r in pairs)
-    model = ModelConfig(
-        model_type="qwen2",
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        ffn_hidden_size=4 * args.hidden,
-        num_attention_heads=8,
-        num_query_groups=4,
-        vocab_size=args.vocab,
-        max_position_embeddings=width,
-    )
+    model = bench_model(args, width)
     actor = build_actor(model, actor_config, OptimizerConfig(lr=1e-6), context)
     g = torch.Generator().manual_seed(0)
     n = len(pairs)
@@ -244,14 +245,7 @@ def packing_worker(args: argparse.Namespace) -> None:
     for i, (prompt, response) in enumerate(pairs):
         mask[i, prompt : prompt + response] = True
         tokens[i, prompt + response :] = 0
-    old = torch.where(
-        mask,
-        -torch.log(torch.tensor(float(args.vocab))) + 0.5 * torch.randn(n, width, generator=g),
-        0.0,
-    )
-    batch = PolicyBatch(
-        tokens=tokens, response_mask=mask, old_logprobs=old, advantages=torch.randn(n, generator=g)
-    )
+    batch = off_policy_batch(tokens, mask, args.vocab, g)
     clip = ClipSearchConfig.from_preset("paper", granularity="step")
     cuda = context.device.type == "cuda"
     if cuda:  # the device's memory, not the host's
