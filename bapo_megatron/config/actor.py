@@ -104,7 +104,10 @@ class ActorConfig:
     with ``PackedSeqParams``) instead of rows right-padded to the longest sequence: each sequence
     is padded only to the layout's length multiple, rotary positions restart at every sequence
     and attention never crosses a boundary. Same results as padded rows (to float rounding),
-    without computing the padding."""
+    without computing the padding. Off by default for the CPU configs this project ships: there
+    attention runs one fused call per packed sequence, which costs a tiny model more than
+    padding short sequences does (the main job: 67 s packed, 57 s padded); every GPU recipe
+    turns it on with a token budget."""
     max_tokens_per_microbatch: int | None = None
     """With ``pack_sequences``: fill micro-batches by tokens instead of by count, up to this many
     tokens each (first-fit decreasing over the sequences as packed); a sequence longer than the
