@@ -11,14 +11,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tests.helpers.gloo_launch import REPO_ROOT
 from tests.helpers.train_runs import (
+    Ranks,
     rollout_records,
     run_in_process,
-    start_ranks,
     subprocess_env,
     training_command,
 )
@@ -59,27 +60,43 @@ def test_the_reward_phase_is_bounded_per_batch(tmp_path, warm_start):
 
 def test_a_frozen_rank_stops_the_run_naming_it(tmp_path, warm_start):
     """Data-parallel rank 1 freezes (SIGSTOP) in its reward phase; rank 0 waits in the next
-    collective until parallel.collective_timeout_s and stops with an error saying which rank
-    has not reached which phase. (The timeout also bounds the ranks' start-up collectives, so it
-    is far longer than any skew between two ranks doing the same start-up work.)"""
-    command = training_command(
-        tmp_path,
+    collective until its parallel.collective_timeout_s and stops with an error saying which rank
+    has not reached which phase.
+
+    The deadline also bounds the start-up collectives, so a short one must not meet a rank that
+    is still starting: rank 1 starts first, with the default deadline (it is the frozen one:
+    its own deadline never ends the run), and rank 0 only once rank 1 waits for it in the
+    rendezvous (rank 1's keys are in the store), so rank 0 never waits for rank 1's imports.
+    From the rendezvous on, the two ranks do the same start-up work and rank 0 the little that
+    rank 0 alone does, so rank 0's deadline of 10 s only has to outlast the drift of two equal
+    processes between two collectives (under 0.3 s when measured: the run passed with 0.3 s);
+    the wait for the frozen rank is then 10 s, not the 45 s a deadline covering the imports'
+    skew needed."""
+    common = [
         *warm_start[0],
         *STEPS,
         "reward.name=tests.helpers.fault_rewards:freezes_rank_1",
-        "parallel.collective_timeout_s=45",
         "parallel.stall_report_s=2",
         "rollout.prompts_per_step=4",
-    )
-    ranks = start_ranks(command, 2)
+    ]
+    ranks = Ranks.serving()
     try:
-        output, _ = ranks[0].communicate(timeout=300)
+        frozen = ranks.start(training_command(tmp_path, *common), 1, 2)
+        deadline = time.monotonic() + 300
+        while ranks.store.num_keys() == 0:  # rank 1 has not reached the rendezvous yet
+            assert frozen.poll() is None, frozen.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, "rank 1 did not reach the rendezvous in 300 s"
+            time.sleep(0.05)
+        waiting = ranks.start(
+            training_command(tmp_path, *common, "parallel.collective_timeout_s=10"), 0, 2
+        )
+        output, _ = waiting.communicate(timeout=300)
     finally:
         for process in ranks:  # rank 1 is stopped: only SIGKILL ends it
             if process.poll() is None:
                 os.kill(process.pid, signal.SIGKILL)
             process.wait()
-    assert ranks[0].returncode != 0
+    assert waiting.returncode != 0
     assert "where the ranks are: rank 0 in 'rollout step 0: 3. off-policy selection'" in output, (
         output[-4000:]
     )
