@@ -29,7 +29,6 @@ from tests.helpers.train_runs import (
     FAST,
     assert_same_run,
     read_metrics,
-    run_in_process,
     subprocess_env,
 )
 
@@ -39,17 +38,18 @@ pytestmark = [
 ASYNC_SCRIPT = REPO_ROOT / "examples" / "tiny_cpu" / "torchrun_async.sh"
 MULTINODE_SCRIPT = REPO_ROOT / "examples" / "launch" / "torchrun_multinode.sh"
 TINY_CONFIG = "examples/tiny_cpu/train.yaml"
-STEPS = ["train.steps=3"]
+STEPS = ["train.steps=3"]  # as the one-process run (conftest.colocated_three_steps)
 # the two-agent run: synchronous, so that it can be compared bitwise
 STALENESS = ["algorithm.max_staleness=0"]
 DISAGGREGATED = ["rollout.placement=disaggregated", "rollout.engine_ranks=1"]
 TIMEOUT_S = 900
 
 
-@pytest.fixture(scope="module")
-def colocated(tmp_path_factory, warm_start):
-    """The colocated synchronous run in one process (trainer TP1, PP1)."""
-    return run_in_process(tmp_path_factory.mktemp("colocated"), *warm_start[0], *STEPS)
+@pytest.fixture
+def colocated(colocated_three_steps):
+    """The colocated synchronous run in one process (trainer TP1, PP1), of STEPS; shared with
+    the other files that compare with it."""
+    return colocated_three_steps
 
 
 @contextlib.contextmanager

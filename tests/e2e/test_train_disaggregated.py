@@ -14,7 +14,6 @@ from tests.helpers.train_runs import (
     assert_same_run,
     read_metrics,
     rollout_records,
-    run_in_process,
     start_ranks,
     training_command,
 )
@@ -23,7 +22,7 @@ pytestmark = [
     pytest.mark.multiprocess,
 ]
 DISAGGREGATED = ["rollout.placement=disaggregated", "rollout.engine_ranks=1"]
-STEPS = ["train.steps=3"]
+STEPS = ["train.steps=3"]  # as the one-process run (conftest.colocated_three_steps)
 LAYOUTS = {
     "tp2": "parallel.tensor_model_parallel_size=2",
     "pp2": "parallel.pipeline_model_parallel_size=2",
@@ -41,10 +40,11 @@ def finish(ranks: list[subprocess.Popen], timeout: float) -> list[str]:
                 rank.communicate()
 
 
-@pytest.fixture(scope="module")
-def colocated(tmp_path_factory, warm_start):
-    """The colocated synchronous run in one process (trainer TP1, PP1)."""
-    return run_in_process(tmp_path_factory.mktemp("colocated"), *warm_start[0], *STEPS)
+@pytest.fixture
+def colocated(colocated_three_steps):
+    """The colocated synchronous run in one process (trainer TP1, PP1), of STEPS; shared with
+    the other files that compare with it."""
+    return colocated_three_steps
 
 
 def test_eta0_disaggregated_run_matches_the_colocated_run(tmp_path, warm_start, colocated):
