@@ -201,21 +201,47 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(
 
 
 @pytest.mark.parametrize(
-    "override, message",
+    "override, message, as_command",
     [
-        ("reward.name=no_such_reward", "error: unknown reward 'no_such_reward'"),
-        ("parallel.tensor_model_parallel_size=4", "error: world size 1 is not divisible"),
-        (
+        # the command a user runs: exit code 1, the line last on stderr, no traceback (this
+        # error comes after the process group is set up)
+        pytest.param(
+            "parallel.tensor_model_parallel_size=4",
+            "error: world size 1 is not divisible",
+            True,
+            id="layout-command",
+        ),
+        # errors the preflight finds before anything is set up: the same entry point in this
+        # process (the line is the SystemExit message the interpreter prints, exit code 1)
+        pytest.param(
+            "reward.name=no_such_reward",
+            "error: unknown reward 'no_such_reward'",
+            False,
+            id="reward",
+        ),
+        pytest.param(
             "train.output_dir={file}/run",
             "error: train.output_dir {file}/run: {file} is not a folder",
+            False,
+            id="output-dir",
         ),
     ],
 )
-def test_user_errors_are_one_line(tmp_path, override, message):
+def test_user_errors_are_one_line(tmp_path, override, message, as_command):
     file = tmp_path / "a_file"
     file.write_text("")
+    command = [*training_command(tmp_path / "out"), override.format(file=file)]
+    message = message.format(file=file)
+    if not as_command:
+        from bapo_megatron.trainer.main import main
+
+        with pytest.raises(SystemExit) as exited:  # any other exception: a traceback
+            main(command[3:])  # after `python -m bapo_megatron.train`
+        assert isinstance(exited.value.code, str)
+        assert exited.value.code.splitlines()[-1].startswith(message), exited.value.code
+        return
     result = subprocess.run(
-        [*training_command(tmp_path / "out"), override.format(file=file)],
+        command,
         cwd=REPO_ROOT,
         env=subprocess_env(),
         capture_output=True,
@@ -224,4 +250,4 @@ def test_user_errors_are_one_line(tmp_path, override, message):
     )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert result.stderr.strip().splitlines()[-1].startswith(message.format(file=file))
+    assert result.stderr.strip().splitlines()[-1].startswith(message)
