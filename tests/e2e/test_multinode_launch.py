@@ -7,7 +7,9 @@
   meeting in a static rendezvous on 127.0.0.1, node 0 with one trainer process and node 1 (the
   engine node, ``ENGINE_NODES=1``) with one engine process; synchronous
   (``algorithm.max_staleness=0``, :data:`STALENESS`), so its metrics must be bitwise those of the
-  colocated run in one process with the same seeds.
+  colocated run in one process with the same seeds (the check of the synchronous disaggregated
+  loop with one trainer rank and one engine rank: test_train_disaggregated.py runs it with
+  parallel trainers).
 
 Every process the test starts, and everything below it, is killed when the test ends, however
 it ends."""
