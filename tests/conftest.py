@@ -44,3 +44,13 @@ def warm_start(tmp_path_factory):
     records = run_in_process(output, "warmup.steps=150", "warmup.batch_size=64", "train.steps=1")
     checkpoint = output / "checkpoints" / "step_00000001"
     return ["warmup.steps=0", f"train.load_checkpoint={checkpoint}"], records
+
+
+@pytest.fixture(scope="session")
+def colocated_three_steps(tmp_path_factory, warm_start):
+    """Three rollout steps of the FAST tiny run from the warm start in this process (trainer
+    TP1, PP1, colocated engine, synchronous): the reference the two-process, disaggregated and
+    multi-node runs of the same settings must repeat. Its metric records."""
+    from tests.helpers.train_runs import run_in_process
+
+    return run_in_process(tmp_path_factory.mktemp("colocated"), *warm_start[0], "train.steps=3")

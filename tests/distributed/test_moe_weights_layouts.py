@@ -4,7 +4,8 @@ expert layout.
 The parent saves a tiny random transformers ``Qwen3MoeForCausalLM`` (4 layers, the first dense,
 4 experts, top-2, per-expert tensor names on disk) and, in one process, converts it and
 compares the whole-vocabulary logits with transformers' and the folder written back with the
-original, tensor by tensor and bitwise. Two gloo workers then, at EP2 (experts divided over the
+original, tensor by tensor and bitwise. Two gloo workers
+(tests/distributed/moe_weights_layouts_worker.py) then, at EP2 (experts divided over the
 data-parallel ranks), TP2 with sequence parallelism and EP2, TP2 with sequence parallelism
 (every rank holds every expert), TP2 with sequence parallelism and expert tensor parallel 2
 (each expert split over the ranks) and PP2:
@@ -27,46 +28,21 @@ process (the checkpoint resharded on load): bitwise the original.
 
 from __future__ import annotations
 
-import os
 import sys
+from pathlib import Path
 
-if __name__ == "__main__":  # a worker: pin thread pools before torch loads
-    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-        os.environ[_var] = "1"
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import pytest
+import torch
 
-from pathlib import Path  # noqa: E402
+from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf
+from tests.distributed.moe_weights_layouts_worker import LAYOUTS
+from tests.e2e.test_train_disaggregated import finish
+from tests.helpers import gloo_launch, hf_models
+from tests.helpers.gloo_launch import REPO_ROOT
+from tests.helpers.train_runs import start_ranks
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from bapo_megatron.actor.batch import PolicyBatch  # noqa: E402
-from bapo_megatron.actor.logprobs import compute_logprobs  # noqa: E402
-from bapo_megatron.actor.microbatches import Batching  # noqa: E402
-from bapo_megatron.config import ParallelConfig  # noqa: E402
-from bapo_megatron.distributed.context import ParallelContext  # noqa: E402
-from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
-from bapo_megatron.weights.export import export_weights  # noqa: E402
-from tests.e2e.test_train_disaggregated import finish  # noqa: E402
-from tests.helpers import gloo_launch, hf_models  # noqa: E402
-from tests.helpers.gloo_launch import REPO_ROOT  # noqa: E402
-from tests.helpers.train_runs import start_ranks  # noqa: E402
-
-SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
-LAYOUTS = {  # ep2 first: the others load its checkpoint
-    "ep2": ParallelConfig(expert_model_parallel_size=2),
-    "tp2-sp-ep2": ParallelConfig(**SP, expert_model_parallel_size=2),
-    "tp2-sp": ParallelConfig(**SP),
-    "tp2-sp-etp2": ParallelConfig(**SP, expert_tensor_parallel_size=2),
-    "pp2": ParallelConfig(pipeline_model_parallel_size=2),
-}
+WORKER = Path(__file__).with_name("moe_weights_layouts_worker.py")
 LAUNCH_TIMEOUT_S = 300.0
-
-
-def token_batch() -> PolicyBatch:
-    ids, _ = hf_models.tokens()
-    return PolicyBatch(tokens=ids, response_mask=torch.zeros_like(ids, dtype=torch.bool))
 
 
 def reference_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,49 +53,6 @@ def reference_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     entropy = -(logp.exp() * logp).sum(-1)[:, :-1]
     zero = torch.zeros(ids.shape[0], 1, dtype=torch.float64)
     return torch.cat([zero, chosen], 1).float(), torch.cat([zero, entropy], 1).float()
-
-
-def engine_view(chunks, model, context, placement: str) -> dict[str, torch.Tensor] | None:
-    """What the weight sync hands an engine from this rank, exporting as it does
-    (``weights/sync.py``): colocated, every rank with all experts, each replica's tensor rank 0
-    the engine's side; disaggregated, replica 0's dense tensors and the experts of expert
-    data-parallel rank 0, replica 0's tensor rank 0 the sender. None on the other ranks."""
-    disaggregated = placement == "disaggregated"
-    dense = context.dp_rank == 0 if disaggregated else True
-    experts = context.edp_rank == 0 if disaggregated else True
-    buckets = export_weights(
-        chunks, model, context, version=0, dense=dense, experts=experts, all_experts=True
-    )
-    tensors = {n: t.clone() for bucket in buckets for n, t in bucket.tensors.items()}
-    sender = context.tp_rank == 0 and (context.dp_rank == 0 or not disaggregated)
-    return tensors if sender else None
-
-
-def worker(args) -> None:
-    gloo_launch.join_group(args, timeout_s=120)
-    work = Path(args.workdir)
-    results = {}
-    for name, layout in LAYOUTS.items():
-        context = ParallelContext.initialize(layout)
-        model, chunks = hf_to_megatron(work / "hf", work / f"ckpt-{name}", context)
-        results["logprobs", name] = compute_logprobs(
-            chunks, token_batch(), context, batching=Batching(2), temperature=1.0
-        )
-        if name == "ep2":  # what the live export yields on each rank
-            results["export"] = [
-                (bucket.expert_rank, sorted(bucket.tensors))
-                for bucket in export_weights(
-                    chunks, model, context, version=0, dense=context.dp_rank == 0
-                )
-            ]
-        for placement in ("colocated", "disaggregated"):
-            results["engine", name, placement] = engine_view(chunks, model, context, placement)
-        megatron_to_hf(work / f"ckpt-{name}", work / f"hf-{name}", context)
-        if name != "ep2":
-            megatron_to_hf(work / "ckpt-ep2", work / f"hf-{name}-from-ep2", context)
-        context.teardown()
-    gloo_launch.save_result(results, args.out)
-    dist.destroy_process_group()
 
 
 def assert_same_tensors(folder: Path, want: dict[str, torch.Tensor]) -> None:
@@ -146,7 +79,7 @@ def test_qwen3_moe_converts_at_every_expert_layout(tmp_path, single_process):
     assert_same_tensors(tmp_path / "hf-1", original)
 
     want_logprobs, want_entropy = reference_logprobs(want_logits)
-    results = gloo_launch.launch(__file__, 2, tmp_path, ["--workdir", tmp_path], LAUNCH_TIMEOUT_S)
+    results = gloo_launch.launch(WORKER, 2, tmp_path, ["--workdir", tmp_path], LAUNCH_TIMEOUT_S)
     for rank, result in enumerate(results):
         for name in LAYOUTS:
             logprobs, entropy = result["logprobs", name]
@@ -206,7 +139,3 @@ def test_command_line_converts_at_tp2_pp2_ep2_and_back(tmp_path, capsys):
     convert_cli.main(["megatron-to-hf", ckpt, back, "--no-progress"])
     assert f"wrote HF folder {back} from {ckpt} at TP1/PP1" in capsys.readouterr().out
     assert_same_tensors(tmp_path / "back", hf_models.read_hf_tensors(tmp_path / "hf"))
-
-
-if __name__ == "__main__":
-    worker(gloo_launch.worker_arguments(sys.argv[1:], workdir=str))

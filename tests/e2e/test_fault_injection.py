@@ -11,14 +11,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tests.helpers.gloo_launch import REPO_ROOT
 from tests.helpers.train_runs import (
+    Ranks,
     rollout_records,
     run_in_process,
-    start_ranks,
     subprocess_env,
     training_command,
 )
@@ -48,7 +49,7 @@ def test_the_reward_phase_is_bounded_per_batch(tmp_path, warm_start):
         *STEPS,
         "reward.name=tests.helpers.fault_rewards:hangs_sometimes",
         "reward.timeout_s=3600",
-        "reward.batch_timeout_s=2",
+        "reward.batch_timeout_s=0.5",  # the bound, not the hung checks (an hour), ends it
     )
     assert len(rollout_records(records)) == 2
     assert _sum(records, "reward/timeouts") > 0
@@ -59,27 +60,43 @@ def test_the_reward_phase_is_bounded_per_batch(tmp_path, warm_start):
 
 def test_a_frozen_rank_stops_the_run_naming_it(tmp_path, warm_start):
     """Data-parallel rank 1 freezes (SIGSTOP) in its reward phase; rank 0 waits in the next
-    collective until parallel.collective_timeout_s and stops with an error saying which rank
-    has not reached which phase. (The timeout also bounds the ranks' start-up collectives, so it
-    is far longer than any skew between two ranks doing the same start-up work.)"""
-    command = training_command(
-        tmp_path,
+    collective until its parallel.collective_timeout_s and stops with an error saying which rank
+    has not reached which phase.
+
+    The deadline also bounds the start-up collectives, so a short one must not meet a rank that
+    is still starting: rank 1 starts first, with the default deadline (it is the frozen one:
+    its own deadline never ends the run), and rank 0 only once rank 1 waits for it in the
+    rendezvous (rank 1's keys are in the store), so rank 0 never waits for rank 1's imports.
+    From the rendezvous on, the two ranks do the same start-up work and rank 0 the little that
+    rank 0 alone does, so rank 0's deadline of 10 s only has to outlast the drift of two equal
+    processes between two collectives (under 0.3 s when measured: the run passed with 0.3 s);
+    the wait for the frozen rank is then 10 s, not the 45 s a deadline covering the imports'
+    skew needed."""
+    common = [
         *warm_start[0],
         *STEPS,
         "reward.name=tests.helpers.fault_rewards:freezes_rank_1",
-        "parallel.collective_timeout_s=45",
         "parallel.stall_report_s=2",
         "rollout.prompts_per_step=4",
-    )
-    ranks = start_ranks(command, 2)
+    ]
+    ranks = Ranks.serving()
     try:
-        output, _ = ranks[0].communicate(timeout=300)
+        frozen = ranks.start(training_command(tmp_path, *common), 1, 2)
+        deadline = time.monotonic() + 300
+        while ranks.store.num_keys() == 0:  # rank 1 has not reached the rendezvous yet
+            assert frozen.poll() is None, frozen.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, "rank 1 did not reach the rendezvous in 300 s"
+            time.sleep(0.05)
+        waiting = ranks.start(
+            training_command(tmp_path, *common, "parallel.collective_timeout_s=10"), 0, 2
+        )
+        output, _ = waiting.communicate(timeout=300)
     finally:
         for process in ranks:  # rank 1 is stopped: only SIGKILL ends it
             if process.poll() is None:
                 os.kill(process.pid, signal.SIGKILL)
             process.wait()
-    assert ranks[0].returncode != 0
+    assert waiting.returncode != 0
     assert "where the ranks are: rank 0 in 'rollout step 0: 3. off-policy selection'" in output, (
         output[-4000:]
     )
@@ -184,21 +201,47 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(
 
 
 @pytest.mark.parametrize(
-    "override, message",
+    "override, message, as_command",
     [
-        ("reward.name=no_such_reward", "error: unknown reward 'no_such_reward'"),
-        ("parallel.tensor_model_parallel_size=4", "error: world size 1 is not divisible"),
-        (
+        # the command a user runs: exit code 1, the line last on stderr, no traceback (this
+        # error comes after the process group is set up)
+        pytest.param(
+            "parallel.tensor_model_parallel_size=4",
+            "error: world size 1 is not divisible",
+            True,
+            id="layout-command",
+        ),
+        # errors the preflight finds before anything is set up: the same entry point in this
+        # process (the line is the SystemExit message the interpreter prints, exit code 1)
+        pytest.param(
+            "reward.name=no_such_reward",
+            "error: unknown reward 'no_such_reward'",
+            False,
+            id="reward",
+        ),
+        pytest.param(
             "train.output_dir={file}/run",
             "error: train.output_dir {file}/run: {file} is not a folder",
+            False,
+            id="output-dir",
         ),
     ],
 )
-def test_user_errors_are_one_line(tmp_path, override, message):
+def test_user_errors_are_one_line(tmp_path, override, message, as_command):
     file = tmp_path / "a_file"
     file.write_text("")
+    command = [*training_command(tmp_path / "out"), override.format(file=file)]
+    message = message.format(file=file)
+    if not as_command:
+        from bapo_megatron.trainer.main import main
+
+        with pytest.raises(SystemExit) as exited:  # any other exception: a traceback
+            main(command[3:])  # after `python -m bapo_megatron.train`
+        assert isinstance(exited.value.code, str)
+        assert exited.value.code.splitlines()[-1].startswith(message), exited.value.code
+        return
     result = subprocess.run(
-        [*training_command(tmp_path / "out"), override.format(file=file)],
+        command,
         cwd=REPO_ROOT,
         env=subprocess_env(),
         capture_output=True,
@@ -207,4 +250,4 @@ def test_user_errors_are_one_line(tmp_path, override, message):
     )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert result.stderr.strip().splitlines()[-1].startswith(message.format(file=file))
+    assert result.stderr.strip().splitlines()[-1].startswith(message)

@@ -7,7 +7,9 @@
   meeting in a static rendezvous on 127.0.0.1, node 0 with one trainer process and node 1 (the
   engine node, ``ENGINE_NODES=1``) with one engine process; synchronous
   (``algorithm.max_staleness=0``, :data:`STALENESS`), so its metrics must be bitwise those of the
-  colocated run in one process with the same seeds.
+  colocated run in one process with the same seeds (the check of the synchronous disaggregated
+  loop with one trainer rank and one engine rank: test_train_disaggregated.py runs it with
+  parallel trainers).
 
 Every process the test starts, and everything below it, is killed when the test ends, however
 it ends."""
@@ -29,7 +31,6 @@ from tests.helpers.train_runs import (
     FAST,
     assert_same_run,
     read_metrics,
-    run_in_process,
     subprocess_env,
 )
 
@@ -39,17 +40,18 @@ pytestmark = [
 ASYNC_SCRIPT = REPO_ROOT / "examples" / "tiny_cpu" / "torchrun_async.sh"
 MULTINODE_SCRIPT = REPO_ROOT / "examples" / "launch" / "torchrun_multinode.sh"
 TINY_CONFIG = "examples/tiny_cpu/train.yaml"
-STEPS = ["train.steps=3"]
+STEPS = ["train.steps=3"]  # as the one-process run (conftest.colocated_three_steps)
 # the two-agent run: synchronous, so that it can be compared bitwise
 STALENESS = ["algorithm.max_staleness=0"]
 DISAGGREGATED = ["rollout.placement=disaggregated", "rollout.engine_ranks=1"]
 TIMEOUT_S = 900
 
 
-@pytest.fixture(scope="module")
-def colocated(tmp_path_factory, warm_start):
-    """The colocated synchronous run in one process (trainer TP1, PP1)."""
-    return run_in_process(tmp_path_factory.mktemp("colocated"), *warm_start[0], *STEPS)
+@pytest.fixture
+def colocated(colocated_three_steps):
+    """The colocated synchronous run in one process (trainer TP1, PP1), of STEPS; shared with
+    the other files that compare with it."""
+    return colocated_three_steps
 
 
 @contextlib.contextmanager

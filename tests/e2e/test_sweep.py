@@ -1,5 +1,6 @@
-"""The minimal staleness sweep end to end (shared warm-up start, two training subprocesses,
-the report with a table row per run, the plots), and the sweep's plan."""
+"""A minimal staleness sweep end to end (shared warm-up start, a one-process run and an
+asynchronous run under torchrun side by side, the report with a table row per run, the plots),
+the report's claims over several methods, and the sweep's plan."""
 
 from __future__ import annotations
 
@@ -68,9 +69,13 @@ def test_process_slots_hold_a_two_process_run_alone():
 
 
 def test_minimal_sweep_end_to_end(tmp_path):
+    """One method at two staleness settings, one of them asynchronous: every step of the sweep
+    (start, both kinds of run, report, plots, the second call) without paying for a second
+    method's runs, whose only other use is the comparison in the claims (tested below on
+    made-up summaries). 3 slots: the one-process run beside the two-process one."""
     from bapo_megatron.repro.sweep import run_sweep
 
-    settings = SweepSettings.minimal()
+    settings = SweepSettings.minimal(methods=("bapo-paper",), jobs=3)
     report = run_sweep(settings, tmp_path, progress=lambda line: None)
     text = report.read_text()
     runs = plan_runs(settings, tmp_path)
@@ -161,3 +166,55 @@ def test_summary_leaves_updates_without_advantaged_tokens_out_of_rho_and_grad_no
     assert summary["median_grad_norm"] == pytest.approx(3.0)
     assert summary["updates_without_signal"] == pytest.approx(0.5)
     assert summary["optimizer_steps"] == 4
+
+
+def test_claims_compare_each_bapo_preset_with_every_fixed_clip_method():
+    """The claims' verdicts by seed means, per staleness setting: a BAPO preset wins a setting
+    only against every fixed-clip method there, a tie is no win, and a setting without both
+    kinds is left out."""
+    from bapo_megatron.repro.sweep_report import claims
+
+    def summary(entropy, reward, grad, rho=0.5):
+        return {
+            "rho_before_below_target": 0.25,
+            "entropy_last": entropy,
+            "mean_rho": rho,
+            "rho_at_target": 1.0,
+            "search_target_met": 0.75,
+            "max_grad_norm": grad,
+            "median_grad_norm": grad / 2,
+            "final_reward": reward,
+        }
+
+    groups = {
+        "reuse4": {
+            "grpo": [summary(0.5, 0.5, 3.0, rho=0.3)],
+            "clip-higher": [summary(0.6, 0.5, 2.0, rho=0.3)],
+            "bapo-paper": [summary(0.7, 0.6, 1.0)],
+            "bapo-reference": [summary(0.55, 0.7, 2.5)],  # beats grpo only: no win
+        },
+        "async1": {
+            "grpo": [summary(0.4, 0.4, 1.0), summary(0.4, 0.6, 1.0)],  # two seeds
+            "bapo-paper": [summary(0.45, 0.5, 2.0)],  # reward and rho tied with grpo's
+        },
+    }
+    entropy, rho, grad, reward = claims(groups)[1:]
+    assert entropy.endswith(
+        "Ending with higher entropy: bapo-paper beat every fixed-clip method in 2 of 2 "
+        "settings; bapo-reference beat every fixed-clip method in 0 of 1 settings."
+    )
+    assert "reuse4: grpo 0.500, clip-higher 0.600, bapo-paper 0.700" in entropy
+    assert rho.endswith(
+        "Higher mean rho: bapo-paper beat every fixed-clip method in 1 of 2 settings; "
+        "bapo-reference beat every fixed-clip method in 1 of 1 settings."
+    )
+    assert "reuse4: bapo-paper 0.75, bapo-reference 0.75; async1: bapo-paper 0.75" in rho
+    assert "Lower max grad norm: bapo-paper beat every fixed-clip method in 1 of 2" in grad
+    assert "async1: grpo 1.00/0.50, bapo-paper 2.00/1.00" in grad
+    assert "async1: grpo 0.500 (seeds 0.400..0.600), bapo-paper 0.500 (one seed" in reward
+    assert (
+        "Higher final reward: bapo-paper beat every fixed-clip method in 1 of 2 settings; "
+        "bapo-reference beat every fixed-clip method in 1 of 1 settings (ties do not count)"
+    ) in reward
+    alone = claims({"reuse1": {"bapo-paper": [summary(0.5, 0.5, 1.0)]}})
+    assert all("no BAPO and fixed-clip pair to compare" in line for line in alone[1:])

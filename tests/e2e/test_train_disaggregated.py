@@ -1,7 +1,8 @@
-"""The tiny run with its engine on a rank of its own (``rollout.placement=disaggregated``: one
-trainer rank, one engine rank, started as torchrun would), against the colocated synchronous run
-in one process with the same seeds; the same with a tensor- or pipeline-parallel trainer (two
-trainer ranks, one engine rank). The two ways one side can die are tested in
+"""The tiny run with its engine on a rank of its own (``rollout.placement=disaggregated``) and a
+tensor- or pipeline-parallel trainer (two trainer ranks, one engine rank, started as torchrun
+would), against the colocated synchronous run in one process with the same seeds. The same run
+with one trainer rank and one engine rank is test_multinode_launch.py's two-agent run, compared
+bitwise with the same colocated run. The two ways one side can die are tested in
 test_train_async.py, at eta 0 and 1."""
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from tests.helpers.train_runs import (
     assert_same_run,
     read_metrics,
     rollout_records,
-    run_in_process,
     start_ranks,
     training_command,
 )
@@ -23,7 +23,7 @@ pytestmark = [
     pytest.mark.multiprocess,
 ]
 DISAGGREGATED = ["rollout.placement=disaggregated", "rollout.engine_ranks=1"]
-STEPS = ["train.steps=3"]
+STEPS = ["train.steps=3"]  # as the one-process run (conftest.colocated_three_steps)
 LAYOUTS = {
     "tp2": "parallel.tensor_model_parallel_size=2",
     "pp2": "parallel.pipeline_model_parallel_size=2",
@@ -41,22 +41,11 @@ def finish(ranks: list[subprocess.Popen], timeout: float) -> list[str]:
                 rank.communicate()
 
 
-@pytest.fixture(scope="module")
-def colocated(tmp_path_factory, warm_start):
-    """The colocated synchronous run in one process (trainer TP1, PP1)."""
-    return run_in_process(tmp_path_factory.mktemp("colocated"), *warm_start[0], *STEPS)
-
-
-def test_eta0_disaggregated_run_matches_the_colocated_run(tmp_path, warm_start, colocated):
-    ranks = start_ranks(
-        training_command(tmp_path / "split", *warm_start[0], *STEPS, *DISAGGREGATED), 2
-    )
-    outputs = finish(ranks, 900)
-    assert [r.returncode for r in ranks] == [0, 0], "\n".join(o[-4000:] for o in outputs)
-    assert "answered" in outputs[1]  # the engine rank served, then was stopped by its trainer
-    assert_same_run(
-        read_metrics(tmp_path / "split"), colocated, rollout_steps=3, updates=6, bitwise=True
-    )
+@pytest.fixture
+def colocated(colocated_three_steps):
+    """The colocated synchronous run in one process (trainer TP1, PP1), of STEPS; shared with
+    the other files that compare with it."""
+    return colocated_three_steps
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

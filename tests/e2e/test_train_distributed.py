@@ -13,7 +13,6 @@ from tests.helpers.train_runs import (
     FAST,
     assert_same_run,
     read_metrics,
-    run_in_process,
     subprocess_env,
 )
 
@@ -21,16 +20,11 @@ pytestmark = [
     pytest.mark.multiprocess,
 ]
 SCRIPT = REPO_ROOT / "examples" / "tiny_cpu" / "torchrun_2proc.sh"
-STEPS = ["train.steps=3"]
-
-
-@pytest.fixture(scope="module")
-def single_process(tmp_path_factory, warm_start):
-    return run_in_process(tmp_path_factory.mktemp("one"), *warm_start[0], *STEPS)
+STEPS = ["train.steps=3"]  # as the one-process run (conftest.colocated_three_steps)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_two_process_run_matches_one_process(tmp_path, warm_start, single_process, layout):
+def test_two_process_run_matches_one_process(tmp_path, warm_start, colocated_three_steps, layout):
     # the warm start was saved in one process: a weights checkpoint loads at any layout
     result = subprocess.run(
         ["bash", str(SCRIPT), *FAST, *warm_start[0], *STEPS, f"train.output_dir={tmp_path}"],
@@ -41,4 +35,4 @@ def test_two_process_run_matches_one_process(tmp_path, warm_start, single_proces
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    assert_same_run(read_metrics(tmp_path), single_process, rollout_steps=3, updates=6)
+    assert_same_run(read_metrics(tmp_path), colocated_three_steps, rollout_steps=3, updates=6)

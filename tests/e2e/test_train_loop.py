@@ -125,11 +125,17 @@ def test_default_run_logs_every_step_to_tensorboard(tmp_path, warm_start):
                 "train.steps=4",
             ],
         ),
+        # 8 groups of 2 samples per step in 8 mini-batches: a group ends when both its samples
+        # have, so the steps' counts of finished groups spread over 0..8 (2 to 4 steps with 1 to
+        # 7 of them in 13 seeds tried); 4 groups of 4 in 4 mini-batches mostly end together
+        # (all 4 at the length cap, [0, 0, 4, 4]: half the seeds had no partly empty step)
         (
-            "partial-k4",
+            "partial-k8",
             [
                 "rollout.partial_tokens_per_round=6",
-                "algorithm.optimizer_steps_per_rollout=4",
+                "rollout.prompts_per_step=8",
+                "rollout.samples_per_prompt=2",
+                "algorithm.optimizer_steps_per_rollout=8",
                 "train.steps=4",
             ],
         ),
@@ -169,13 +175,17 @@ def test_off_policy_modes(tmp_path, warm_start, mode, overrides):
             assert r["is_weights/capped_fraction"] == 0.0
     else:
         # the updates of each rollout step: one per mini-batch holding a group on some rank
+        parts = 4 if mode == "filter-k4" else 8
         per_step = [sum(1 for u in steps if u["rollout_step"] == k) for k in range(4)]
         assert sum(per_step) == len(steps) > 0
-        assert any(0 < n < 4 for n in per_step), per_step  # some mini-batch was empty everywhere
+        # some step trained some of its mini-batches and skipped the others, empty everywhere
+        assert any(0 < n < parts for n in per_step), per_step
         assert all(r["policy_version"] == sum(per_step[: k + 1]) for k, r in enumerate(rollouts))
-        if mode == "filter-k4":
-            kept = [r["rollout/informative_groups"] for r in rollouts]
-            assert per_step == [min(4, int(n)) for n in kept] and min(kept) < 4
+        # the groups that train: those with a reward signal, or those whose samples all ended
+        key = "informative_groups" if mode == "filter-k4" else "finished_groups"
+        trained = [int(r[f"rollout/{key}"]) for r in rollouts]
+        assert per_step == [min(parts, n) for n in trained], (per_step, trained)
+        assert min(trained) < parts
 
 
 def test_console_line_per_step_and_a_fresh_start_replaces_the_old_records(

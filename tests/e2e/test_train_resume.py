@@ -4,20 +4,15 @@ seed), with the replay buffer and partial-rollout state carried across."""
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 from bapo_megatron.device_check import loop_runs
 from bapo_megatron.trainer.checkpoint import latest_checkpoint
-from tests.helpers.gloo_launch import REPO_ROOT
 from tests.helpers.train_runs import (
     kill_after,
     read_metrics,
     rollout_records,
     run_in_process,
-    subprocess_env,
-    training_command,
 )
 
 # Values that must repeat exactly (times and throughput do not), and the records compared: the
@@ -75,14 +70,7 @@ def test_finished_run_does_not_train_again(tmp_path, warm_start, capsys):
     again = run_in_process(tmp_path, *common)
     assert comparable(again) == comparable(first)
     assert "already holds a run finished at rollout step 2" in capsys.readouterr().out
-    result = subprocess.run(
-        training_command(tmp_path, *common, "train.steps=3"),
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = rollout_records(read_metrics(tmp_path))
+    # asked for one more step, it trains that step only (in this process; a resume by the
+    # command line: test_train_async.py's SIGKILL test)
+    records = rollout_records(run_in_process(tmp_path, *common, "train.steps=3"))
     assert [r["rollout_step"] for r in records] == [1, 2, 3]

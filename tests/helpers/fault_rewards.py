@@ -42,15 +42,19 @@ def freezes_rank_1(response: str, truth: str) -> float:
 
 HANG_FILE = "BAPO_TEST_HANG_FILE"
 """Environment variable naming the file :func:`hangs_while_told` looks for."""
+HANG_AFTER = "BAPO_TEST_HANG_AFTER"
+"""Environment variable naming a path that must exist too before :func:`hangs_while_told`
+waits (a checkpoint folder: the rewards of the rollout steps after it)."""
 
 
 def hangs_while_told(response: str, truth: str) -> float:
-    """While the file named by ``$BAPO_TEST_HANG_FILE`` exists, marks that it was reached
-    (``<file>.reached``) and waits (up to an hour) until the file is gone: the trainer is then
-    certainly in the middle of a rollout step, waiting for its rewards, until the test lets it
-    go on. Otherwise an exact-match reward."""
-    told = os.environ.get(HANG_FILE)
-    if told and Path(told).exists():
+    """While the file named by ``$BAPO_TEST_HANG_FILE`` exists (and, if ``$BAPO_TEST_HANG_AFTER``
+    names a path, that path exists too), marks that it was reached (``<file>.reached``) and
+    waits (up to an hour) until the file is gone: the trainer is then certainly in the middle of
+    a rollout step, waiting for its rewards, until the test lets it go on. Otherwise an
+    exact-match reward."""
+    told, after = os.environ.get(HANG_FILE), os.environ.get(HANG_AFTER)
+    if told and Path(told).exists() and (not after or Path(after).exists()):
         Path(told + ".reached").touch()
         deadline = time.monotonic() + 3600
         while Path(told).exists() and time.monotonic() < deadline:

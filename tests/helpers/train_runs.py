@@ -115,38 +115,50 @@ class Ranks(list):
 
     store: dist.TCPStore
 
+    @classmethod
+    def serving(cls) -> Ranks:
+        """No rank yet, and the rendezvous store the ranks will connect to. As under torchrun,
+        it is served by the launcher (this process, on a port the system picks) and the ranks
+        connect to it (``TORCHELASTIC_USE_AGENT_STORE``): no rank has to bind a port that
+        something else could take first."""
+        ranks = cls()
+        ranks.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        return ranks
 
-def start_ranks(command: list[str], world_size: int, extra_env: dict | None = None) -> Ranks:
-    """``command`` once per rank, with the variables torchrun sets, output merged into each
-    process's stdout pipe. The caller ends them.
-
-    As under torchrun, the rendezvous store is served by the launcher (this process, on a port
-    the system picks) and the ranks connect to it (``TORCHELASTIC_USE_AGENT_STORE``): no rank
-    has to bind a port that something else could take first."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ranks = Ranks()
-    ranks.store = store
-    for rank in range(world_size):
+    def start(
+        self, command: list[str], rank: int, world_size: int, extra_env: dict | None = None
+    ) -> subprocess.Popen:
+        """``command`` as rank ``rank`` of ``world_size``, with the variables torchrun sets,
+        output merged into the process's stdout pipe; appended, and returned. The caller ends
+        it."""
         env = {
             **subprocess_env(),
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(store.port),
+            "MASTER_PORT": str(self.store.port),
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             **(extra_env or {}),
         }
-        ranks.append(
-            subprocess.Popen(
-                command,
-                cwd=REPO_ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
+        process = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
+        self.append(process)
+        return process
+
+
+def start_ranks(command: list[str], world_size: int, extra_env: dict | None = None) -> Ranks:
+    """``command`` once per rank (:meth:`Ranks.start`), ``ranks[r]`` being rank ``r``. The caller
+    ends them."""
+    ranks = Ranks.serving()
+    for rank in range(world_size):
+        ranks.start(command, rank, world_size, extra_env)
     return ranks
 
 
