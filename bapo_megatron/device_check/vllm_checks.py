@@ -33,6 +33,7 @@ import torch
 
 from bapo_megatron.actor.actor import Actor, build_actor
 from bapo_megatron.actor.logprobs import compute_logprobs
+from bapo_megatron.actor.microbatches import Batching
 from bapo_megatron.actor.train_step import train_step
 from bapo_megatron.algo.search_plan import SearchPlan
 from bapo_megatron.config import (
@@ -92,7 +93,7 @@ def logprob_gap(actor: Actor, samples: list[RolloutSample], temperature: float) 
     """Mean and largest |engine - actor| log-prob over the samples' tokens."""
     batch = _batch(samples)
     recomputed, _ = compute_logprobs(
-        actor.chunks, batch, actor.context, micro_batch_size=actor.actor_config.micro_batch_size,
+        actor.chunks, batch, actor.context, batching=Batching.for_logprobs(actor.actor_config),
         temperature=temperature, with_entropy=False,
     )
     gap = (recomputed - batch.old_logprobs).abs()[batch.response_mask]
