@@ -1,9 +1,11 @@
-"""The deferred import of wandb (bapo_megatron/megatron_patches/deferred_wandb.py): Megatron-Core's
-``import wandb`` runs nothing, the first real use runs the package once, in the same object.
+"""What ``import megatron.core`` no longer runs: wandb (bapo_megatron/megatron_patches/
+deferred_wandb.py: Megatron-Core's ``import wandb`` runs nothing, the first real use runs the
+package once, in the same object) and TorchDynamo (deferred_jit_compile.py: ``jit_fuser`` calls
+``torch.compile`` at a fused function's first call).
 
-Each case runs in a fresh interpreter: what it checks is the state of ``sys.modules``. The
-package cases use a made-up package that logs every module it runs, so a module run twice (or
-not at all) shows; one case imports Megatron-Core with the real wandb installed.
+The import cases run in a fresh interpreter: what they check is the state of ``sys.modules``.
+The package cases use a made-up package that logs every module it runs, so a module run twice
+(or not at all) shows; one case imports Megatron-Core with the real wandb installed.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import subprocess
 import sys
 import textwrap
 
+import torch
+
+from bapo_megatron.megatron_patches.deferred_jit_compile import compile_on_first_call
 from tests.helpers.gloo_launch import REPO_ROOT
 
 PACKAGE_FILES = {
@@ -109,12 +114,17 @@ def test_missing_imported_or_blocked_packages_are_left_alone(tmp_path):
     )
 
 
-def test_megatron_core_imports_without_running_wandb(tmp_path):
+def test_megatron_core_imports_without_running_wandb_or_dynamo(tmp_path):
     run_python(
         """
         import sys
-        import bapo_megatron  # the root __init__ defers wandb
+        import bapo_megatron  # the root __init__ defers wandb and the jit decorator
+        import megatron.core.models.gpt
         import megatron.core.timers
+        from megatron.core import jit
+        from bapo_megatron.megatron_patches.deferred_jit_compile import compile_on_first_call
+        assert jit.jit_fuser is compile_on_first_call
+        assert "torch._dynamo" not in sys.modules, "Megatron-Core's import ran TorchDynamo"
         assert megatron.core.timers.wandb is sys.modules["wandb"]
         assert "wandb.sdk" not in sys.modules, "Megatron-Core's import ran wandb"
         import wandb
@@ -124,3 +134,25 @@ def test_megatron_core_imports_without_running_wandb(tmp_path):
         tmp_path,
         timeout=300,
     )
+
+
+def test_compile_on_first_call_compiles_once_at_the_first_call(monkeypatch):
+    made = []
+
+    def fake_compile(fn):  # torch.compile's contract: a callable computing what fn computes
+        made.append(fn)
+        return lambda *args, **kwargs: fn(*args, **kwargs) * 1
+
+    def bias_gelu(bias, y):
+        """The fused function's docstring."""
+        x = bias + y
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    decorated = compile_on_first_call(bias_gelu)
+    assert made == [], "compiled at decoration"
+    assert decorated.__name__ == "bias_gelu" and decorated.__doc__ == bias_gelu.__doc__
+    bias, y = torch.randn(5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    assert torch.equal(decorated(bias, y), bias_gelu(bias, y))
+    assert torch.equal(decorated(bias, y=y), bias_gelu(bias, y))
+    assert made == [bias_gelu], "compiled more than once, or another function"
