@@ -53,6 +53,7 @@ Packed sequences, per device:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -66,10 +67,18 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
-try:  # torch >= 2.10 (flash attention over cumulative lengths, CUDA only)
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # pragma: no cover - the pinned torch has it
-    varlen_attn = None
+
+@functools.cache
+def varlen_attention():
+    """torch's flash attention over cumulative lengths (``torch.nn.attention.varlen``, torch >=
+    2.10, CUDA only), or None where torch lacks it. Imported at the first CUDA call, not with
+    this module: it imports TorchDynamo (about 3 s of CPU), which runs on the CPU never use."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # pragma: no cover - the pinned torch has it
+        return None
+    return varlen_attn
+
 
 CAUSAL_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 """Mask types this module computes: both mean "causal within each sequence" here."""
@@ -240,12 +249,12 @@ class SdpaCoreAttention(MegatronModule):
         precision only, without dropout (its dropout is fixed at 0), for flash's head sizes."""
         hn = query.size(-1)
         return (
-            varlen_attn is not None
-            and query.is_cuda
+            query.is_cuda
             and query.dtype in _VARLEN_DTYPES
             and dropout_p == 0.0
             and hn % 8 == 0
             and hn <= 256
+            and varlen_attention() is not None
         )
 
     def _varlen(self, query, key, value, cu_q, cu_kv, params: PackedSeqParams) -> torch.Tensor:
@@ -254,7 +263,7 @@ class SdpaCoreAttention(MegatronModule):
             max_q = int((cu_q[1:] - cu_q[:-1]).max())  # one device sync
         if max_kv is None:
             max_kv = max_q if cu_kv is cu_q else int((cu_kv[1:] - cu_kv[:-1]).max())
-        return varlen_attn(
+        return varlen_attention()(
             query,
             key,
             value,

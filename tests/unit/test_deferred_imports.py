@@ -114,17 +114,18 @@ def test_missing_imported_or_blocked_packages_are_left_alone(tmp_path):
     )
 
 
-def test_megatron_core_imports_without_running_wandb_or_dynamo(tmp_path):
+def test_the_trainer_and_megatron_core_import_without_running_wandb_or_dynamo(tmp_path):
     run_python(
         """
         import sys
         import bapo_megatron  # the root __init__ defers wandb and the jit decorator
         import megatron.core.models.gpt
+        import bapo_megatron.trainer.main  # the trainer's whole import (the actor's attention...)
         import megatron.core.timers
         from megatron.core import jit
         from bapo_megatron.megatron_patches.deferred_jit_compile import compile_on_first_call
         assert jit.jit_fuser is compile_on_first_call
-        assert "torch._dynamo" not in sys.modules, "Megatron-Core's import ran TorchDynamo"
+        assert "torch._dynamo" not in sys.modules, "the trainer's import ran TorchDynamo"
         assert megatron.core.timers.wandb is sys.modules["wandb"]
         assert "wandb.sdk" not in sys.modules, "Megatron-Core's import ran wandb"
         import wandb
