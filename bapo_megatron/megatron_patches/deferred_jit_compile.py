@@ -8,7 +8,7 @@ worker process (of about 10.5 s on the 2-core machine), runs that never call a f
 (every CPU run: the local spec's fusions are off there) included.
 
 :func:`defer_jit_compile` installs an import hook that, right after ``megatron.core.jit`` runs,
-replaces ``jit_fuser`` by :func:`compile_on_first_call`: a decorator that calls
+replaces ``jit_fuser`` by :func:`compile_on_first_call` of ``torch.compile``: a decorator that calls
 ``torch.compile(fn)`` when the decorated function is first called and uses what it returns from
 then on: the same compiled function, compiled at the same moment, only TorchDynamo's import moves
 to that first call. Megatron's ``disable_jit_fuser()`` / ``enable_jit_fuser()`` keep their
@@ -27,23 +27,28 @@ import threading
 JIT_MODULE = "megatron.core.jit"
 
 
-def compile_on_first_call(fn):
-    """``torch.compile(fn)``, made when the returned function is first called."""
-    compiled = None
-    lock = threading.Lock()
+def compile_on_first_call(compile_function):
+    """A decorator that makes ``compile_function(fn)`` (``torch.compile``) when the decorated
+    function is first called, and calls what it made from then on. (``torch`` is handed in, not
+    imported here: the package root that installs the hook stays free of torch.)"""
 
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        nonlocal compiled
-        if compiled is None:
-            with lock:
-                if compiled is None:
-                    import torch
+    def decorate(fn):
+        compiled = None
+        lock = threading.Lock()
 
-                    compiled = torch.compile(fn)
-        return compiled(*args, **kwargs)
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                with lock:
+                    if compiled is None:
+                        compiled = compile_function(fn)
+            return compiled(*args, **kwargs)
 
-    return call
+        return call
+
+    decorate.compiles_with = compile_function
+    return decorate
 
 
 class JitModuleLoader(importlib.abc.Loader):
@@ -57,10 +62,9 @@ class JitModuleLoader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self.loader.exec_module(module)
-        import torch
-
-        if module.jit_fuser is torch.compile:  # what enable_jit_fuser() chose at its import
-            module.jit_fuser = compile_on_first_call
+        compile_function = module.torch.compile  # the module's own `import torch`
+        if module.jit_fuser is compile_function:  # what enable_jit_fuser() chose at its import
+            module.jit_fuser = compile_on_first_call(compile_function)
 
 
 class JitModuleFinder(importlib.abc.MetaPathFinder):

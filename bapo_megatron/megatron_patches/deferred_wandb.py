@@ -99,7 +99,10 @@ def defer_import(package: str) -> bool:
     with ``sys.modules[package] = None``)."""
     if package in sys.modules:
         return False
-    spec = importlib.util.find_spec(package)  # a top-level name: reads the path, runs nothing
+    try:
+        spec = importlib.util.find_spec(package)  # a top-level name: reads the path, runs nothing
+    except ImportError:  # a finder that answers "not installed" by raising
+        return False
     if spec is None or spec.loader is None:
         return False
     module = importlib.util.module_from_spec(spec)  # __spec__, __file__, __path__, __loader__

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel import layers
 
 # Importing the module registers the "fake" backend with torch.distributed.
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -65,8 +66,6 @@ def meta_weights_skip_the_full_matrix() -> Iterator[None]:
     the slices compute nothing on the meta device, yet they were a third of the planner's time
     (42 of 136 s for the 235B recipe's 64 ranks on the 2-core machine). Weights on another device
     take Megatron's own function."""
-    from megatron.core.tensor_parallel import layers
-
     megatrons = layers._initialize_affine_weight_cpu
 
     def initialize(weight, output_size, input_size, *args, **kwargs):

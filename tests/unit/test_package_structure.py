@@ -146,6 +146,10 @@ FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
     ("bapo_megatron.rollout.resubmission", "bapo_megatron.weights.name_maps"): (
         "rollout -> weights at the top would be a package cycle (weights.sync imports rollout)"
     ),
+    ("bapo_megatron.actor.core_attention", "torch.nn.attention.varlen"): (
+        "the CUDA-only varlen kernel; its module imports TorchDynamo (about 3 s of CPU per "
+        "process), which runs on the CPU never use"
+    ),
     ("bapo_megatron.repro.evaluate_cli", "bapo_megatron.repro.evaluate"): (
         "the reward pool's spawn workers re-import the main module; OMP_NUM_THREADS is set first"
     ),
