@@ -67,11 +67,12 @@ def meta_weights_skip_the_full_matrix() -> Iterator[None]:
     (42 of 136 s for the 235B recipe's 64 ranks on the 2-core machine). Weights on another device
     take Megatron's own function."""
     megatrons = layers._initialize_affine_weight_cpu
+    signature = inspect.signature(megatrons)  # once: a large plan makes ~30,000 calls
 
     def initialize(weight, output_size, input_size, *args, **kwargs):
         if weight.device.type != "meta":
             return megatrons(weight, output_size, input_size, *args, **kwargs)
-        bound = inspect.signature(megatrons).bind(weight, output_size, input_size, *args, **kwargs)
+        bound = signature.bind(weight, output_size, input_size, *args, **kwargs)
         bound.apply_defaults()
         given = bound.arguments
         if not given["skip_set_tensor_parallel_attributes"]:
