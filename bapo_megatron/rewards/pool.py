@@ -90,6 +90,9 @@ class _Worker:
     """One scoring process and the check it is running."""
 
     def __init__(self, context, name: str, number: int) -> None:
+        """Start the process; :meth:`wait_ready` waits until it has imported its reward (apart,
+        so that a pool's workers import theirs at the same time)."""
+        self.reward = name
         self.connection, child = context.Pipe()
         self.process = context.Process(
             target=_serve, args=(child, name), daemon=True, name=f"reward-worker-{number}"
@@ -98,10 +101,15 @@ class _Worker:
         child.close()
         self.item: int | None = None
         self.started = 0.0
-        if not self.connection.poll(STARTUP_TIMEOUT_S):
+        self._stopping = False
+
+    def wait_ready(self, deadline: float) -> None:
+        """Wait (until the ``time.monotonic()`` ``deadline``) for the worker's "ready"; a worker
+        that dies or stays silent is killed and named."""
+        if not self.connection.poll(max(0.0, deadline - time.monotonic())):
             self.kill()
             raise RuntimeError(
-                f"reward worker {self.process.name} (reward {name!r}) did not start "
+                f"reward worker {self.process.name} (reward {self.reward!r}) did not start "
                 f"within {STARTUP_TIMEOUT_S:.0f} s (exit code {self.process.exitcode})"
             )
         try:
@@ -109,7 +117,7 @@ class _Worker:
         except EOFError:
             self.kill()
             raise RuntimeError(
-                f"reward worker {self.process.name} (reward {name!r}) died while "
+                f"reward worker {self.process.name} (reward {self.reward!r}) died while "
                 f"starting (exit code {self.process.exitcode})"
             ) from None
 
@@ -122,12 +130,20 @@ class _Worker:
         self.process.join()
         self.connection.close()
 
-    def stop(self) -> None:
-        """End the worker politely (it finishes no check), or kill it."""
+    def request_stop(self) -> None:
+        """Ask the worker to exit once it is idle (a pool asks all of them before waiting, so
+        that their interpreters shut down at the same time)."""
+        if self._stopping:
+            return
+        self._stopping = True
         try:
             self.connection.send(None)
         except OSError:
-            pass
+            pass  # gone already, or killed: the join below returns at once
+
+    def stop(self) -> None:
+        """End the worker politely (it finishes no check), or kill it."""
+        self.request_stop()
         self.process.join(timeout=5)
         if self.process.is_alive():
             self.process.kill()
@@ -162,18 +178,23 @@ class RewardPool:
         self._workers: list[_Worker] = []
         try:
             for _ in range(workers):
-                self._workers.append(self._new_worker())
+                self._workers.append(self._start_worker())
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            for worker in self._workers:
+                worker.wait_ready(deadline)
         except BaseException:
             self.close()
             raise
 
-    def _new_worker(self) -> _Worker:
+    def _start_worker(self) -> _Worker:
         self._started += 1
         return _Worker(self._context, self.name, self._started)
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
-        self._workers[self._workers.index(worker)] = self._new_worker()
+        new = self._start_worker()
+        self._workers[self._workers.index(worker)] = new
+        new.wait_ready(time.monotonic() + STARTUP_TIMEOUT_S)
 
     def score(
         self,
@@ -270,6 +291,8 @@ class RewardPool:
         return batch
 
     def close(self) -> None:
+        for worker in self._workers:
+            worker.request_stop()
         for worker in self._workers:
             worker.stop()
         self._workers = []

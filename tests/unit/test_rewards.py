@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import time
@@ -95,6 +96,18 @@ def test_a_worker_that_dies_is_replaced_and_its_check_counted():
         assert pool.score(["0", "0"], ["", ""]).rewards == [1.0, 1.0]
         workers = [w.process for w in pool._workers]
     assert not any(process.is_alive() for process in workers)  # close ends every worker
+
+
+def test_workers_that_cannot_start_are_named_and_none_is_left_running():
+    # the pool starts its workers together and waits for all: a failure in one still ends both
+    before = set(multiprocessing.active_children())
+    with pytest.raises(
+        RuntimeError,
+        match=r"reward worker reward-worker-1 \(reward 'tests\.helpers\.reward_that_cannot_start"
+        r":score'\) died while starting",
+    ):
+        RewardPool("tests.helpers.reward_that_cannot_start:score", workers=2, timeout_s=60.0)
+    assert set(multiprocessing.active_children()) == before
 
 
 def test_the_whole_batch_is_bounded_in_time():
