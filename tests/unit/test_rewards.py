@@ -6,6 +6,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -46,6 +48,25 @@ def test_registry_names_and_errors():
         get_reward("tests.no_such_module:f")
     with pytest.raises(ValueError, match="already registered"):
         register_reward("math")(length)
+
+
+def test_a_builtin_reward_imports_only_its_own_module():
+    # in a fresh interpreter, as a reward worker is: exact_match without math-verify, and a
+    # name clash with a built-in whose module was not imported yet still refused
+    code = (
+        "import sys\n"
+        "from bapo_megatron.rewards.registry import get_reward, register_reward\n"
+        "assert get_reward('exact_match')('4', '4') == 1.0\n"
+        "assert 'math_verify' not in sys.modules, 'math-verify imported for exact_match'\n"
+        "try:\n"
+        "    register_reward('math_lenient')(len)\n"
+        "except ValueError as err:\n"
+        "    print(err)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert result.stdout.strip() == "reward 'math_lenient' is already registered"
 
 
 def slow_reward(response: str, truth: str) -> float:
