@@ -1,31 +1,28 @@
-"""Megatron-Core's checkpoint-writer queue server, started so that it ends with the trainer.
+"""Megatron-Core's checkpoint-writer results queue, kept in this process.
 
-Kept apart from :mod:`bapo_megatron.megatron_patches.child_processes`, which must stay light: the
-reward pool's workers and this queue's server import that module (for
-:func:`~bapo_megatron.megatron_patches.child_processes.exit_with_parent`) and should not pay for
-Megatron's import.
+Megatron-Core's torch_dist writer (0.16, ``dist_checkpointing/strategies/filesystem_async.py``)
+hands each save's write results through a module-global queue that its first save creates as a
+``multiprocessing`` Manager queue: a spawn-started server process, there for asynchronous saves,
+whose results are put from a forked process. This project saves synchronously only (the writer
+runs in the saving process, and only its forked per-bucket children are other processes, with
+queues of their own), so the results are put and read in this process. The Manager cost every
+saving process a server that outlived a SIGKILLed trainer unless told otherwise, and, at the
+first save, the seconds that server spent importing torch to unpickle the results (4-6 s of a
+tiny run's 20 s on 2 cores). An in-process queue has neither.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-from multiprocessing.managers import SyncManager
+import queue
 
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-from bapo_megatron.megatron_patches.child_processes import exit_with_parent
 
-_servers: list[SyncManager] = []
-
-
-def checkpoint_writer_queue_ends_with_us() -> None:
-    """Megatron-Core's torch_dist writer (0.16, ``dist_checkpointing/strategies/
-    filesystem_async.py``) keeps a module-global results queue served by a spawn-started
-    ``multiprocessing`` Manager, created at the first save. Create it first, with a server that
-    ends with this process (see patches/README.md). Idempotent."""
-    if filesystem_async._results_queue is not None:
-        return
-    server = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    server.start(initializer=exit_with_parent)
-    _servers.append(server)
-    filesystem_async._results_queue = server.Queue()
+def checkpoint_writer_queue_in_process() -> None:
+    """Before a synchronous ``dist_checkpointing.save``: give Megatron's writer an in-process
+    results queue, unless it has one already (an asynchronous save made elsewhere in this
+    process created its Manager queue first; that one keeps working). An asynchronous save
+    after this would put its results in a forked copy of the queue, and Megatron's finalize
+    then reports "results_queue should not be empty" instead of waiting. Idempotent."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()

@@ -2,10 +2,9 @@
 
 A trainer killed with SIGKILL runs no cleanup, and the pipes of a helper process do not tell it
 either (other processes of the trainer, such as the checkpoint writer's forked children, hold
-copies of their ends). Without this, every killed run would leave its reward workers and
-Megatron's checkpoint-writer queue server running for good, each holding a Python with torch.
-(That server is started by :mod:`bapo_megatron.megatron_patches.checkpoint_writer_queue`; this
-module imports no Megatron, so the helpers that import it start fast.)
+copies of their ends). Without this, every killed run would leave its reward workers and the
+checkpoint writer's forked children running for good. This module imports no Megatron, so the
+helpers that import it start fast.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ from bapo_megatron.distributed.collectives import barrier, on_every_rank
 from bapo_megatron.files.atomic import staged_folder
 from bapo_megatron.megatron_patches.checkpoint_metadata import check_metadata
 from bapo_megatron.megatron_patches.checkpoint_writer_queue import (
-    checkpoint_writer_queue_ends_with_us,
+    checkpoint_writer_queue_in_process,
 )
 from bapo_megatron.megatron_patches.child_processes import forked_writers_end_with_us
 from bapo_megatron.megatron_patches.cpu_runtime import cuda_sites_on_cpu
@@ -127,7 +127,7 @@ def save_checkpoint(
     with staged_folder(folder, overwrite=True) as staging:
         state = _sharded_state(actor, is_loading=False)
         with cuda_sites_on_cpu():  # the optimizer's pieces and the save exchange ask for CUDA
-            checkpoint_writer_queue_ends_with_us()
+            checkpoint_writer_queue_in_process()
             forked_writers_end_with_us()
             dist_checkpointing.save(state, str(staging))
         on_every_rank(

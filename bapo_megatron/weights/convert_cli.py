@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # Heavy imports here, not at the top: dist_checkpointing's writer starts a 'spawn' Manager
-    # that re-imports the main module, which imports this one.
+    # Heavy imports here, not at the top: usage errors are answered before torch and Megatron
+    # load, and a 'spawn' child re-importing the main module does not load them either.
     from bapo_megatron.config import ParallelConfig
     from bapo_megatron.distributed.context import ParallelContext
     from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf

@@ -31,7 +31,7 @@ from bapo_megatron.config.value_types import build_dataclass
 from bapo_megatron.files.atomic import staged_folder
 from bapo_megatron.megatron_patches.checkpoint_metadata import check_metadata
 from bapo_megatron.megatron_patches.checkpoint_writer_queue import (
-    checkpoint_writer_queue_ends_with_us,
+    checkpoint_writer_queue_in_process,
 )
 from bapo_megatron.megatron_patches.child_processes import forked_writers_end_with_us
 from bapo_megatron.weights.checkpoint_damage import find_damage
@@ -85,7 +85,7 @@ def save_megatron_checkpoint(
             key: _unwrap(chunk).sharded_state_dict()
             for key, chunk in zip(state_keys(len(chunks)), chunks)
         }
-        checkpoint_writer_queue_ends_with_us()
+        checkpoint_writer_queue_in_process()
         forked_writers_end_with_us()
         dist_checkpointing.save(state, str(staging))
         if not dist.is_initialized() or dist.get_rank() == 0:

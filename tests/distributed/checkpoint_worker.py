@@ -5,10 +5,9 @@ run); build a second actor from another seed, load, train the same 2 steps (the 
 test runs it in one process; :func:`main` runs it in each of 2 gloo workers started by
 tests/helpers/gloo_launch.py at every layout of :data:`LAYOUTS`, and saves what the parent compares.
 
-This module is light at import time (everything heavy is imported inside the functions) because
-``dist_checkpointing.save`` starts a multiprocessing Manager with the ``spawn`` method, which
-re-imports ``__main__``: a worker that imported torch and Megatron at the top would pay for
-those imports again in the Manager's process.
+This module is light at import time (everything heavy is imported inside the functions), so
+that a process started with the ``spawn`` method, which re-imports ``__main__``, does not pay
+for torch and Megatron again.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 tests/helpers/gloo_launch.py in 4 processes.
 
 It is a separate module, light at import time (everything heavy is imported in :func:`main`),
-because ``dist_checkpointing.save`` starts a multiprocessing Manager with the ``spawn`` method,
-which re-imports ``__main__``: re-importing a test file costs every worker several seconds of
-torch and Megatron imports; re-importing this file costs nothing.
+so that a process started with the ``spawn`` method, which re-imports ``__main__``, does not pay
+for torch and Megatron again.
 
 For every layout (TP2/PP2 first, then TP2/PP1, TP1/PP2, TP1/PP2, PP2 x VPP2; data parallel fills
 the 4 ranks) and every model variant it converts the HF folder, records the pipeline's logits,

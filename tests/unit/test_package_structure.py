@@ -155,8 +155,7 @@ FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
     ),
     **{
         ("bapo_megatron.weights.convert_cli", target): (
-            "the checkpoint writer's spawn Manager re-imports the main module; "
-            "OMP_NUM_THREADS is set first"
+            "usage errors are answered before torch loads; OMP_NUM_THREADS is set first"
         )
         for target in (
             "bapo_megatron.config",
