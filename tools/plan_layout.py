@@ -8,6 +8,9 @@
 import sys
 
 from bapo_megatron.planning.cli import main
+from bapo_megatron.train.process_exit import skip_final_collection
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    skip_final_collection()
+    sys.exit(status)

@@ -5,6 +5,8 @@ Same as the console script ``bapo-sweep``; the command line is
 """
 
 from bapo_megatron.repro.sweep_cli import main
+from bapo_megatron.train.process_exit import skip_final_collection
 
 if __name__ == "__main__":
     main()
+    skip_final_collection()
