@@ -47,6 +47,7 @@ from bapo_megatron.planning.activations import (
 )
 from bapo_megatron.planning.moe_memory import dispatcher_bytes
 from bapo_megatron.planning.shard_memory import actor_state_bytes
+from bapo_megatron.train.process_exit import skip_final_collection
 from bapo_megatron.weights.convert import load_hf_weights
 from bapo_megatron.weights.hf_checkpoint import HFCheckpoint
 
@@ -259,3 +260,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    skip_final_collection()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.data.synthetic_task import synthetic_rows, walk_tokenizer
-from bapo_megatron.device_check.shapes import write_start_folder
+from bapo_megatron.device_check.start_folder import write_start_folder
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG = REPO_ROOT / "examples" / "tiny_cpu" / "train.yaml"
@@ -67,8 +67,14 @@ def train_command(output: Path, overrides: list[str]) -> list[str]:
     config = next((o.split("=", 1)[1] for o in overrides if o.startswith("--config=")), CONFIG)
     rest = [o for o in overrides if not o.startswith("--config=")]
     return [
-        sys.executable, "-m", "bapo_megatron.train", "--config", str(config),
-        f"train.output_dir={output}", "logging.console=false", *rest,
+        sys.executable,
+        "-m",
+        "bapo_megatron.train",
+        "--config",
+        str(config),
+        f"train.output_dir={output}",
+        "logging.console=false",
+        *rest,
     ]
 
 
@@ -78,8 +84,13 @@ def run_training(output: Path, overrides: list[str], env: dict, timeout: float) 
     log = output.parent / f"{output.name}.log"
     with log.open("w") as sink:
         proc = subprocess.run(
-            train_command(output, overrides), env=env, stdout=sink, stderr=subprocess.STDOUT,
-            timeout=timeout, cwd=REPO_ROOT, check=False,
+            train_command(output, overrides),
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+            cwd=REPO_ROOT,
+            check=False,
         )
     if proc.returncode:
         tail = log.read_text()[-3000:]
@@ -96,8 +107,12 @@ def kill_when_checkpointed(
     log = output.parent / f"{output.name}.killed.log"
     with log.open("w") as sink:
         proc = subprocess.Popen(
-            train_command(output, overrides), env=env, stdout=sink, stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT, start_new_session=True,
+            train_command(output, overrides),
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         try:
@@ -172,9 +187,16 @@ def resume_check(
 # A 2-layer Qwen2 over the synthetic tasks' 15-token vocabulary, heads of 64 (GPU attention
 # kernels) or 32 (vLLM's CPU attention takes 32, 64, 80, ...).
 VLLM_LOOP_MODEL = ModelConfig(
-    model_type="qwen2", num_layers=2, hidden_size=128, ffn_hidden_size=256,
-    num_attention_heads=2, num_query_groups=1, vocab_size=16, max_position_embeddings=64,
-    tie_word_embeddings=True, rope_theta=1e6,
+    model_type="qwen2",
+    num_layers=2,
+    hidden_size=128,
+    ffn_hidden_size=256,
+    num_attention_heads=2,
+    num_query_groups=1,
+    vocab_size=16,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+    rope_theta=1e6,
 )
 
 
@@ -184,28 +206,46 @@ def vllm_loop_inputs(work: Path, *, gpu: bool) -> list[str]:
     folder, ``train.model_path``), a prompt file of `walk` problems, and the run's YAML (JSON is
     YAML); returns the overrides that name it. On a GPU the engine sleeps while the actor
     trains (``rollout.release_memory_during_training``), bf16 with the distributed optimizer."""
-    model = VLLM_LOOP_MODEL if gpu else dataclasses.replace(VLLM_LOOP_MODEL, hidden_size=64,
-                                                             head_dim=None)
+    model = (
+        VLLM_LOOP_MODEL
+        if gpu
+        else dataclasses.replace(VLLM_LOOP_MODEL, hidden_size=64, head_dim=None)
+    )
     folder = write_start_folder(model, work / "start", seed=0)
     walk_tokenizer().save_pretrained(folder)
     prompts = work / "prompts.jsonl"
-    prompts.write_text("".join(
-        json.dumps({"id": row.id, "prompt": row.prompt, "answer": row.answer}) + "\n"
-        for row in synthetic_rows("walk", 200, seed=0)
-    ))
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": row.id, "prompt": row.prompt, "answer": row.answer}) + "\n"
+            for row in synthetic_rows("walk", 200, seed=0)
+        )
+    )
     config = {
         "data": {"train_file": str(prompts)},
         "reward": {"name": "exact_match", "workers": 1},
         "warmup": {"steps": 0},
-        "rollout": {"engine": "vllm", "prompts_per_step": 8, "samples_per_prompt": 4,
-                    "max_new_tokens": 16, "gpu_memory_utilization": 0.3,
-                    "release_memory_during_training": gpu},
+        "rollout": {
+            "engine": "vllm",
+            "prompts_per_step": 8,
+            "samples_per_prompt": 4,
+            "max_new_tokens": 16,
+            "gpu_memory_utilization": 0.3,
+            "release_memory_during_training": gpu,
+        },
         "loss": {"aggregation": "token-mean", "clip": {"preset": "paper"}},
         "actor": {"micro_batch_size": 32, "temperature": 1.0, "seed": 1},
-        "optimizer": {"lr": 1.0e-4, "weight_decay": 0.0, "clip_grad": 1.0,
-                      "use_distributed_optimizer": gpu},
-        "train": {"steps": 6 if gpu else 3, "model_path": str(folder), "seed": 0,
-                  "params_dtype": "bfloat16" if gpu else "float32"},
+        "optimizer": {
+            "lr": 1.0e-4,
+            "weight_decay": 0.0,
+            "clip_grad": 1.0,
+            "use_distributed_optimizer": gpu,
+        },
+        "train": {
+            "steps": 6 if gpu else 3,
+            "model_path": str(folder),
+            "seed": 0,
+            "params_dtype": "bfloat16" if gpu else "float32",
+        },
         "checkpoint": {"interval": 3},
     }
     path = work / "train.yaml"

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bapo_megatron.device_check.shapes import model_config, write_start_folder
+from bapo_megatron.device_check.shapes import model_config
+from bapo_megatron.device_check.start_folder import write_start_folder
 
 if TYPE_CHECKING:  # annotations only: run.py imports this module
     from bapo_megatron.device_check.run import Checks
@@ -27,28 +28,59 @@ MEMORY_MODELS = {
 
 
 def memory(checks: Checks, size: str = "qwen3-8b-4l") -> dict:
-    argv = ["--device", checks.args.device, "--size", size, "--variants", "paper/step",
-            "--steps", "2", "--distributed-optimizer", "--memory", "--micro-batch-size", "2",
-            "--dtype", "bfloat16" if checks.gpu else "float32"]
-    argv += ["--sequences", "4", "--length", "1024"] if checks.gpu else ["--cpu-sized",
-                                                                         "--sequences", "2",
-                                                                         "--length", "32"]
-    run = checks.python("bapo_megatron.device_check.actor_steps", *argv,
-                        timeout=checks.args.check_timeout)
+    argv = [
+        "--device",
+        checks.args.device,
+        "--size",
+        size,
+        "--variants",
+        "paper/step",
+        "--steps",
+        "2",
+        "--distributed-optimizer",
+        "--memory",
+        "--micro-batch-size",
+        "2",
+        "--dtype",
+        "bfloat16" if checks.gpu else "float32",
+    ]
+    argv += (
+        ["--sequences", "4", "--length", "1024"]
+        if checks.gpu
+        else ["--cpu-sized", "--sequences", "2", "--length", "32"]
+    )
+    run = checks.python(
+        "bapo_megatron.device_check.actor_steps", *argv, timeout=checks.args.check_timeout
+    )
     variant = run["variants"][0]
     if "memory" not in variant:
         return {"status": "not run", "why": "memory is measured with torch.cuda only"}
-    return {"status": "passed", "model": f"{MEMORY_MODELS[size]}, bf16, distributed optimizer, "
-            "SDPA attention", **variant["memory"]}
+    return {
+        "status": "passed",
+        "model": f"{MEMORY_MODELS[size]}, bf16, distributed optimizer, SDPA attention",
+        **variant["memory"],
+    }
 
 
 def loss_bench(checks: Checks) -> dict:
     sizes = "1M,8M" if checks.gpu else "64K"
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / "bench_bapo_loss.py"), "--sizes", sizes,
-         "--repeats", "5" if checks.gpu else "2", "--device", checks.args.device],
-        env=checks.env, cwd=REPO_ROOT, capture_output=True, text=True,
-        timeout=checks.args.check_timeout, check=False,
+        [
+            sys.executable,
+            str(REPO_ROOT / "tools" / "bench_bapo_loss.py"),
+            "--sizes",
+            sizes,
+            "--repeats",
+            "5" if checks.gpu else "2",
+            "--device",
+            checks.args.device,
+        ],
+        env=checks.env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=checks.args.check_timeout,
+        check=False,
     )
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
@@ -60,10 +92,14 @@ def packing(checks: Checks) -> dict:
     """Packed rows against padded rows on the device (:mod:`.packed_rows`): the ~0.5B shape in
     bf16 with 2k-token responses on a GPU, the tiny model on the CPU."""
     argv = ["--device", checks.args.device]
-    argv += (["--size", "small", "--dtype", "bfloat16", "--sequences", "32", "--length", "2048"]
-             if checks.gpu else ["--size", "tiny", "--sequences", "8", "--length", "48"])
-    run = checks.python("bapo_megatron.device_check.packed_rows", *argv,
-                        timeout=checks.args.check_timeout)
+    argv += (
+        ["--size", "small", "--dtype", "bfloat16", "--sequences", "32", "--length", "2048"]
+        if checks.gpu
+        else ["--size", "tiny", "--sequences", "8", "--length", "48"]
+    )
+    run = checks.python(
+        "bapo_megatron.device_check.packed_rows", *argv, timeout=checks.args.check_timeout
+    )
     if run["status"] != "passed":
         raise RuntimeError(f"packed rows differ from padded rows beyond tolerance: {run}")
     return run
@@ -72,14 +108,47 @@ def packing(checks: Checks) -> dict:
 def packing_bench(checks: Checks) -> dict:
     """``tools/bench_actor_step.py --packing``: real tokens/s and peak memory of packed rows
     against padded micro-batches of 4 and 1, at L = 4096 on a GPU (CPU: a smoke size)."""
-    sizes = (["--length", "4096", "--sequences", "64", "--hidden", "1024", "--layers", "8",
-              "--vocab", "32768", "--steps", "3"] if checks.gpu else
-             ["--length", "32", "--sequences", "8", "--hidden", "32", "--layers", "1", "--vocab",
-              "64", "--steps", "1", "--warmup", "0"])
+    sizes = (
+        [
+            "--length",
+            "4096",
+            "--sequences",
+            "64",
+            "--hidden",
+            "1024",
+            "--layers",
+            "8",
+            "--vocab",
+            "32768",
+            "--steps",
+            "3",
+        ]
+        if checks.gpu
+        else [
+            "--length",
+            "32",
+            "--sequences",
+            "8",
+            "--hidden",
+            "32",
+            "--layers",
+            "1",
+            "--vocab",
+            "64",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+        ]
+    )
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "tools" / "bench_actor_step.py"), "--packing", *sizes],
-        env=checks.env, cwd=REPO_ROOT, capture_output=True, text=True,
-        timeout=checks.args.check_timeout, check=False,
+        env=checks.env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=checks.args.check_timeout,
+        check=False,
     )
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
@@ -87,29 +156,54 @@ def packing_bench(checks: Checks) -> dict:
 
 
 def model_check(checks: Checks, name: str, *argv: str) -> dict:
-    return checks.python("bapo_megatron.device_check.model_checks", name, "--device",
-                         checks.args.device, *argv, timeout=checks.args.check_timeout)
+    return checks.python(
+        "bapo_megatron.device_check.model_checks",
+        name,
+        "--device",
+        checks.args.device,
+        *argv,
+        timeout=checks.args.check_timeout,
+    )
 
 
 def speed(checks: Checks) -> dict:
     """Actor train-step tokens/s against transformers' model with SDPA, same loss and batch."""
     size = "small"
-    start = write_start_folder(model_config(size, cpu_sized=not checks.gpu),
-                               checks.work / f"start-{size}", seed=0)
+    start = write_start_folder(
+        model_config(size, cpu_sized=not checks.gpu), checks.work / f"start-{size}", seed=0
+    )
     dtype = "bfloat16" if checks.gpu else "float32"
     length = 1024 if checks.gpu else 32
-    common = ["--start", str(start), "--sequences", "16" if checks.gpu else "4", "--length",
-              str(length), "--micro-batch-size", "4", "--dtype", dtype, "--steps", "4"]
-    ours = checks.python("bapo_megatron.device_check.actor_steps", "--device",
-                         checks.args.device, "--variants",
-                         "paper/microbatch,paper/step,grpo/microbatch", *common,
-                         timeout=checks.args.check_timeout)
+    common = [
+        "--start",
+        str(start),
+        "--sequences",
+        "16" if checks.gpu else "4",
+        "--length",
+        str(length),
+        "--micro-batch-size",
+        "4",
+        "--dtype",
+        dtype,
+        "--steps",
+        "4",
+    ]
+    ours = checks.python(
+        "bapo_megatron.device_check.actor_steps",
+        "--device",
+        checks.args.device,
+        "--variants",
+        "paper/microbatch,paper/step,grpo/microbatch",
+        *common,
+        timeout=checks.args.check_timeout,
+    )
     theirs = model_check(checks, "hf-speed", *common)
     fastest = {v["variant"]: min(v["step_seconds"][1:]) for v in ours["variants"]}
     tokens_per_s = ours["tokens_per_step"] / fastest["paper/microbatch"]
     model = ours["model"]
-    flops_per_token = 6 * dense_parameters(model) + 6 * model["num_layers"] * model[
-        "hidden_size"] * length  # attention scores and values, forward + backward
+    flops_per_token = (
+        6 * dense_parameters(model) + 6 * model["num_layers"] * model["hidden_size"] * length
+    )  # attention scores and values, forward + backward
     peak = 989e12 if checks.gpu else None  # H100/H200 SXM dense bf16
     return {
         "status": "passed",

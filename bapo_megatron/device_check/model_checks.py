@@ -29,31 +29,36 @@ from bapo_megatron.algo.search_plan import SearchPlan
 from bapo_megatron.config import ClipSearchConfig, ModelConfig, ParallelConfig
 from bapo_megatron.device_check.actor_steps import _sync
 from bapo_megatron.device_check.passes import fused_norm_parameters, layer_spec_of
-from bapo_megatron.device_check.shapes import model_config, random_batch, write_start_folder
+from bapo_megatron.device_check.shapes import model_config, random_batch
+from bapo_megatron.device_check.start_folder import write_start_folder
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from bapo_megatron.rollout.protocol import SamplingParams
+from bapo_megatron.train.process_exit import skip_final_collection
 from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf
 
 
 def conversion(args) -> dict:
-
 
     work = Path(args.work)
     model = model_config("small", cpu_sized=True)  # a 2-layer Qwen2: conversion, not scale
     hf_folder = write_start_folder(model, work / "hf", seed=3)
     context = ParallelContext.initialize(ParallelConfig(device=args.device))
     try:
-        converted, chunks = hf_to_megatron(hf_folder, work / "megatron", context,
-                                           params_dtype="float32")
-        tokens = torch.randint(0, model.vocab_size, (2, 64), generator=torch.Generator()
-                               .manual_seed(0)).to(context.device)
+        converted, chunks = hf_to_megatron(
+            hf_folder, work / "megatron", context, params_dtype="float32"
+        )
+        tokens = torch.randint(
+            0, model.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)
+        ).to(context.device)
         positions = torch.arange(64, device=context.device).expand(2, 64)
         with torch.no_grad():
             ours = chunks[0](tokens, positions, None).float()
-            reference = transformers.AutoModelForCausalLM.from_pretrained(
-                hf_folder, dtype=torch.float32
-            ).to(context.device).eval()
+            reference = (
+                transformers.AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32)
+                .to(context.device)
+                .eval()
+            )
             theirs = reference(input_ids=tokens).logits.float()
         spec, fused = layer_spec_of(chunks), fused_norm_parameters(chunks)
         megatron_to_hf(work / "megatron", work / "hf_back", context)
@@ -66,8 +71,7 @@ def conversion(args) -> dict:
     for path in sorted((work / "hf_back").glob("*.safetensors")):
         back.update(load_file(path))
     mismatched = sorted(
-        name for name in original
-        if name not in back or not torch.equal(original[name], back[name])
+        name for name in original if name not in back or not torch.equal(original[name], back[name])
     )
     diff = (ours - theirs).abs().max().item()
     scale = theirs.abs().max().item()
@@ -95,10 +99,13 @@ def engine_speed(args) -> dict:
         torch.randint(1, model.vocab_size, (args.prompt_len,), generator=g).tolist()
         for _ in range(args.prompts)
     ]
-    params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0,
-                            seed=0, stop_token_ids=())
-    engine.generate(prompts[:2], SamplingParams(n=1, max_new_tokens=4, temperature=1.0, seed=0,
-                                                stop_token_ids=()))  # warm-up
+    params = SamplingParams(
+        n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0, seed=0, stop_token_ids=()
+    )
+    engine.generate(
+        prompts[:2],
+        SamplingParams(n=1, max_new_tokens=4, temperature=1.0, seed=0, stop_token_ids=()),
+    )  # warm-up
     _sync(engine.device)
     began = time.perf_counter()
     samples = engine.generate(prompts, params)
@@ -116,7 +123,6 @@ def engine_speed(args) -> dict:
 
 
 def hf_speed(args) -> dict:
-
 
     start = Path(args.start)
     model = ModelConfig.from_hf_config(start)
@@ -141,12 +147,19 @@ def hf_speed(args) -> dict:
         for lo in range(0, tokens.shape[0], args.micro_batch_size):
             rows = slice(lo, lo + args.micro_batch_size)
             logits = hf(input_ids=tokens[rows]).logits.float()
-            logp = torch.log_softmax(logits[:, :-1], -1).gather(
-                -1, tokens[rows, 1:, None]
-            ).squeeze(-1)
+            logp = (
+                torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[rows, 1:, None]).squeeze(-1)
+            )
             logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], 1)
-            loss, _ = bapo_loss(logp, old[rows], adv[rows], mask[rows], plan=plan,
-                                normalizer=normalizer, check_inputs=False)
+            loss, _ = bapo_loss(
+                logp,
+                old[rows],
+                adv[rows],
+                mask[rows],
+                plan=plan,
+                normalizer=normalizer,
+                check_inputs=False,
+            )
             loss.backward()
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         optimizer.step()
@@ -189,3 +202,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    skip_final_collection()

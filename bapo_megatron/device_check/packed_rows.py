@@ -38,6 +38,7 @@ from bapo_megatron.config import (
 )
 from bapo_megatron.device_check.shapes import model_config
 from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.train.process_exit import skip_final_collection
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
 """Largest mean |log-prob gap| over response tokens (and relative gap of the step's loss and
@@ -153,3 +154,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    skip_final_collection()

@@ -9,21 +9,23 @@ reason, before any check starts. What the run did not cover is listed in its rep
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import importlib.util
-import os
 import subprocess
 import sys
 from collections.abc import Iterable
 
-import megatron.core
 import torch
-import transformers
 
 TE_CHECKS = (
-    "actor_tiny", "actor_moe", "actor_small", "actor_fp8", "packing", "conversion", "loop_tiny",
-    "resume", "loop_moe",
+    "actor_tiny",
+    "actor_moe",
+    "actor_small",
+    "actor_fp8",
+    "packing",
+    "conversion",
+    "loop_tiny",
+    "resume",
+    "loop_moe",
 )
 """The TE pass's checks by default: the actor's train steps against the float32 CPU reference
 (dense, MoE, ~0.5B, and the ~0.5B model in FP8 with each recipe Hopper runs), packed rows through
@@ -79,8 +81,11 @@ def te_import_error() -> str | None:
     line), or None when it imports. In a child process: a broken extension build can abort
     the interpreter, and modules of this package import TE only through Megatron."""
     done = subprocess.run(
-        [sys.executable, "-c", "import transformer_engine.pytorch"], capture_output=True,
-        text=True, timeout=600, check=False,
+        [sys.executable, "-c", "import transformer_engine.pytorch"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     if done.returncode == 0:
         return None
@@ -93,16 +98,20 @@ def refusal(args: argparse.Namespace, wanted: set[str] | None) -> str | None:
     device does not fit it), or None."""
     if args.spec == "te":
         if importlib.util.find_spec("transformer_engine") is None:
-            return ("--spec te: Transformer Engine is not installed (carry it: "
-                    "tools/gpu_carry.py te, docs/gpu-checks.md)")
+            return (
+                "--spec te: Transformer Engine is not installed (carry it: "
+                "tools/gpu_carry.py te, docs/gpu-checks.md)"
+            )
         if args.device != "cuda":
             return "--spec te: Transformer Engine's layers run on CUDA only (--device cuda)"
         error = te_import_error()
         if error is not None:
             return f"--spec te: Transformer Engine is installed but does not import: {error}"
     if wanted and wanted & set(VLLM_CHECKS) and importlib.util.find_spec("vllm") is None:
-        return ("vLLM checks: vLLM is not installed (on a GPU carry it: tools/gpu_carry.py "
-                "vllm; on a CPU: the vLLM tier's environment, requirements-vllm.txt)")
+        return (
+            "vLLM checks: vLLM is not installed (on a GPU carry it: tools/gpu_carry.py "
+            "vllm; on a CPU: the vLLM tier's environment, requirements-vllm.txt)"
+        )
     return None
 
 
@@ -136,37 +145,3 @@ def fused_norm_parameters(chunks: Iterable[torch.nn.Module]) -> int:
         for chunk in chunks
         for name, _ in getattr(chunk, "module", chunk).named_parameters()
     )
-
-
-def _version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def environment(device: str, repo_root: os.PathLike) -> dict:
-    """The versions, device and commit of this run."""
-    info = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "megatron_core": megatron.core.__version__,
-        "transformers": transformers.__version__,
-        "transformer_engine": _version("transformer_engine"),
-        "vllm": _version("vllm"),
-        "device": device,
-        "cpu_count": os.cpu_count(),
-    }
-    if device == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                    cuda=torch.version.cuda)
-    try:
-        info["commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=repo_root, capture_output=True,
-            text=True, check=False,
-        ).stdout.strip() or None
-    except OSError:
-        info["commit"] = None
-    return info

@@ -1,14 +1,12 @@
 """The models and batches the device check trains: named sizes, each with a CPU-sized variant so
-that the same command runs in CI, and the shared starting point (an HF folder written once) that
-lets a GPU run and a CPU reference start from the same weights."""
+that the same command runs in CI (the shared starting point, an HF folder of one of them, is
+:mod:`bapo_megatron.device_check.start_folder`)."""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
-import transformers
 
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.config import ModelConfig
@@ -40,8 +38,15 @@ TINY = dict(
     max_position_embeddings=512,
 )
 # What `small` shrinks to where only a CPU is at hand (CI): same family, 2 layers.
-SMALL_ON_CPU = dict(QWEN25_05B, num_layers=2, hidden_size=128, ffn_hidden_size=256,
-                    num_attention_heads=4, num_query_groups=2, vocab_size=1024)
+SMALL_ON_CPU = dict(
+    QWEN25_05B,
+    num_layers=2,
+    hidden_size=128,
+    ffn_hidden_size=256,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=1024,
+)
 
 # Qwen3-8B's published layer shapes (hidden 4096, 32 heads of 128 in 8 query groups, MLP 12288,
 # q/k norms, untied, vocabulary 151936) with 4 of its 36 layers: the memory calibration's model.
@@ -92,8 +97,13 @@ QWEN3_30B_A3B_2_LAYERS = dict(
 )
 # What it shrinks to on a CPU: the same routing (top-8 of 128) on small matrices.
 MOE_ON_CPU = dict(
-    QWEN3_30B_A3B_2_LAYERS, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-    num_query_groups=2, head_dim=16, vocab_size=1024,
+    QWEN3_30B_A3B_2_LAYERS,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=16,
+    vocab_size=1024,
     moe=MoeConfig(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=32),
 )
 
@@ -116,23 +126,6 @@ def model_config(size: str, *, cpu_sized: bool, dtype: str = "float32") -> Model
     2-layer model of the same family."""
     fields = CPU_SIZED[size] if (cpu_sized and size in CPU_SIZED) else SIZES[size]
     return ModelConfig(**fields, params_dtype=dtype)
-
-
-def write_start_folder(model: ModelConfig, folder: Path, seed: int) -> Path:
-    """An HF folder (config.json + safetensors, bfloat16 weights) with random weights drawn by
-    transformers from ``seed``: bfloat16 so that a bfloat16 GPU actor and a float32 CPU actor
-    load exactly the same numbers."""
-
-    folder.mkdir(parents=True, exist_ok=True)
-    if (folder / "config.json").exists():
-        return folder
-    torch.manual_seed(seed)
-    hf_config = transformers.AutoConfig.for_model(**model.to_hf_config())
-    hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    hf.to(torch.bfloat16).save_pretrained(folder.with_suffix(".partial"))
-    folder.rmdir()
-    folder.with_suffix(".partial").rename(folder)
-    return folder
 
 
 def random_batch(

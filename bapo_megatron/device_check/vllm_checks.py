@@ -45,10 +45,12 @@ from bapo_megatron.config import (
     ParallelConfig,
 )
 from bapo_megatron.data.experience import Group, to_policy_batch
-from bapo_megatron.device_check.shapes import model_config, write_start_folder
+from bapo_megatron.device_check.shapes import model_config
+from bapo_megatron.device_check.start_folder import write_start_folder
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.rollout.protocol import RolloutEngine, RolloutSample, SamplingParams
 from bapo_megatron.rollout.vllm.engine import VLLMEngine
+from bapo_megatron.train.process_exit import skip_final_collection
 from bapo_megatron.weights.convert import load_hf_weights
 from bapo_megatron.weights.export import export_weights
 from bapo_megatron.weights.hf_checkpoint import HFCheckpoint
@@ -74,8 +76,12 @@ def _batch(samples: list[RolloutSample]):
     for sample in samples:
         by_prompt.setdefault(sample.prompt_index, []).append(sample)
     groups = [
-        Group(prompt_id=str(p), samples=group, rewards=[0.0] * len(group),
-              advantages=[1.0 if i % 2 else -1.0 for i in range(len(group))])
+        Group(
+            prompt_id=str(p),
+            samples=group,
+            rewards=[0.0] * len(group),
+            advantages=[1.0 if i % 2 else -1.0 for i in range(len(group))],
+        )
         for p, group in sorted(by_prompt.items())
     ]
     batch, _ = to_policy_batch(groups, pad_token_id=0)
@@ -93,8 +99,12 @@ def logprob_gap(actor: Actor, samples: list[RolloutSample], temperature: float) 
     """Mean and largest |engine - actor| log-prob over the samples' tokens."""
     batch = _batch(samples)
     recomputed, _ = compute_logprobs(
-        actor.chunks, batch, actor.context, batching=Batching.for_logprobs(actor.actor_config),
-        temperature=temperature, with_entropy=False,
+        actor.chunks,
+        batch,
+        actor.context,
+        batching=Batching.for_logprobs(actor.actor_config),
+        temperature=temperature,
+        with_entropy=False,
     )
     gap = (recomputed - batch.old_logprobs).abs()[batch.response_mask]
     return {"mean_abs": gap.mean().item(), "max_abs": gap.max().item(), "tokens": gap.numel()}
@@ -109,8 +119,11 @@ def push_weights(actor: Actor, model: ModelConfig, engine: RolloutEngine, versio
     ]
     began = time.perf_counter()
     engine.update_weights(iter(tensors), version=version)
-    return {"tensors": len(tensors), "devices": sorted({t.device.type for _, t in tensors}),
-            "seconds": round(time.perf_counter() - began, 3)}
+    return {
+        "tensors": len(tensors),
+        "devices": sorted({t.device.type for _, t in tensors}),
+        "seconds": round(time.perf_counter() - began, 3),
+    }
 
 
 @torch.no_grad()
@@ -125,7 +138,9 @@ def perturb(actor: Actor, seed: int) -> None:
 
 def _generation(samples: list[RolloutSample], version: int) -> dict:
     ok = all(
-        s.token_ids and len(s.logprobs) == len(s.token_ids) and set(s.versions) == {version}
+        s.token_ids
+        and len(s.logprobs) == len(s.token_ids)
+        and set(s.versions) == {version}
         and s.finish_reason in ("stop", "length")
         for s in samples
     )
@@ -175,13 +190,22 @@ def sleep_and_train(engine: VLLMEngine, actor: Actor, samples: list[RolloutSampl
         "train_step_loss": metrics["loss"],
         "train_step_peak_bytes": peak,
         "wake": marks,
-        "passed": fitted and asleep > before and [m["tags"] for m in marks]
-        == [["weights"], ["kv_cache"]],
+        "passed": fitted
+        and asleep > before
+        and [m["tags"] for m in marks] == [["weights"], ["kv_cache"]],
     }
 
 
-def conformance(engine: RolloutEngine, actor: Actor, model: ModelConfig, *, gpu: bool,
-                tolerance: float, prompts: list[list[int]], params: SamplingParams) -> dict:
+def conformance(
+    engine: RolloutEngine,
+    actor: Actor,
+    model: ModelConfig,
+    *,
+    gpu: bool,
+    tolerance: float,
+    prompts: list[list[int]],
+    params: SamplingParams,
+) -> dict:
     """The checks of the module docstring on a started ``engine`` holding the actor's weights
     as version 0. Any :class:`~bapo_megatron.rollout.protocol.RolloutEngine` works (the CPU
     test runs the embedded engine); the memory figures need a :class:`VLLMEngine` on a GPU."""
@@ -239,30 +263,38 @@ def main(argv: list[str] | None = None) -> None:
     context = ParallelContext.initialize(ParallelConfig(device=args.device))
     try:  # the actor first, as in a colocated run: vLLM sizes its cache from what is left
         actor = build_actor(
-            model, ActorConfig(micro_batch_size=8, temperature=1.0, seed=1),
-            OptimizerConfig(lr=1e-5, weight_decay=0.0, clip_grad=1.0,
-                            use_distributed_optimizer=gpu),
-            context, initialize=False,
+            model,
+            ActorConfig(micro_batch_size=8, temperature=1.0, seed=1),
+            OptimizerConfig(
+                lr=1e-5, weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=gpu
+            ),
+            context,
+            initialize=False,
         )
         with HFCheckpoint.open(folder) as hf, torch.no_grad():
             load_hf_weights(actor.chunks, hf, context)
         actor.optimizer.reload_model_params()
         began = time.monotonic()
         engine = VLLMEngine.from_pretrained(
-            folder, dtype=model.params_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
-            max_model_len=model.max_position_embeddings, enable_sleep_mode=True,
+            folder,
+            dtype=model.params_dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=model.max_position_embeddings,
+            enable_sleep_mode=True,
             quantization=args.quantization,
         )
         started = time.monotonic() - began
         params = SamplingParams(n=4, max_new_tokens=32 if gpu else 8, temperature=1.0, seed=0)
         prompts = random_prompts(model.vocab_size, 16 if gpu else 4, 48, seed=1)
         tolerance = GAP_TOLERANCE["fp8" if args.quantization else args.device]
-        result = conformance(engine, actor, model, gpu=gpu, tolerance=tolerance,
-                             prompts=prompts, params=params)
+        result = conformance(
+            engine, actor, model, gpu=gpu, tolerance=tolerance, prompts=prompts, params=params
+        )
     finally:
         context.teardown()
     result.update(
-        vllm=importlib.metadata.version("vllm"), quantization=args.quantization,
+        vllm=importlib.metadata.version("vllm"),
+        quantization=args.quantization,
         engine_start_s=round(started, 1),
         model=f"{model.model_type}, {model.num_layers} layers, hidden {model.hidden_size}, "
         f"vocab {model.vocab_size}, {model.params_dtype}",
@@ -274,3 +306,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    skip_final_collection()

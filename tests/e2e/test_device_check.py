@@ -5,35 +5,35 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 
+from bapo_megatron.device_check import run
 from bapo_megatron.device_check.compare import compare_actor_runs, summary_markdown
-from tests.helpers.gloo_launch import ONE_THREAD, REPO_ROOT
+from tests.helpers.gloo_launch import ONE_THREAD
 
 # loss_bench and packing_bench only wrap tools/bench_bapo_loss.py and bench_actor_step.py,
 # whose smoke tests are in test_tools.py; packing's module runs in process below
 FAST_CHECKS = "actor_tiny,actor_moe,conversion,engine"
 
 
-def test_the_check_runs_on_the_cpu_and_writes_its_report(tmp_path):
-    env = {**os.environ, **ONE_THREAD, "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-m", "bapo_megatron.device_check.run", "--device", "cpu", "--out",
-         str(tmp_path), "--only", FAST_CHECKS, "--check-timeout", "240"],
-        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False,
+def test_the_check_runs_on_the_cpu_and_writes_its_report(tmp_path, monkeypatch):
+    # The orchestrator in this process (its command line is `sys.exit(main())`): it only starts
+    # the check processes, which inherit one thread each from this environment.
+    for name, value in ONE_THREAD.items():
+        monkeypatch.setenv(name, value)
+    status = run.main(
+        ["--device", "cpu", "--out", str(tmp_path), "--only", FAST_CHECKS, "--check-timeout", "240"]
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "device_check.json").read_text())
+    assert status == 0, json.dumps(report["checks"], indent=1)[-6000:]
     assert {n: r["status"] for n, r in report["checks"].items()} == dict.fromkeys(
         FAST_CHECKS.split(","), "passed"
     )
     actor = report["checks"]["actor_tiny"]
     # float32 on the CPU against float32 on the CPU: the same numbers
     for variant in actor["variants"].values():
-        assert variant["within_tolerance"] and variant["device_losses"] == variant[
-            "reference_losses"]
+        assert (
+            variant["within_tolerance"] and variant["device_losses"] == variant["reference_losses"]
+        )
     assert report["checks"]["conversion"]["round_trip_mismatched"] == []
     assert report["environment"]["device"] == "cpu" and report["not_run"]
     table = (tmp_path / "device_check.md").read_text()
@@ -41,8 +41,13 @@ def test_the_check_runs_on_the_cpu_and_writes_its_report(tmp_path):
 
 
 def _run(loss: float, grad_norm: float, c_high: float) -> dict:
-    step = {"loss": loss, "entropy": 5.0, "grad_norm": grad_norm, "bapo/c_low": 0.6,
-            "bapo/c_high": c_high}
+    step = {
+        "loss": loss,
+        "entropy": 5.0,
+        "grad_norm": grad_norm,
+        "bapo/c_low": 0.6,
+        "bapo/c_high": c_high,
+    }
     return {
         "dtype": "bfloat16",
         "model": {"model_type": "qwen2", "num_layers": 2, "hidden_size": 8, "vocab_size": 16},
@@ -67,11 +72,19 @@ def test_bf16_runs_are_judged_by_the_stated_tolerances():
 def test_the_summary_names_every_check_and_what_was_not_run():
     report = {
         "label": "x",
-        "environment": {"device": "cpu", "date": "d", "commit": "c", "torch": "t",
-                        "megatron_core": "m", "transformers": "tr"},
+        "environment": {
+            "device": "cpu",
+            "date": "d",
+            "commit": "c",
+            "torch": "t",
+            "megatron_core": "m",
+            "transformers": "tr",
+        },
         "wall_s": 1.0,
-        "checks": {"engine": {"status": "passed", "seconds": 1.0, "tokens_per_s": 12.0},
-                   "memory": {"status": "error", "seconds": 2.0, "error": "Boom: out of | memory"}},
+        "checks": {
+            "engine": {"status": "passed", "seconds": 1.0, "tokens_per_s": 12.0},
+            "memory": {"status": "error", "seconds": 2.0, "error": "Boom: out of | memory"},
+        },
         "not_run": {"TE": "cannot be carried"},
     }
     text = summary_markdown(report)
