@@ -1,16 +1,16 @@
 """Benchmark one actor train step (Megatron schedule + BAPO loss + optimizer) at several layouts.
 
 For each layout in ``--layouts`` (default tp1, tp2, pp2, tp2-pp2; data parallel 1), this script
-starts tp x pp gloo processes under torchrun (one thread each) that build the same small Qwen2-style
-model, train ``--warmup`` untimed steps and then ``--steps`` timed steps on random off-policy data
-(``--sequences`` sequences of ``--length`` tokens, micro-batches of ``--micro-batch-size``), in
-four cases interleaved step by step so machine noise hits all of them: the `paper` preset at
-granularity `step` on stale data (search statistics from a no-grad forward pass, one reduce, then
-the bounds), the same when the ratios are known to be 1 (the first mini-batch after recomputed
-old log-probs: no extra pass), the `reference` preset on stale data, and fixed `grpo` clips (no
-search, no extra pass). With one micro-batch per step (``--sequences`` <= ``--micro-batch-size``,
-as in the main job) the stale cases skip the extra pass too: the loss searches on the step's
-statistics.
+starts tp x pp gloo processes under torchrun (tp1: one process, no launcher; one thread each) that
+build the same small Qwen2-style model, train ``--warmup`` untimed steps and then ``--steps`` timed
+steps on random off-policy data (``--sequences`` sequences of ``--length`` tokens, micro-batches of
+``--micro-batch-size``), in four cases interleaved step by step so machine noise hits all of them:
+the `paper` preset at granularity `step` on stale data (search statistics from a no-grad forward
+pass, one reduce, then the bounds), the same when the ratios are known to be 1 (the first
+mini-batch after recomputed old log-probs: no extra pass), the `reference` preset on stale data,
+and fixed `grpo` clips (no search, no extra pass). With one micro-batch per step (``--sequences``
+<= ``--micro-batch-size``, as in the main job) the stale cases skip the extra pass too: the loss
+searches on the step's statistics.
 
 Per layout it reports the median step time, tokens/s (all tokens of the step, prompt and
 response, over the median step), the share of the `paper` step spent in the BAPO search itself
@@ -189,7 +189,7 @@ def worker(args: argparse.Namespace) -> None:
         times=times, search_share=search_share, last_stage=context.is_last_stage(), tokens=n * s
     )
     context.teardown()
-    Path(args.worker_out.format(rank=os.environ["RANK"])).write_text(json.dumps(result))
+    Path(args.worker_out.format(rank=context.rank)).write_text(json.dumps(result))
 
 
 def long_tailed_lengths(sequences: int, cap: int, seed: int = 0) -> list[tuple[int, int]]:
@@ -349,13 +349,16 @@ def run_layout(name: str, args: argparse.Namespace, argv: list[str], workdir: Pa
         "BENCH_PP": str(pp),
         "PYTHONWARNINGS": "ignore",
     }
-    # torchrun starts the ranks and stops them all when one fails.
+    # torchrun starts the ranks and stops them all when one fails; one process needs no launcher
+    # (torchrun's own start would cost more than a small step): it makes its world of one.
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    if world == 1:
+        launcher = []
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(var, None)
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={world}",
+        *launcher,
         __file__,
         *argv,
         "--worker-out",
@@ -432,3 +435,6 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    from bapo_megatron.train.process_exit import skip_final_collection
+
+    skip_final_collection()

@@ -308,3 +308,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from bapo_megatron.train.process_exit import skip_final_collection
+
+    skip_final_collection()

@@ -3,11 +3,12 @@ routing replay, as ratios measured in one run.
 
 Both layouts run on 2 gloo processes under torchrun (one thread each), data parallel 2: `ep1`
 (every rank holds every expert, expert gradients summed over the 2 ranks) and `ep2` (each rank
-holds half of the experts, tokens travel to them with the alltoall dispatcher). Each rank builds
-the same small Qwen3-MoE, records the routes of its batch once (a forward pass), then trains
-``--warmup`` untimed and ``--steps`` timed steps with routes replayed and without, interleaved
-step by step so machine noise hits both (the `paper` preset at granularity `step`, so every
-step also has its no-grad statistics pass, replayed too).
+holds half of the experts, tokens travel to them with the alltoall dispatcher), one after the
+other in the same two processes (one launch: the ranks start and import once). Per layout, each
+rank builds the same small Qwen3-MoE, records the routes of its batch once (a forward pass),
+then trains ``--warmup`` untimed and ``--steps`` timed steps with routes replayed and without,
+interleaved step by step so machine noise hits both (the `paper` preset at granularity `step`,
+so every step also has its no-grad statistics pass, replayed too).
 
 Per layout: the median step time with and without replay, tokens/s, and `replay_ratio` (with /
 without: the target is under 1.05). Then `ep2_vs_ep1` (ep2 step / ep1 step, without replay).
@@ -55,7 +56,42 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 # ------------------------------------------------------------------------ worker
 
 
+def layout_names(args: argparse.Namespace) -> list[str]:
+    names = [n for n in args.layouts.split(",") if n]
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        raise SystemExit(f"--layouts: unknown {unknown}; choose from {sorted(LAYOUTS)}")
+    return names
+
+
+def join_world() -> None:
+    """Join torchrun's world here, once: a ParallelContext that creates the world destroys it
+    at teardown, and torchrun's store cannot host a second one for the next layout."""
+    import datetime
+
+    import torch
+
+    from bapo_megatron.config import ParallelConfig
+    from bapo_megatron.distributed.device import uses_cuda
+
+    cuda = uses_cuda()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout = datetime.timedelta(seconds=ParallelConfig().collective_timeout_s)
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+
+
 def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    join_world()
+    results = {name: measure_layout(args, LAYOUTS[name]) for name in layout_names(args)}
+    torch.distributed.destroy_process_group()
+    Path(args.worker_out.format(rank=os.environ["RANK"])).write_text(json.dumps(results))
+
+
+def measure_layout(args: argparse.Namespace, expert_parallel: int) -> dict:
+    """This rank's step times (live and replayed routes) at ``expert_parallel``."""
     import torch
 
     from bapo_megatron.actor.actor import build_actor
@@ -75,9 +111,7 @@ def worker(args: argparse.Namespace) -> None:
     from bapo_megatron.config.moe import MoeConfig
     from bapo_megatron.distributed.context import ParallelContext
 
-    context = ParallelContext.initialize(
-        ParallelConfig(expert_model_parallel_size=int(os.environ["BENCH_EP"]))
-    )
+    context = ParallelContext.initialize(ParallelConfig(expert_model_parallel_size=expert_parallel))
     model = ModelConfig(
         model_type="qwen3_moe",
         num_layers=args.layers,
@@ -132,21 +166,21 @@ def worker(args: argparse.Namespace) -> None:
                 times[name].append(time.perf_counter() - start)
     result = dict(times=times, tokens=n * s * context.dp_size)
     context.teardown()
-    Path(args.worker_out.format(rank=os.environ["RANK"])).write_text(json.dumps(result))
+    return result
 
 
 # ------------------------------------------------------------------------ driver
 
 
-def run_layout(name: str, args: argparse.Namespace, argv: list[str], workdir: Path) -> dict:
+def run_layouts(names: list[str], args: argparse.Namespace, argv: list[str], workdir: Path):
+    """Every layout of ``names`` in one torchrun launch; the ranks' results."""
     world = 2
-    outs = [workdir / f"{name}-rank{rank}.json" for rank in range(world)]
+    outs = [workdir / f"rank{rank}.json" for rank in range(world)]
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
         "NUMBA_NUM_THREADS": "1",
-        "BENCH_EP": str(LAYOUTS[name]),
         "PYTHONWARNINGS": "ignore",
     }
     cmd = [
@@ -158,26 +192,31 @@ def run_layout(name: str, args: argparse.Namespace, argv: list[str], workdir: Pa
         __file__,
         *argv,
         "--worker-out",
-        str(workdir / f"{name}-rank{{rank}}.json"),
+        str(workdir / "rank{rank}.json"),
     ]
+    timeout = args.timeout * len(names)
     try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise RuntimeError(f"layout {name} did not finish within {args.timeout:.0f} s") from None
+        raise RuntimeError(f"layouts {names} did not finish within {timeout:.0f} s") from None
     if done.returncode != 0 or not all(o.exists() for o in outs):
         raise RuntimeError(
-            f"layout {name} failed (exit {done.returncode}):\n{done.stdout[-4000:]}"
+            f"layouts {names} failed (exit {done.returncode}):\n{done.stdout[-4000:]}"
             f"\n{done.stderr[-4000:]}"
         )
-    results = [json.loads(o.read_text()) for o in outs]
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def layout_figures(results: list[dict], steps: int) -> dict:
+    """One layout's figures from its ranks' ``results``."""
     # a step ends when its slowest rank ends
     step = {
-        variant: [max(r["times"][variant][i] for r in results) for i in range(args.steps)]
+        variant: [max(r["times"][variant][i] for r in results) for i in range(steps)]
         for variant in ("live", "replay")
     }
     live, replay = statistics.median(step["live"]), statistics.median(step["replay"])
     return dict(
-        processes=world,
+        processes=len(results),
         step_ms=round(1e3 * live, 2),
         replay_step_ms=round(1e3 * replay, 2),
         tokens_per_s=round(results[0]["tokens"] / live, 1),
@@ -190,21 +229,18 @@ def main(argv: list[str]) -> None:
     if args.worker_out:
         worker(args)
         return
-    names = [n for n in args.layouts.split(",") if n]
-    unknown = [n for n in names if n not in LAYOUTS]
-    if unknown:
-        raise SystemExit(f"--layouts: unknown {unknown}; choose from {sorted(LAYOUTS)}")
-    report: dict = {}
+    names = layout_names(args)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            report[name] = run_layout(name, args, argv, Path(tmp))
-            r = report[name]
-            print(
-                f"{name:4s} {r['processes']} proc  step {r['step_ms']:9.2f} ms  "
-                f"with replay {r['replay_step_ms']:9.2f} ms  {r['tokens_per_s']:10.1f} tok/s  "
-                f"replay/live {r['replay_ratio']:.3f}",
-                flush=True,
-            )
+        ranks = run_layouts(names, args, argv, Path(tmp))
+    report: dict = {}
+    for name in names:
+        report[name] = r = layout_figures([rank[name] for rank in ranks], args.steps)
+        print(
+            f"{name:4s} {r['processes']} proc  step {r['step_ms']:9.2f} ms  "
+            f"with replay {r['replay_step_ms']:9.2f} ms  {r['tokens_per_s']:10.1f} tok/s  "
+            f"replay/live {r['replay_ratio']:.3f}",
+            flush=True,
+        )
     ratios = {}
     if "ep1" in report and "ep2" in report:
         ratios["ep2_vs_ep1"] = round(report["ep2"]["step_ms"] / report["ep1"]["step_ms"], 3)
@@ -214,3 +250,6 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    from bapo_megatron.train.process_exit import skip_final_collection
+
+    skip_final_collection()

@@ -400,13 +400,10 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         work = Path(tmp)
         torch.manual_seed(args.seed)
-        EmbeddedEngine(gen_model).model.save_pretrained(work / "gen")
-        n_params = sum(
-            p.numel()
-            for p in transformers.AutoModelForCausalLM.from_config(
-                transformers.AutoConfig.for_model(**gen_model.to_hf_config())
-            ).parameters()
-        )
+        written = EmbeddedEngine(gen_model).model  # counted here, not built a second time
+        written.save_pretrained(work / "gen")
+        n_params = sum(p.numel() for p in written.parameters())
+        del written
         print(
             f"generation model: qwen2, {args.layers} layers, hidden {args.hidden}, "
             f"{args.heads} heads of {gen_model.head_dim} in {args.kv_heads} groups, vocab "
@@ -635,3 +632,6 @@ def weight_update(
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    from bapo_megatron.train.process_exit import skip_final_collection
+
+    skip_final_collection()

@@ -1,9 +1,10 @@
 """Benchmark the live weight export and the HF -> Megatron conversion at TP2/PP2 on the CPU.
 
-Starts 4 gloo processes (one thread each) that build a Llama-style model (default about 1B
-parameters: hidden 2048, 18 layers, 16 heads in 8 query groups, MLP 5632, vocab 32000, untied,
-bf16, random weights) at TP2/PP2 and measure, with barriers around each phase and the slowest
-rank's time:
+Starts 4 gloo processes (one thread each; forked from one process that imported torch and
+Megatron-Core once, instead of four interpreters importing them side by side) that build a
+Llama-style model (default about 1B parameters: hidden 2048, 18 layers, 16 heads in 8 query
+groups, MLP 5632, vocab 32000, untied, bf16, random weights) at TP2/PP2 and measure, with
+barriers around each phase and the slowest rank's time:
 
     copy        every rank clones its own parameter shards into new tensors: a plain in-memory
                 copy of the same bytes, at the same parallelism (the floor the export is
@@ -34,16 +35,32 @@ Usage: python3 tools/bench_weights.py [--dtype bfloat16] [--bucket-mib 512] [--r
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 
 WORLD, TP, PP = 4, 2, 2
+# What the ranks import: loaded once before they are forked (see start_ranks).
+WORKER_MODULES = (
+    "torch.distributed",
+    "bapo_megatron.actor.model",
+    "bapo_megatron.config",
+    "bapo_megatron.distributed.context",
+    "bapo_megatron.weights.convert",
+    "bapo_megatron.weights.export",
+    "bapo_megatron.weights.hf_checkpoint",
+    "bapo_megatron.weights.megatron_checkpoint",
+    "bapo_megatron.weights.transports",
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -251,46 +268,74 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def start_ranks(args: argparse.Namespace) -> None:
+    """The launched process: import the ranks' modules, then fork the ``WORLD`` ranks (this
+    process holds no thread and no device yet, so each child starts clean). Exits 1 as soon as
+    a rank fails, killing the others, so that none waits forever at a barrier."""
+    for name in WORKER_MODULES:
+        importlib.import_module(name)
+    if threading.active_count() > 1:  # a thread would not be copied, nor the locks it holds
+        raise RuntimeError(f"importing the ranks' modules started threads: {threading.enumerate()}")
+    pids = [fork_rank(rank, args) for rank in range(WORLD)]
+    while pids:
+        pid, status = os.wait()
+        pids.remove(pid)
+        if os.waitstatus_to_exitcode(status) != 0:
+            for other in pids:
+                os.kill(other, signal.SIGKILL)
+                os.waitpid(other, 0)
+            sys.exit(1)
+
+
+def fork_rank(rank: int, args: argparse.Namespace) -> int:
+    """Fork rank ``rank`` running :func:`worker`; its pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+        worker(args)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # not the parent's exit handlers
+
+
 def launch(argv: list[str], args: argparse.Namespace, work: Path) -> dict:
-    port, out = free_port(), work / "result.json"
-    procs = []
-    for rank in range(WORLD):
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-            "NUMBA_NUM_THREADS": "1",
-            "RANK": str(rank),
-            "WORLD_SIZE": str(WORLD),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "PYTHONWARNINGS": "ignore",
-        }
-        log = open(work / f"rank{rank}.log", "wb")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, *argv, "--workdir", str(work), "--worker-out", str(out)],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+    out, log_path = work / "result.json", work / "ranks.log"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "NUMBA_NUM_THREADS": "1",
+        "WORLD_SIZE": str(WORLD),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "PYTHONWARNINGS": "ignore",
+    }
+    with open(log_path, "wb") as log:
+        # a session of its own: on timeout, the ranks it forked go too
+        process = subprocess.Popen(
+            [sys.executable, __file__, *argv, "--workdir", str(work), "--worker-out", str(out)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
-    deadline = time.monotonic() + args.timeout
-    while any(p.poll() is None for p in procs):
-        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
-            break
-        time.sleep(0.2)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-    if any(p.returncode != 0 for p in procs) or not out.exists():
-        logs = "\n".join(
-            f"----- rank {r} -----\n" + (work / f"rank{r}.log").read_text(errors="replace")[-4000:]
-            for r in range(WORLD)
-        )
-        raise RuntimeError(f"benchmark workers failed:\n{logs}")
+        try:
+            code = process.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            code = None
+    if code != 0 or not out.exists():
+        what = "timed out" if code is None else f"exit {code}"
+        logs = log_path.read_text(errors="replace")[-8000:]
+        raise RuntimeError(f"benchmark workers failed ({what}):\n{logs}")
     return json.loads(out.read_text())
 
 
@@ -303,7 +348,7 @@ def _significant(value: float) -> float:
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     if args.worker_out:
-        worker(args)
+        start_ranks(args)
         return
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         r = launch(argv, args, Path(tmp))
@@ -370,3 +415,6 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    from bapo_megatron.train.process_exit import skip_final_collection
+
+    skip_final_collection()
