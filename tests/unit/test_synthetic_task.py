@@ -83,3 +83,25 @@ def test_load_task_generates_the_named_task(name):
     task = load_task(cfg)
     assert task.rows == synthetic_rows(name, 30, seed=cfg.train.seed)
     assert task.model == cfg.model and task.eos_token_id == 1
+
+
+def test_warmup_batches_with_cached_prompts_equal_freshly_encoded_ones():
+    # the warm-up keeps each row's encoded prompt (trainer/warmup.py): the batches it builds
+    # from the cache, for rows drawn again and again, are the ones encoding afresh gives
+    import torch
+
+    from bapo_megatron.config.loading import load_config
+    from bapo_megatron.data.task import load_task
+    from bapo_megatron.trainer.warmup import supervised_batch
+    from tests.helpers.train_runs import TINY_CONFIG
+
+    cfg = load_config(TINY_CONFIG, ["data.synthetic_size=12"])
+    task = load_task(cfg)
+    rng, cache = random.Random(5), {}
+    for _ in range(4):
+        rows = rng.sample(task.rows, 6)
+        args = (task, rows, cfg.data.system_prompt, cfg.rollout.max_new_tokens)
+        cached, fresh = supervised_batch(*args, prompt_ids=cache), supervised_batch(*args)
+        assert torch.equal(cached.tokens, fresh.tokens)
+        assert torch.equal(cached.response_mask, fresh.response_mask)
+    assert len(cache) == len({id(row) for row in task.rows if id(row) in cache}) <= 12
