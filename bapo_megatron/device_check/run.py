@@ -50,6 +50,18 @@ FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
 """The FP8 recipes a Hopper GPU runs (``mxfp8`` is Blackwell's)."""
 
 
+CPU_LOOP_OVERRIDES = [
+    "warmup.steps=20",
+    "rollout.prompts_per_step=4",
+    "rollout.samples_per_prompt=4",
+    "rollout.max_new_tokens=16",
+    "actor.micro_batch_size=16",
+    "warmup.batch_size=16",
+    "data.synthetic_size=200",
+]
+"""The loop checks' sizes on the CPU, where the full tiny run would take minutes."""
+
+
 class Checks:
     """Runs the check processes of one invocation and collects their results."""
 
@@ -270,19 +282,7 @@ def distributed_optimizer(checks: Checks, argv: list[str]) -> dict:
 
 def loop(checks: Checks, small: bool) -> dict:
     a = checks.args
-    fast = (
-        []
-        if checks.gpu
-        else [
-            "warmup.steps=20",
-            "rollout.prompts_per_step=4",
-            "rollout.samples_per_prompt=4",
-            "rollout.max_new_tokens=16",
-            "actor.micro_batch_size=16",
-            "warmup.batch_size=16",
-            "data.synthetic_size=200",
-        ]
-    )
+    fast = [] if checks.gpu else CPU_LOOP_OVERRIDES
     # bf16 with the distributed optimizer, as the GPU recipes run
     dtype = (
         ["model.params_dtype=bfloat16", "optimizer.use_distributed_optimizer=true"]
@@ -313,19 +313,7 @@ def loop(checks: Checks, small: bool) -> dict:
 
 def loop_moe(checks: Checks) -> dict:
     """The tiny Qwen3-MoE example (routing replay R3) through the loop on the device."""
-    fast = (
-        []
-        if checks.gpu
-        else [
-            "warmup.steps=20",
-            "rollout.prompts_per_step=4",
-            "rollout.samples_per_prompt=4",
-            "rollout.max_new_tokens=16",
-            "actor.micro_batch_size=16",
-            "warmup.batch_size=16",
-            "data.synthetic_size=200",
-        ]
-    )
+    fast = [] if checks.gpu else CPU_LOOP_OVERRIDES
     # bf16 with the distributed optimizer on the GPU: expert parameters in its buffers too
     dtype = (
         ["model.params_dtype=bfloat16", "optimizer.use_distributed_optimizer=true"]
