@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from tests.helpers import preloaded_processes
 from tests.helpers.gloo_launch import REPO_ROOT
 from tests.helpers.train_runs import (
     Ranks,
@@ -240,7 +241,7 @@ def test_user_errors_are_one_line(tmp_path, override, message, as_command):
         assert isinstance(exited.value.code, str)
         assert exited.value.code.splitlines()[-1].startswith(message), exited.value.code
         return
-    result = subprocess.run(
+    result = preloaded_processes.run(
         command,
         cwd=REPO_ROOT,
         env=subprocess_env(),

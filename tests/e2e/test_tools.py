@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from tests.helpers import preloaded_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 # The scripts import the package (and bench_bapo_loss.py tests/) from this checkout, which the
@@ -19,7 +20,7 @@ ENV = {
 
 def benchmark_report(tool: str, *args: str) -> dict:
     """Run ``tools/<tool>`` with ``args``; the JSON object its last line prints."""
-    out = subprocess.run(
+    out = preloaded_processes.run(
         [sys.executable, str(ROOT / "tools" / tool), *args],
         check=True,
         capture_output=True,
@@ -176,7 +177,7 @@ def test_convert_checkpoint_names_the_damaged_file_in_one_line(tmp_path):
     )
     shard = tmp_path / "ckpt" / "__0_1.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])
-    done = subprocess.run(
+    done = preloaded_processes.run(
         [
             sys.executable,
             str(ROOT / "tools" / "convert_checkpoint.py"),

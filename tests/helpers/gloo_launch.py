@@ -35,6 +35,8 @@ def launch(
     timeout: float = 180.0,
 ) -> list[dict]:
     """Run ``world_size`` copies of ``script`` and return each rank's saved results."""
+    from tests.helpers.preloaded_processes import popen
+
     python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, **ONE_THREAD, "PYTHONPATH": python_path}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -63,9 +65,7 @@ def launch(
             ]
             with open(logs[rank], "wb") as log:
                 procs.append(
-                    subprocess.Popen(
-                        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT
-                    )
+                    popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
                 )
         while problem is None:
             codes = [p.poll() for p in procs]

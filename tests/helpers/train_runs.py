@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from tests.helpers import preloaded_processes
 from tests.helpers.gloo_launch import ONE_THREAD, REPO_ROOT
 
 TINY_CONFIG = REPO_ROOT / "examples" / "tiny_cpu" / "train.yaml"
@@ -99,7 +100,7 @@ def subprocess_env() -> dict[str, str]:
 def run_subprocess(
     output_dir: Path, *overrides: str, timeout: float = 300
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return preloaded_processes.run(
         training_command(output_dir, *overrides),
         cwd=REPO_ROOT,
         env=subprocess_env(),
@@ -141,7 +142,7 @@ class Ranks(list):
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             **(extra_env or {}),
         }
-        process = subprocess.Popen(
+        process = preloaded_processes.popen(
             command,
             cwd=REPO_ROOT,
             env=env,
@@ -218,7 +219,7 @@ def kill_after(
     """Start the trainer (on ``config``) as a process, SIGKILL it ``extra_delay`` s after
     checkpoint ``checkpoint_step`` appears, or (``while_writing``) as soon as its staging folder
     appears, in the middle of writing it."""
-    proc = subprocess.Popen(
+    proc = preloaded_processes.popen(
         training_command(output, *overrides, config=config),
         cwd=REPO_ROOT,
         env=subprocess_env(),
