@@ -2,7 +2,9 @@
 
 A test file re-runs itself as a script: worker ``r`` gets ``--rank r --world-size N --init
 <rendezvous file> --out <result file>`` plus the test's own flags, joins a gloo group through a
-``file://`` store, and writes its results with ``torch.save``. Every pool is one thread. The
+``file://`` store, and writes its results with ``torch.save``. The workers are forked from the
+test session's fork server (``tests/helpers/preloaded_processes.py``): new processes that need
+not import torch and Megatron-Core again. Every pool is one thread. The
 launch fails, with every rank's output, as soon as one worker exits non-zero, a worker leaves no
 result, or the timeout passes; workers still running are then killed, so a rank blocked in a
 collective cannot hang the test run.
