@@ -13,6 +13,15 @@ import pytest
 os.environ["BAPO_DEVICE"] = "cpu"
 
 
+def pytest_configure(config):
+    # Every trainer, worker and tool process the tests start, themselves or through torchrun,
+    # a script or a tool, is forked from one server that imported torch, Megatron-Core and
+    # transformers once (tests/helpers/preloaded_processes.py); it imports while tests collect.
+    from tests.helpers import preloaded_processes
+
+    preloaded_processes.start_server()
+
+
 @pytest.fixture
 def single_process():
     """A one-process ParallelContext (gloo world of one rank), torn down after the test."""

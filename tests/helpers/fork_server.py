@@ -80,6 +80,8 @@ def run_child(request: dict, fds: list[int]) -> None:
             os.close(fd)
         if request.get("new_session"):
             os.setsid()
+        if request.get("stand_in"):
+            watch_stand_in(request["stand_in"])
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -108,6 +110,24 @@ def run_child(request: dict, fds: list[int]) -> None:
     finally:
         code = finish(code)
         os._exit(code)
+
+
+def watch_stand_in(pid: int) -> None:
+    """End this child as soon as process ``pid`` ends: the stand-in (``fork_shim``) its starter
+    sees as the command. A starter that SIGKILLs the stand-in, or its whole process tree, thus
+    ends the command too, as it would a command of its own."""
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def wait_then_die() -> None:
+        poller = select.poll()
+        poller.register(handle, select.POLLIN)
+        poller.poll()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait_then_die, daemon=True, name="stand-in watch").start()
 
 
 def reseed_random_states() -> None:

@@ -31,22 +31,29 @@ import time
 from tests.helpers.gloo_launch import ONE_THREAD, REPO_ROOT
 
 STARTUP_TIMEOUT_S = 300  # its imports take 10-30 s on a loaded 2-core machine
+SHIM = REPO_ROOT / "tests" / "helpers" / "fork_shim"
 _server: subprocess.Popen | None = None
 _socket_path: str | None = None
+_ready = False
 _lock = threading.Lock()
 
 
-def server_address() -> str:
-    """Start the fork server once (a few seconds of imports), return its socket's path."""
-    global _server, _socket_path
+def start_server() -> None:
+    """Start the fork server (its imports go on in the background) and have every Python process
+    this session starts from now on, at any depth, ask it for a fork (``fork_shim``)."""
+    global _server, _socket_path, _ready
     with _lock:
         if _server is not None and _server.poll() is None:
-            return _socket_path
+            return
         folder = tempfile.mkdtemp(prefix="bapo-fork-server-")
         _socket_path = os.path.join(folder, "socket")
-        env = {**os.environ, **ONE_THREAD, "PYTHONPATH": str(REPO_ROOT)}
+        env = {**os.environ, **ONE_THREAD}
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO_ROOT), *without_shim(os.environ.get("PYTHONPATH", ""))]
+        )
         for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(var, None)
+        env.pop("BAPO_FORK_SERVER", None)
         _server = subprocess.Popen(
             [sys.executable, "-m", "tests.helpers.fork_server", _socket_path],
             stdin=subprocess.PIPE,
@@ -54,14 +61,33 @@ def server_address() -> str:
             cwd=REPO_ROOT,
             env=env,
         )
-        started = readable(_server.stdout, STARTUP_TIMEOUT_S)
-        if not started or _server.stdout.readline().strip() != b"ready":
-            _server.kill()
-            raise RuntimeError(
-                f"the fork server (tests/helpers/fork_server.py) did not start within "
-                f"{STARTUP_TIMEOUT_S} s (exit {_server.wait()})"
-            )
+        _ready = False
         atexit.register(_stop_server)
+        os.environ["BAPO_FORK_SERVER"] = _socket_path
+        os.environ["BAPO_FORK_SERVER_PYTHON"] = os.path.realpath(sys.executable)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(SHIM), *without_shim(os.environ.get("PYTHONPATH", ""))]
+        )
+
+
+def without_shim(python_path: str) -> list[str]:
+    return [p for p in python_path.split(os.pathsep) if p and p != str(SHIM)]
+
+
+def server_address() -> str:
+    """The fork server's socket, once it has done its imports (started here if not yet)."""
+    global _ready
+    start_server()
+    with _lock:
+        if not _ready:
+            started = readable(_server.stdout, STARTUP_TIMEOUT_S)
+            if not started or _server.stdout.readline().strip() != b"ready":
+                _server.kill()
+                raise RuntimeError(
+                    f"the fork server (tests/helpers/fork_server.py) did not start within "
+                    f"{STARTUP_TIMEOUT_S} s (exit {_server.wait()})"
+                )
+            _ready = True
         return _socket_path
 
 

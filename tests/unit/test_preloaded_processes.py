@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -34,9 +35,16 @@ def script(tmp_path):
     return path
 
 
-def run_both(command, **kwargs):
-    forked = preloaded_processes.run(command, capture_output=True, text=True, **kwargs)
-    fresh = subprocess.run(command, capture_output=True, text=True, **kwargs)
+def fresh_env(env=None) -> dict:
+    """``env`` without the fork server: ``subprocess`` then starts a new interpreter."""
+    env = dict(os.environ if env is None else env)
+    env.pop("BAPO_FORK_SERVER", None)
+    return env
+
+
+def run_both(command, env=None, **kwargs):
+    forked = preloaded_processes.run(command, capture_output=True, text=True, env=env, **kwargs)
+    fresh = subprocess.run(command, capture_output=True, text=True, env=fresh_env(env), **kwargs)
     return forked, fresh
 
 
@@ -130,3 +138,59 @@ def test_a_test_process_holding_over_1024_descriptors_can_wait(tmp_path):
         for fd in held:
             os.close(fd)
     assert (done.returncode, done.stdout) == (0, '{"a":1}\n')
+
+
+STAND_IN_SCRIPT = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))  # before the line the test waits for
+print("torch" in sys.modules, os.getpid(), flush=True)
+if sys.argv[1] == "wait":
+    time.sleep(600)
+"""
+
+
+@pytest.fixture
+def stand_in_script(tmp_path):
+    path = tmp_path / "stand_in.py"
+    path.write_text(STAND_IN_SCRIPT)
+    return path
+
+
+def test_python_started_by_plain_subprocess_is_forked_through_its_stand_in(stand_in_script):
+    # what torchrun, a shell script or a tool does: subprocess with this interpreter
+    assert os.environ["BAPO_FORK_SERVER"]  # the conftest started the server
+    done = subprocess.run([sys.executable, str(stand_in_script), "end"], capture_output=True)
+    preloaded, pid = done.stdout.split()
+    assert (done.returncode, preloaded) == (0, b"True")
+    fresh = subprocess.run(
+        [sys.executable, str(stand_in_script), "end"], capture_output=True, env=fresh_env()
+    )
+    assert fresh.stdout.split()[0] == b"False"
+
+
+def test_a_stand_in_passes_signals_on_and_its_death_ends_the_command(stand_in_script):
+    command = [sys.executable, "-u", str(stand_in_script), "wait"]
+    stand_in = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    preloaded, pid = stand_in.stdout.readline().split()
+    assert preloaded == "True" and int(pid) != stand_in.pid  # the command runs in the fork
+    stand_in.terminate()  # passed on: the command's handler exits 7, and so does the stand-in
+    assert stand_in.wait(timeout=120) == 7
+    stand_in.stdout.close()
+
+    stand_in = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    _, pid = stand_in.stdout.readline().split()
+    stand_in.kill()  # cannot be passed on: the fork sees its stand-in gone and ends itself
+    assert stand_in.wait(timeout=120) == -signal.SIGKILL
+    stand_in.stdout.close()
+    deadline = time.monotonic() + 120
+    while os.path.exists(f"/proc/{pid}") and not is_zombie(int(pid)):
+        assert time.monotonic() < deadline, "the forked command outlived its stand-in"
+        time.sleep(0.05)
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
