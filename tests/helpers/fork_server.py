@@ -80,8 +80,6 @@ def run_child(request: dict, fds: list[int]) -> None:
             os.close(fd)
         if request.get("new_session"):
             os.setsid()
-        if request.get("stand_in"):
-            watch_stand_in(request["stand_in"])
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -110,24 +108,6 @@ def run_child(request: dict, fds: list[int]) -> None:
     finally:
         code = finish(code)
         os._exit(code)
-
-
-def watch_stand_in(pid: int) -> None:
-    """End this child as soon as process ``pid`` ends: the stand-in (``fork_shim``) its starter
-    sees as the command. A starter that SIGKILLs the stand-in, or its whole process tree, thus
-    ends the command too, as it would a command of its own."""
-    try:
-        handle = os.pidfd_open(pid)
-    except ProcessLookupError:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def wait_then_die() -> None:
-        poller = select.poll()
-        poller.register(handle, select.POLLIN)
-        poller.poll()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=wait_then_die, daemon=True, name="stand-in watch").start()
 
 
 def reseed_random_states() -> None:
@@ -186,12 +166,13 @@ def serve(path: str) -> None:
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: dict[int, socket.socket] = {}
+    stand_ins: dict[int, int] = {}  # pidfd of a stand-in -> the child it stands in for
     print("ready", flush=True)
     stdin = sys.stdin.fileno()
     try:
         while True:
             try:
-                readable, _, _ = select.select([listener, wake_read, stdin], [], [])
+                readable, _, _ = select.select([listener, wake_read, stdin, *stand_ins], [], [])
             except InterruptedError:
                 continue
             if stdin in readable and not os.read(stdin, 4096):
@@ -199,9 +180,10 @@ def serve(path: str) -> None:
             if wake_read in readable:
                 os.read(wake_read, 4096)
             reap(children)
+            end_orphans(stand_ins, children, readable)
             if listener in readable:
                 connection, _ = listener.accept()
-                start(connection, children, [listener, wake_read, wake_write])
+                start(connection, children, stand_ins, [listener, wake_read, wake_write])
     finally:
         for pid in children:
             try:
@@ -210,7 +192,7 @@ def serve(path: str) -> None:
                 pass
 
 
-def start(connection: socket.socket, children: dict, inherited: list) -> None:
+def start(connection: socket.socket, children: dict, stand_ins: dict, inherited: list) -> None:
     message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
     request = json.loads(message)
     pid = os.fork()
@@ -219,12 +201,36 @@ def start(connection: socket.socket, children: dict, inherited: list) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for handle in (*inherited, *children.values(), connection):
             handle.close() if hasattr(handle, "close") else os.close(handle)
+        for handle in stand_ins:
+            os.close(handle)
         os.close(0)  # the server's lifeline; the child gets its own standard input
         run_child(request, fds)
     for fd in fds:
         os.close(fd)
     children[pid] = connection
     connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    if request.get("stand_in"):
+        try:
+            stand_ins[os.pidfd_open(request["stand_in"])] = pid
+        except ProcessLookupError:
+            os.kill(pid, signal.SIGKILL)  # gone already: nobody waits for this command
+
+
+def end_orphans(stand_ins: dict, children: dict, readable: list) -> None:
+    """SIGKILL the command of every stand-in (``fork_shim``) that has ended: a starter that
+    SIGKILLs the stand-in, or its whole process tree, thus ends the command too, as it would a
+    command of its own. Forget the stand-ins of commands that have ended."""
+    for handle, pid in list(stand_ins.items()):
+        if pid not in children:
+            del stand_ins[handle]
+            os.close(handle)
+        elif handle in readable:
+            del stand_ins[handle]
+            os.close(handle)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def reap(children: dict) -> None:

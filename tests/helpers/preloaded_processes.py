@@ -6,10 +6,15 @@ status, without importing torch, Megatron-Core and transformers again in every p
 commands the suite starts (``[sys.executable, ("-u"), "-m", module | script, *args]``) and return
 objects that behave as theirs (``pid``, ``poll``, ``wait``, ``kill``, ``send_signal``,
 ``communicate``, ``returncode``, ``stdout``). Any other command, or ``BAPO_TEST_FRESH_PROCESSES=1``
-in the environment, goes to ``subprocess`` unchanged. Tests about what a new interpreter imports
-keep using ``subprocess`` directly.
+in the environment, goes to ``subprocess`` unchanged.
 
-One server per test session, started at the first use; it ends with the session (its standard
+The processes that other processes start (torchrun's agent and workers, a script's or a tool's
+Python processes) are forked too: :func:`start_server` puts ``fork_shim`` on ``PYTHONPATH``, whose
+start-up hook has the server fork the command and stands in for it (``fork_shim/sitecustomize.py``).
+A test about what a new interpreter imports runs its command with ``-c``, or with
+``BAPO_FORK_SERVER`` removed from the command's environment.
+
+One server per test session, started by the conftest; it ends with the session (its standard
 input is a pipe from this process).
 """
 

@@ -5,7 +5,7 @@ command is one it can run (``python [-u] -m module ...`` or ``python [-u] file .
 server's interpreter), this process has the server fork the command for it, with this process's
 environment, working directory and standard streams, and stands in for it: signals it gets are
 passed on, and it ends with the command's exit status (or its signal). If it dies first (a
-SIGKILL), the forked command kills itself (``fork_server.watch_stand_in``). Anything else runs
+SIGKILL), the server kills the forked command (``fork_server.end_orphans``). Anything else runs
 as usual. The conftest puts this folder on ``PYTHONPATH`` for the whole session.
 
 Only the standard library, nothing heavy: this runs before every such interpreter's main code.
