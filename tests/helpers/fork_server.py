@@ -31,7 +31,7 @@ import threading
 import traceback
 
 # What a trainer, a tool or a worker of the suite imports (each costing > 0.1 s), in the order
-# they would be imported. A module missing here is only imported again by the child.
+# they would be imported. A module that fails to import here is only imported by the child.
 PRELOAD = (
     "numpy",
     "torch",
@@ -67,8 +67,8 @@ def preload() -> None:
         for name in PRELOAD:
             try:
                 importlib.import_module(name)
-            except ImportError:
-                pass
+            except Exception:  # absent, or broken beside this environment's torch: the child
+                pass  # that needs it imports it and meets the error itself
 
 
 def run_child(request: dict, fds: list[int]) -> None:

@@ -47,6 +47,8 @@ def start_server() -> None:
     """Start the fork server (its imports go on in the background) and have every Python process
     this session starts from now on, at any depth, ask it for a fork (``fork_shim``)."""
     global _server, _socket_path, _ready
+    if fresh_processes_asked():
+        return
     with _lock:
         if _server is not None and _server.poll() is None:
             return
@@ -73,6 +75,11 @@ def start_server() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [str(SHIM), *without_shim(os.environ.get("PYTHONPATH", ""))]
         )
+
+
+def fresh_processes_asked() -> bool:
+    """``BAPO_TEST_FRESH_PROCESSES=1``: every process a new interpreter, no server."""
+    return os.environ.get("BAPO_TEST_FRESH_PROCESSES") == "1"
 
 
 def without_shim(python_path: str) -> list[str]:
@@ -108,7 +115,7 @@ def _stop_server() -> None:
 
 def forkable(command: list[str]) -> tuple[bool, str, list[str], bool] | None:
     """``(is_module, target, args, unbuffered)`` for a command the server can run, else None."""
-    if os.environ.get("BAPO_TEST_FRESH_PROCESSES") == "1":
+    if fresh_processes_asked():
         return None
     if not command or str(command[0]) != sys.executable:
         return None

@@ -14,6 +14,11 @@ import pytest
 
 from tests.helpers import preloaded_processes
 
+pytestmark = pytest.mark.skipif(
+    preloaded_processes.fresh_processes_asked(),
+    reason="BAPO_TEST_FRESH_PROCESSES=1: the fork server is switched off",
+)
+
 SCRIPT = """
 import sys
 PRELOADED = "torch" in sys.modules  # before any import of the script's own
