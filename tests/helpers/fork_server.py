@@ -31,8 +31,12 @@ import threading
 import traceback
 
 # What a trainer, a tool or a worker of the suite imports (each costing > 0.1 s), in the order
-# they would be imported. A module that fails to import here is only imported by the child.
+# they would be imported: the package first, whose root defers Megatron-Core's imports of wandb,
+# TorchDynamo and its JIT before anything imports megatron (bapo_megatron/megatron_patches), as
+# in every process of a real run. A module that fails to import here is only imported by the
+# child.
 PRELOAD = (
+    "bapo_megatron",
     "numpy",
     "torch",
     "torch.distributed",
@@ -55,6 +59,11 @@ PRELOAD = (
     "yaml",
     "torch.utils.tensorboard",
     "math_verify",
+    # the trainer's and the tools' own modules (about 140), so no child imports them either
+    "bapo_megatron.trainer.main",
+    "bapo_megatron.trainer.loop",
+    "bapo_megatron.weights.convert_cli",
+    "bapo_megatron.repro.evaluate_cli",
 )
 
 
