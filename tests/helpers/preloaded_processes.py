@@ -276,19 +276,7 @@ def popen(
     start_new_session: bool = False,
 ):
     """``subprocess.Popen(command, ...)``, forked from the server when it can be."""
-    if forkable(command) is None:
-        return subprocess.Popen(
-            command,
-            cwd=cwd,
-            env=env,
-            stdin=stdin,
-            stdout=stdout,
-            stderr=stderr,
-            text=text,
-            start_new_session=start_new_session,
-        )
-    return ForkedProcess(
-        command,
+    options = dict(
         cwd=cwd,
         env=env,
         stdin=stdin,
@@ -297,6 +285,9 @@ def popen(
         text=text,
         start_new_session=start_new_session,
     )
+    if forkable(command) is None:
+        return subprocess.Popen(command, **options)
+    return ForkedProcess(command, **options)
 
 
 def run(
