@@ -20,6 +20,9 @@ and each rank's expert parameters equal the analytic count
 from __future__ import annotations
 
 import dataclasses
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,6 +167,22 @@ class LayoutPlan:
         }
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (as it was before, after it)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+# The shards stay alive until the plan is done: a large plan holds millions of module objects, and
+# the collector's passes over them, which find nothing (the builds leave no cycles), were a quarter
+# of the 235B recipe's plan (28 s on the 2-core machine).
+@collector_paused()
 def plan_layout(
     config: Config,
     model: ModelConfig,

@@ -323,13 +323,48 @@ def test_a_token_budget_plans_rows_of_the_budget_without_an_attention_term():
     padded = training_shape(ActorConfig(micro_batch_size=4), sequence_length=1000, sequences=10)
     assert (padded.micro_batch_size, padded.sequence_length, padded.micro_batches) == (4, 1000, 3)
     model = ModelConfig(
-        model_type="qwen2", num_layers=2, hidden_size=64, ffn_hidden_size=128,
-        num_attention_heads=4, num_query_groups=2, vocab_size=128, max_position_embeddings=8192,
+        model_type="qwen2",
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=128,
+        max_position_embeddings=8192,
     )
     for attention in ("sdpa", "flash"):
         one, two = (
-            layer_bytes(model, ParallelConfig(), dataclasses.replace(shape, attention=attention,
-                                                                     sequence_length=length))
+            layer_bytes(
+                model,
+                ParallelConfig(),
+                dataclasses.replace(shape, attention=attention, sequence_length=length),
+            )
             for length in (2048, 4096)
         )
         assert two == 2 * one
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_the_planner_pauses_the_garbage_collector_and_gives_it_back(enabled_before, monkeypatch):
+    import gc
+
+    from bapo_megatron.planning import plan as planning
+
+    class Seen(Exception):
+        pass
+
+    def replica(*_):
+        raise Seen(gc.isenabled())
+
+    monkeypatch.setattr(planning, "_replica", replica)
+    promise = GPU_RECIPES["qwen2.5-32b/train.yaml"]
+    config = load_config(EXAMPLES / "qwen2.5-32b/train.yaml")
+    model = planning.ModelConfig.from_hf_config(config_path(promise["hf_config"]))
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        with pytest.raises(Seen) as seen:
+            planning.plan_layout(config, model, promise["world"])
+        assert seen.value.args == (False,)  # off while the ranks are built
+        assert gc.isenabled() == enabled_before  # as it was, also after an error
+    finally:
+        gc.enable()
