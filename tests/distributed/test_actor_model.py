@@ -32,6 +32,7 @@ from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.megatron_patches import cpu_runtime as cpu_patches
 from bapo_megatron.megatron_patches import without_transformer_engine as without_te
 from tests.helpers import gloo_launch
+from tests.helpers.gloo_threads import gloo_transport_threads, gloo_transport_threads_reaching
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 120.0
@@ -133,6 +134,29 @@ def test_single_process_context_is_the_degenerate_layout(single_process):
     assert dist.get_world_size(ctx.dp_cp_group) == 1 and dist.get_backend() == "gloo"
     with pytest.raises(RuntimeError, match="already initialized"):
         ParallelContext.initialize(ParallelConfig())
+
+
+def test_teardown_in_a_world_it_did_not_create_destroys_the_layouts_groups():
+    """A process that runs several layouts in one world (a worker trying layouts, a tool) keeps
+    no group of a layout it tore down."""
+    import gc
+
+    registered = dist.distributed_c10d._world.pg_map
+    gc.collect()
+    threads = gloo_transport_threads() + 1  # and the world's
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        before = set(registered)
+        for layout in (ParallelConfig(), ParallelConfig(expert_model_parallel_size=1)):
+            ctx = ParallelContext.initialize(layout)
+            assert not ctx.owns_process_group and len(registered) > len(before)
+            ctx.teardown()
+            assert set(registered) == before and dist.is_initialized()  # the world stays
+            del ctx
+        gc.collect()
+        assert gloo_transport_threads_reaching(threads) == threads
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
