@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 
 import pytest
@@ -21,21 +20,6 @@ def pytest_configure(config):
     from tests.helpers import preloaded_processes
 
     preloaded_processes.start_server()
-
-
-def pytest_collection_finish(session):
-    # What is imported and collected by now lives to the end: out of the collector's way, so that
-    # the collections between tests (release_idle_gloo_groups) cost only what the tests made.
-    gc.collect()
-    gc.freeze()
-
-
-@pytest.fixture(autouse=True)
-def _release_idle_gloo_groups():
-    yield
-    from tests.helpers.gloo_threads import release_idle_gloo_groups
-
-    release_idle_gloo_groups()
 
 
 @pytest.fixture
