@@ -211,8 +211,10 @@ class ParallelContext:
         After it, :meth:`initialize` may be called again (a new layout in the same process)."""
         made = _megatron_groups()
         parallel_state.destroy_model_parallel()
-        for name in _megatron_groups():  # left set by destroy_model_parallel (0.16.1: the
-            setattr(parallel_state, name, None)  # intra-partial data-parallel groups with CP)
+        # What destroy_model_parallel leaves set (0.16.1: the intra-partial data-parallel groups
+        # with context parallel) would keep those groups alive until the next layout.
+        for name in _megatron_groups():
+            setattr(parallel_state, name, None)
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         else:
