@@ -8,6 +8,10 @@ from typing import TYPE_CHECKING
 
 from bapo_megatron.config.parallel import fp8_length_multiple
 
+SPREAD_ENGINES = ("vllm", "sglang")
+"""In-process engines that ``rollout.engine_tensor_parallel_size`` spreads over several
+devices."""
+
 if TYPE_CHECKING:  # annotations only: run.py imports this module
     from bapo_megatron.config.model import ModelConfig
     from bapo_megatron.config.run import Config
@@ -16,11 +20,12 @@ if TYPE_CHECKING:  # annotations only: run.py imports this module
 def check_training(cfg: Config) -> None:
     """Raise ``ValueError`` naming the fields when ``cfg`` cannot drive a training run."""
     _check_sources(cfg)
-    if cfg.rollout.engine == "vllm" and cfg.rollout.engine_tensor_parallel_size > 1:
+    if cfg.rollout.engine not in SPREAD_ENGINES and cfg.rollout.engine_tensor_parallel_size > 1:
         raise ValueError(
-            "rollout.engine=vllm runs vLLM's single-process executor (one GPU); "
-            "for rollout.engine_tensor_parallel_size > 1 start a vLLM server and "
-            "use rollout.engine=vllm-server"
+            f"rollout.engine_tensor_parallel_size={cfg.rollout.engine_tensor_parallel_size} "
+            f"spreads an in-process engine over several devices, which only {list(SPREAD_ENGINES)} "
+            f"do; rollout.engine={cfg.rollout.engine!r} runs in one process (set it to 1; a "
+            "server engine's tensor parallelism is set where the server starts)"
         )
     _check_off_policy_correction(cfg)
     _check_experts(cfg)
@@ -57,10 +62,48 @@ def _check_packing(cfg: Config) -> None:
 
 
 def _check_experts(cfg: Config) -> None:
-    """The expert checks of :func:`check_experts` for the model section (a model read from
+    """The checks of :func:`check_model` for the model section (a model read from
     ``train.model_path`` is checked once the trainer has read it)."""
     if cfg.model is not None:
-        check_experts(cfg, cfg.model)
+        check_model(cfg, cfg.model)
+
+
+def check_model(cfg: Config, model: ModelConfig) -> None:
+    """What the run asks of ``model``: :func:`check_experts`, and attention heads that split
+    over the in-process engine's devices (:func:`check_engine_heads`)."""
+    check_experts(cfg, model)
+    if cfg.rollout.engine in SPREAD_ENGINES:
+        check_engine_heads(model, cfg.rollout.engine_tensor_parallel_size)
+
+
+def check_engine_heads(
+    model: ModelConfig,
+    tensor_parallel_size: int,
+    field: str = "rollout.engine_tensor_parallel_size",
+) -> None:
+    """vLLM's and SGLang's rule for splitting attention over ``tensor_parallel_size`` workers:
+    the query heads divide evenly; key/value heads divide evenly, or, when fewer than the
+    workers, divide the workers (each is then replicated on several of them). ``ValueError``
+    naming ``field``."""
+    tp = tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"{field} must be at least 1, got {tp}")
+    heads, kv_heads = model.num_attention_heads, model.num_query_groups
+    if heads % tp:
+        raise ValueError(
+            f"{field}={tp} must divide the model's {heads} attention heads "
+            "(the engine gives every worker the same number of query heads)"
+        )
+    if kv_heads >= tp and kv_heads % tp:
+        raise ValueError(
+            f"{field}={tp} must divide the model's {kv_heads} key/value heads, as there are "
+            "at least as many of them as workers"
+        )
+    if kv_heads < tp and tp % kv_heads:
+        raise ValueError(
+            f"{field}={tp} must be a multiple of the model's {kv_heads} key/value heads, which "
+            "the engine replicates over the workers when they are fewer"
+        )
 
 
 def records_routes(cfg: Config, model: ModelConfig) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -32,3 +33,21 @@ def checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     for name, tensor in named_tensors:
         total.add(name, tensor)
     return total.hexdigest()
+
+
+def agreed_checksum(reports: list[Any], expected: str | None, engine: str) -> str | None:
+    """The checksum every worker of an engine reported after a weight update (``reports``: one
+    ``{"checksum": ...}`` per worker, in rank order). ``RuntimeError`` naming the workers when
+    they disagree with each other or with ``expected``, the checksum of what was sent."""
+    sums = [report.get("checksum") if isinstance(report, dict) else None for report in reports]
+    if not sums or any(value is None for value in sums):
+        raise RuntimeError(
+            f"{engine}: workers reported no checksum of their update ({reports!r:.300})"
+        )
+    differing = [rank for rank, value in enumerate(sums) if value != (expected or sums[0])]
+    if differing:
+        raise RuntimeError(
+            f"{engine}: workers {differing} of {len(sums)} loaded other bytes than "
+            f"{'were sent' if expected else 'worker 0'} (checksums {sums}, sent {expected})"
+        )
+    return sums[0]

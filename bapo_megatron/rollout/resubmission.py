@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 
 from bapo_megatron.config import ModelConfig
-from bapo_megatron.rollout.checksum import Checksum
+from bapo_megatron.rollout.checksum import Checksum, agreed_checksum
 from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams, check_prompts, check_ready
 from bapo_megatron.rollout.routes import decode_routes
 
@@ -366,15 +366,24 @@ class ResubmittingEngine:
         if self._released:
             raise RuntimeError("update_weights after release_memory(): call resume_memory() first")
         total = Checksum() if checksum else None
-        self._load_weights(
+        reports = self._load_weights(
             checked_tensors(named_tensors, self.model_config, self._shapes, total),
             version=int(version),
+            checksum=checksum,
         )
+        sent = total.hexdigest() if total is not None else None
+        if sent is not None and reports is not None:
+            agreed_checksum(reports, sent, self.engine_name)
         self.version = int(version)
-        return total.hexdigest() if total is not None else None
+        return sent
 
-    def _load_weights(self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: int) -> None:
-        """Load the checked ``tensors`` (a lazy stream: a check fails while it is consumed)."""
+    def _load_weights(
+        self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: int, checksum: bool
+    ) -> list[Any] | None:
+        """Load the checked ``tensors`` (a lazy stream: a check fails while it is consumed).
+        Engines whose workers report what they loaded return one ``{"checksum": ...}`` per
+        worker (computed when ``checksum`` asks), which must all equal what was sent; others
+        return None."""
         raise NotImplementedError
 
     def release_memory(self) -> None:

@@ -133,6 +133,8 @@ class ServerWeightGroup:
         self.group: dist.ProcessGroup | None = None
         self.group_name: str | None = None
         self._store: dist.TCPStore | None = None
+        self.answer: Any = None
+        """The server's answer to the last completed update's receive request."""
 
     @property
     def world_size(self) -> int:
@@ -200,6 +202,7 @@ class ServerWeightGroup:
         received = _in_background(self.receive, request)
         sent = _in_background(self._broadcast, [t for _, t in tensors])
         self._wait(received, sent, f"sending {len(tensors)} tensors over {self.group_name}")
+        self.answer = received.result()
         return sent.result()
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> int:

@@ -19,7 +19,7 @@ from bapo_megatron.actor.actor import Actor, build_actor
 from bapo_megatron.actor.optimizer import require_offload_support
 from bapo_megatron.algo.search_plan import SearchPlan
 from bapo_megatron.config import Config
-from bapo_megatron.config.checks import check_experts, records_routes
+from bapo_megatron.config.checks import check_model, records_routes
 from bapo_megatron.data.experience import ReplayBuffer
 from bapo_megatron.data.task import Task, load_task
 from bapo_megatron.disaggregated.link import EngineLink
@@ -169,7 +169,7 @@ def _build_run(
         watchdog.start()
     watchdog.enter("setup")
     task = load_task(cfg)
-    check_experts(cfg, task.model)  # a model read from train.model_path is known only now
+    check_model(cfg, task.model)  # a model read from train.model_path is known only now
     validate_layout(task.model, cfg.parallel, context.world_size)
     # Before the model is built (build_optimizer checks it again for callers without setup).
     require_offload_support(cfg.optimizer, cfg.parallel.device)

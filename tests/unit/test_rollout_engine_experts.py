@@ -72,7 +72,7 @@ def test_vllm_takes_the_experts_transformers_writes(moe_folder, tmp_path):
     llm = FakeLLM()
     engine = VLLMEngine(llm, ModelConfig.from_hf_config(moe_folder), version=0)
     engine.update_weights(tensors.items(), version=1)
-    [(method, (loaded,))] = llm.rpcs
+    [(method, (loaded, _))] = llm.rpcs
     assert method == "bapo_load_weights" and [n for n, _ in loaded] == list(tensors)
     name = "model.layers.2.mlp.experts.1.down_proj.weight"
     with pytest.raises(ValueError, match="reloads every expert of a layer"):

@@ -98,8 +98,11 @@ def _fake_vllm(monkeypatch, on_cpu: bool) -> None:
     module.LLM = FakeLLM
     platforms = types.ModuleType("vllm.platforms")
     platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: on_cpu)
+    envs = types.ModuleType("vllm.envs")
+    envs.disable_envs_cache = lambda: None
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.setitem(sys.modules, "vllm.envs", envs)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
 

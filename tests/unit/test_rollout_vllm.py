@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import logging
+import os
+import signal
 import sys
 import threading
 import types
@@ -44,11 +47,13 @@ from bapo_megatron.rollout.vllm.server_client import (
     completion_request,
     parse_completion_response,
 )
+from bapo_megatron.rollout.vllm.tensor_parallel import WorkerFailure, executor_of
 from bapo_megatron.rollout.vllm.worker_extension import (
     WORKER_EXTENSION,
     BapoWorkerExtension,
     full_vocab_logprobs_hook,
     retie_output_layer,
+    summed,
 )
 from tests.helpers import hf_models
 
@@ -292,9 +297,14 @@ class FakeLLM:
         self.llm_engine.vllm_config = types.SimpleNamespace(scheduler_config=scheduler)
         self.rpcs: list[tuple[str, tuple]] = []
         self.prefix_resets = 0
+        self.workers = 1
 
     def collective_rpc(self, method, args=()):
+        """Each of ``workers`` workers reports what it loaded as the worker extension does."""
         self.rpcs.append((method, args))
+        if method == "bapo_load_weights":
+            return [summed(*args) for _ in range(self.workers)]
+        return [None] * self.workers
 
     def reset_prefix_cache(self):
         self.prefix_resets += 1
@@ -396,8 +406,8 @@ def test_weight_update_checks_before_anything_reaches_vllm(fake_vllm, caplog):
     assert llm.rpcs == [] and engine.version == 0
     digest = engine.update_weights(weights.items(), version=2, checksum=True)
     assert digest == suite.checksum(weights.items())
-    [(method, (tensors,))] = llm.rpcs
-    assert method == "bapo_load_weights" and [n for n, _ in tensors] == list(weights)
+    [(method, (tensors, asked))] = llm.rpcs
+    assert method == "bapo_load_weights" and [n for n, _ in tensors] == list(weights) and asked
     with caplog.at_level(logging.WARNING):
         engine.release_memory()
         engine.resume_memory()
@@ -415,7 +425,7 @@ def test_weight_update_checks_know_each_familys_tensors(fake_vllm, variant, tmp_
     llm = FakeLLM()
     engine = VLLMEngine(llm, ModelConfig.from_hf_config(tmp_path), version=0)
     engine.update_weights(tensors.items(), version=1)
-    [(method, (loaded,))] = llm.rpcs
+    [(method, (loaded, _))] = llm.rpcs
     assert method == "bapo_load_weights" and [n for n, _ in loaded] == list(tensors)
     q_norm = "model.layers.1.self_attn.q_norm.weight"
     if variant.startswith("qwen3"):
@@ -432,62 +442,92 @@ def test_weight_update_checks_know_each_familys_tensors(fake_vllm, variant, tmp_
 # ------------------------------------------------------------------ the real vLLM (optional tier)
 
 
+TENSOR_PARALLEL = (1, 2)
+"""The engine sizes every real-vLLM test runs at: one worker in this process, and two worker
+processes (vLLM's multiprocess executor). VLLM_MODEL and the Llama have one key/value head, which
+vLLM replicates on both workers; the Qwen3 has two, one per worker."""
+
+
 @pytest.fixture(scope="module")
-def vllm_engine(tmp_path_factory):
-    """One in-process vLLM for the module (starting one takes seconds to a minute here)."""
+def vllm_engines(tmp_path_factory):
+    """In-process vLLMs on one folder of VLLM_MODEL, by tensor-parallel size, each started when
+    a test first asks for it and kept for the module (a start takes seconds, more at TP 2)."""
     folder = tmp_path_factory.mktemp("vllm-model")
     torch.manual_seed(0)
     EmbeddedEngine(VLLM_MODEL).model.save_pretrained(folder)
-    engine = VLLMEngine.from_pretrained(folder, enforce_eager=True)
-    yield engine
-    del engine.llm
+    engines: dict[int, VLLMEngine] = {}
+
+    def engine_at(tensor_parallel_size: int) -> VLLMEngine:
+        if tensor_parallel_size not in engines:
+            engines[tensor_parallel_size] = VLLMEngine.from_pretrained(
+                folder, enforce_eager=True, tensor_parallel_size=tensor_parallel_size
+            )
+        return engines[tensor_parallel_size]
+
+    yield engine_at
+    for engine in engines.values():
+        engine.close()
 
 
-@pytest.fixture
-def vllm_suite(vllm_engine, monkeypatch):
-    """The suite's test functions with their model swapped for VLLM_MODEL, and a factory that
-    loads the given weights into the shared engine."""
-    monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
+def suite_factory(engine: VLLMEngine):
+    """The suite's ``make_engine``: loads the given weights into ``engine`` (checking that every
+    worker loaded the bytes sent) and hands it over."""
 
     def make_engine(weights):
-        vllm_engine.resume()
-        vllm_engine.resume_memory()
-        vllm_engine.update_weights(weights.items(), version=0)
-        return vllm_engine
+        engine.resume()
+        engine.resume_memory()
+        engine.update_weights(weights.items(), version=0, checksum=True)
+        return engine
 
     return make_engine
 
 
+@pytest.fixture(params=TENSOR_PARALLEL, ids=lambda tp: f"tp{tp}")
+def vllm_suite(request, vllm_engines, monkeypatch):
+    """The suite's test functions with their model swapped for VLLM_MODEL, and a factory that
+    loads the given weights into the shared engine of each size."""
+    monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
+    return suite_factory(vllm_engines(request.param))
+
+
 @pytest.fixture(scope="module")
 def vllm_family_engines(tmp_path_factory):
-    """Starts one in-process vLLM per family of VLLM_FAMILIES, on a folder transformers saved
-    (seed 100: the tests load other weights), when a test first asks for it; each is kept for
-    the module."""
-    engines: dict[str, VLLMEngine] = {}
+    """Starts one in-process vLLM per family of VLLM_FAMILIES and size, on a folder transformers
+    saved (seed 100: the tests load other weights), when a test first asks for it; each is kept
+    for the module."""
+    engines: dict[tuple[str, int], VLLMEngine] = {}
 
-    def engine_for(variant: str) -> VLLMEngine:
-        if variant not in engines:
+    def engine_for(variant: str, tensor_parallel_size: int) -> VLLMEngine:
+        key = (variant, tensor_parallel_size)
+        if key not in engines:
             folder = tmp_path_factory.mktemp(variant)
             hf_models.save_hf_folder(folder, variant, seed=100, **VLLM_FAMILIES[variant])
-            engines[variant] = VLLMEngine.from_pretrained(folder, enforce_eager=True)
-        return engines[variant]
+            engines[key] = VLLMEngine.from_pretrained(
+                folder, enforce_eager=True, tensor_parallel_size=tensor_parallel_size
+            )
+        return engines[key]
 
     yield engine_for
     for engine in engines.values():
-        del engine.llm
+        engine.close()
 
 
-@pytest.fixture(params=["qwen2", *VLLM_FAMILIES])
-def vllm_family_suite(request, monkeypatch, tmp_path):
-    """:func:`vllm_suite` for each family: VLLM_MODEL's shared engine for qwen2; for the others
-    the family's engine, with the suite's ``MODEL`` the config that engine read from its folder
-    (so the suite's teacher-forced recompute is the embedded engine's, i.e. transformers', on
-    that family) and the suite's ``random_weights(seed)`` the HF tensors transformers saves for
-    the family with that seed (random norms included, so a dropped or swapped q/k norm shows)."""
-    if request.param == "qwen2":
-        return request.getfixturevalue("vllm_suite")
-    variant = request.param
-    engine = request.getfixturevalue("vllm_family_engines")(variant)
+@pytest.fixture(
+    params=[(variant, tp) for variant in ("qwen2", *VLLM_FAMILIES) for tp in TENSOR_PARALLEL],
+    ids=lambda param: f"{param[0]}-tp{param[1]}",
+)
+def vllm_family_suite(request, monkeypatch, tmp_path, vllm_engines):
+    """:func:`vllm_suite` for each family and size: VLLM_MODEL's shared engines for qwen2; for
+    the others the family's engine, with the suite's ``MODEL`` the config that engine read from
+    its folder (so the suite's teacher-forced recompute is the embedded engine's, i.e.
+    transformers', on that family) and the suite's ``random_weights(seed)`` the HF tensors
+    transformers saves for the family with that seed (random norms included, so a dropped or
+    swapped q/k norm shows)."""
+    variant, tensor_parallel_size = request.param
+    if variant == "qwen2":
+        monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
+        return suite_factory(vllm_engines(tensor_parallel_size))
+    engine = request.getfixturevalue("vllm_family_engines")(variant, tensor_parallel_size)
     monkeypatch.setattr(suite, "MODEL", engine.model_config)
 
     def random_weights(seed: int) -> dict[str, torch.Tensor]:
@@ -496,12 +536,7 @@ def vllm_family_suite(request, monkeypatch, tmp_path):
         return hf_models.read_hf_tensors(folder)
 
     monkeypatch.setattr(suite, "random_weights", random_weights)
-
-    def make_engine(weights):
-        engine.update_weights(weights.items(), version=0)
-        return engine
-
-    return make_engine
+    return suite_factory(engine)
 
 
 @needs_vllm
@@ -607,6 +642,105 @@ def test_vllm_logprobs_are_full_vocabulary_under_top_k(vllm_suite):
         )
 
 
+# ------------------------------------------------------------- tensor parallel 2 (optional tier)
+
+# float32 tolerance between the two sizes: at TP 2 each worker sums half of every row-parallel
+# product and an all-reduce adds the halves, which rounds differently from one sum (seen: 1e-6).
+TP_LOGPROB_ATOL = 1e-5
+
+
+@needs_vllm
+def test_vllm_tp2_generates_what_tp1_generates_on_the_same_weights(vllm_engines, monkeypatch):
+    """After the same update (every worker of both engines reports the bytes sent), greedy
+    tokens (top-k 1) and seeded samples of the TP 2 engine equal the TP 1 engine's, log-probs
+    within :data:`TP_LOGPROB_ATOL`; VLLM_MODEL's single key/value head is replicated on both
+    workers."""
+    monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
+    weights = suite.random_weights(11)
+    engines = [vllm_engines(tp) for tp in TENSOR_PARALLEL]
+    digests = {e.update_weights(weights.items(), version=3, checksum=True) for e in engines}
+    assert digests == {suite.checksum(weights.items())}
+    for params in (
+        SamplingParams(n=1, top_k=1, max_new_tokens=24),
+        SamplingParams(n=2, max_new_tokens=24, seed=4),
+    ):
+        one, two = (engine.generate(suite.PROMPTS, params) for engine in engines)
+        assert [s.token_ids for s in one] == [s.token_ids for s in two]
+        for a, b in zip(one, two):
+            assert a.versions == b.versions == [3] * len(a.token_ids)
+            torch.testing.assert_close(
+                torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=TP_LOGPROB_ATOL
+            )
+
+
+def run_bounded(action, deadline_s: float = 600.0):
+    """``action()`` on another thread; its result or error. The deadline only bounds a hang
+    (the call must end by itself, whatever the machine's speed)."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = action()
+        except BaseException as error:
+            result["error"] = error
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(deadline_s)
+    assert not worker.is_alive(), f"still running after {deadline_s} s: a hang"
+    return result
+
+
+@needs_vllm
+def test_a_tp2_worker_that_dies_is_named_and_the_engine_stops_serving(tmp_path, monkeypatch):
+    """SIGKILL one of two worker processes once every sample holds a token: the generation
+    call ends with an error naming that worker and its exit, the engine reports itself unhealthy
+    and refuses further calls with the same kind of error."""
+    monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
+    torch.manual_seed(0)
+    EmbeddedEngine(VLLM_MODEL).model.save_pretrained(tmp_path)
+    engine = VLLMEngine.from_pretrained(tmp_path, enforce_eager=True, tensor_parallel_size=2)
+    try:
+        engine.update_weights(suite.random_weights(12).items(), version=1)
+        worker = executor_of(engine.llm).workers[1].proc
+        kill = lambda: os.kill(worker.pid, signal.SIGKILL)  # noqa: E731
+        after_first_vllm_tokens(engine, len(suite.PROMPTS), kill)
+        params = SamplingParams(max_new_tokens=400)
+        outcome = run_bounded(lambda: engine.generate(suite.PROMPTS, params))
+        error = outcome.get("error")
+        assert isinstance(error, WorkerFailure), outcome
+        assert f"VllmWorker-1 (pid {worker.pid}, exit code -9)" in str(error)
+        assert "while generating" in str(error) and not engine.health()
+        again = run_bounded(
+            lambda: engine.update_weights(suite.random_weights(12).items(), version=2)
+        )
+        assert isinstance(again.get("error"), WorkerFailure), again
+    finally:
+        engine.close()
+
+
+@needs_vllm
+def test_a_tp2_engine_whose_worker_cannot_start_is_refused(tmp_path):
+    """A worker extension that does not import makes both worker processes fail at start: the
+    engine's start ends with an error that says so and where their tracebacks are."""
+    torch.manual_seed(0)
+    EmbeddedEngine(VLLM_MODEL).model.save_pretrained(tmp_path)
+    outcome = run_bounded(
+        lambda: VLLMEngine.from_pretrained(
+            tmp_path,
+            enforce_eager=True,
+            tensor_parallel_size=2,
+            worker_extension_cls="bapo_megatron.rollout.vllm.no_such_module.Extension",
+        )
+    )
+    error = outcome.get("error")
+    assert isinstance(error, WorkerFailure), outcome
+    assert (
+        "tensor_parallel_size=2: a worker process (VllmWorker-0, VllmWorker-1) failed to start"
+        in str(error)
+    )
+
+
 # ------------------------------------------------------------------ the server client (no vLLM)
 
 
@@ -706,6 +840,7 @@ class FakeVLLMServer:
         self.device = "cpu"
         self.chunked_prefill = False
         self.hold = None
+        self.workers = 2
 
     def __call__(self, method, path, body):
         self.calls.append((method, path, body))
@@ -732,8 +867,10 @@ class FakeVLLMServer:
         if path == "/collective_rpc" and body["method"] == "bapo_chunked_prefill":
             return 200, {"results": [{"enable_chunked_prefill": self.chunked_prefill}]}
         if path == "/collective_rpc" and body["method"] == "bapo_load_weights_from":
-            self.loaded = load_file(Path(body["args"][0]) / "model.safetensors")
-            return 200, {"results": [body["args"][0]]}
+            request = json.loads(body["args"][0])
+            self.loaded = load_file(Path(request["folder"]) / "model.safetensors")
+            named = [(name, self.loaded[name]) for name in request["names"]]
+            return 200, {"results": [summed(named, request["checksum"])] * self.workers}
         return 200, {"success": True}
 
     def paths(self):

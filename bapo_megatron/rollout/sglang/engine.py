@@ -350,7 +350,9 @@ class SGLangEngine(ResubmittingEngine):
 
     # -------------------------------------------------------------- weights and memory
 
-    def _load_weights(self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: int) -> None:
+    def _load_weights(
+        self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: int, checksum: bool
+    ) -> None:
         """``update_weights_from_tensor`` in buckets (checked while they stream), then one
         ``flush_cache``."""
         session = None

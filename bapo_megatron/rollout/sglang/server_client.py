@@ -192,7 +192,9 @@ class SGLangServerClient(ResubmittingEngine):
 
     # -------------------------------------------------------------- weights and memory
 
-    def _load_weights(self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: int) -> None:
+    def _load_weights(
+        self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: int, checksum: bool
+    ) -> None:
         """Same host: ``/update_weights_from_tensor`` in buckets (checked while they stream).
         Process group: every tensor checked, then one ``/update_weights_from_distributed``.
         Then one ``/flush_cache`` (which SGLang refuses with 400 while requests run)."""

@@ -7,11 +7,15 @@ vllm only when an engine starts, so registering the family does not need it.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
+
+import torch
 
 from bapo_megatron.rollout.http import check_server_answers, rollout_api_key
 from bapo_megatron.rollout.vllm.engine import VLLMEngine
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
+from bapo_megatron.rollout.vllm.tensor_parallel import worker_gpus
 
 if TYPE_CHECKING:
     from bapo_megatron.rollout.protocol import RolloutEngine
@@ -22,18 +26,35 @@ FAMILY = "vllm"
 
 
 def start_in_process(setup: EngineSetup) -> RolloutEngine:
-    """``vllm.LLM`` in this process on the run's HF folder, sized by the rollout settings."""
+    """``vllm.LLM`` in this process on the run's HF folder, sized by the rollout settings. At
+    ``rollout.engine_tensor_parallel_size`` N > 1 on GPUs its N workers take N GPUs of the node
+    from this rank's own (:func:`engine_worker_gpus`)."""
 
     rollout = setup.rollout
     return VLLMEngine.from_pretrained(
         setup.hf_folder(),
         dtype=setup.engine_dtype,
         tensor_parallel_size=rollout.engine_tensor_parallel_size,
+        worker_gpus=engine_worker_gpus(setup.device, rollout.engine_tensor_parallel_size),
         gpu_memory_utilization=rollout.gpu_memory_utilization,
         max_model_len=setup.model.max_position_embeddings,
         enable_sleep_mode=True,
         record_routes=setup.record_routes,
         **setup.quantization_options(),
+    )
+
+
+def engine_worker_gpus(device: str, tensor_parallel_size: int) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` of a colocated engine's workers: on GPUs, from this rank's
+    current GPU on (the ranks after it on the node, whose actors share their GPU with a worker);
+    None on the CPU or at tensor parallel 1 (the worker runs in this process)."""
+    if device != "cuda" or tensor_parallel_size == 1:
+        return None
+    return worker_gpus(
+        torch.cuda.current_device(),
+        tensor_parallel_size,
+        os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "rollout.engine_tensor_parallel_size",
     )
 
 

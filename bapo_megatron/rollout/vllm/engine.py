@@ -46,8 +46,13 @@ Mapping onto the protocol:
   ``load_weights`` fails on CPU: its linear layers prepack and drop the original weights),
   re-ties a tied output layer, which that reload leaves on the old embedding
   (:func:`~bapo_megatron.rollout.vllm.worker_extension.retie_output_layer`), then resets the
-  prefix cache so no KV computed under the old weights is reused. Tensors travel as arguments
-  by reference in process only (``distributed_executor_backend="uni"``).
+  prefix cache so no KV computed under the old weights is reused. At tensor parallel 1 the
+  tensors travel as arguments by reference (executor ``uni``, the worker in this process); at
+  N > 1 every worker receives every whole tensor as a pickled message (executor ``mp``) and its
+  loaders keep its shard. Each worker reports the checksum of what it received
+  (``update_weights(..., checksum=True)``), and all of them must equal the checksum of what was
+  sent. A worker process that ends is named in the error of the call that meets it
+  (:mod:`~bapo_megatron.rollout.vllm.tensor_parallel`).
   A partial update must carry whole fused groups (q/k/v, gate/up of a layer): vLLM's layerwise
   reload leaves the rest of a half-loaded fused tensor uninitialized, so the adapter refuses it.
 - Experts (Qwen3-MoE): vLLM's ``Qwen3MoeForCausalLM.load_weights`` takes the per-expert names
@@ -81,8 +86,16 @@ from typing import Any
 import torch
 
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.config.checks import check_engine_heads
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.resubmission import EngineOutput, ResubmittingEngine, RoundRequest
+from bapo_megatron.rollout.vllm.tensor_parallel import (
+    cpu_thread_binding,
+    executor_backend,
+    failed_workers_error,
+    start_failure,
+    visible_to_workers,
+)
 from bapo_megatron.rollout.vllm.worker_extension import WORKER_EXTENSION
 
 log = logging.getLogger(__name__)
@@ -207,6 +220,7 @@ class VLLMEngine(ResubmittingEngine):
         self._calls = itertools.count()
         self._on_cpu = _on_cpu()
         self._chunked_prefill = chunked_prefill(llm)
+        self._failed = False  # a worker process ended: the engine cannot serve again
 
     @classmethod
     def from_pretrained(
@@ -219,6 +233,8 @@ class VLLMEngine(ResubmittingEngine):
         kv_cache_gib: int = 1,
         record_routes: bool = False,
         quantization: str | None = None,
+        tensor_parallel_size: int = 1,
+        worker_gpus: str | None = None,
         **llm_kwargs: Any,
     ) -> VLLMEngine:
         """Start ``vllm.LLM`` on the HF folder ``folder`` in this process (its weights become
@@ -228,27 +244,43 @@ class VLLMEngine(ResubmittingEngine):
         ``enable_chunked_prefill=False`` unless given (seeded requests crash a CPU vLLM that
         prefills in chunks: see the module docstring); with ``record_routes`` (a
         mixture-of-experts model) ``enable_return_routed_experts``; ``quantization``
-        (``rollout.quantization``: `fp8`) is vLLM's own, refused on a CPU vLLM (no FP8 kernels);
-        other keyword arguments go to ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``)."""
+        (``rollout.quantization``: `fp8`) is vLLM's own, refused on a CPU vLLM (no FP8 kernels).
+        ``tensor_parallel_size`` > 1 starts that many worker processes (vLLM's multiprocess
+        executor; on CPU with thread binding that starts on any host, see
+        :mod:`~bapo_megatron.rollout.vllm.tensor_parallel`), on the GPUs ``worker_gpus``
+        (``CUDA_VISIBLE_DEVICES`` of the workers; None: those this process sees). Other keyword
+        arguments go to ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``)."""
+        model = ModelConfig.from_hf_config(folder)
+        check_engine_heads(model, tensor_parallel_size, "tensor_parallel_size")
+        if record_routes and not model.is_moe:  # before vLLM starts
+            raise ValueError(
+                f"record_routes: model_type {model.model_type!r} has no experts to route to"
+            )
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         try:
             import vllm
+            from vllm.envs import disable_envs_cache
         except ImportError as error:
             raise ImportError(
                 "VLLMEngine needs the optional package vllm (on CPU: vllm-cpu; see "
                 "requirements-vllm.txt)"
             ) from error
+        # vLLM caches its environment variables once an engine has started in the process: an
+        # engine started later must read them afresh (the binding below, the KV cache size).
+        disable_envs_cache()
         options: dict[str, Any] = {
             "model": str(folder),
             "dtype": dtype,
             "skip_tokenizer_init": True,
-            "distributed_executor_backend": "uni",
+            "tensor_parallel_size": tensor_parallel_size,
+            "distributed_executor_backend": executor_backend(tensor_parallel_size),
             "worker_extension_cls": WORKER_EXTENSION,
             "logprobs_mode": "processed_logprobs",
         }
         if _on_cpu():
             options["enable_chunked_prefill"] = False
+            cpu_thread_binding(tensor_parallel_size, os.environ)
         if quantization is not None:
             if _on_cpu():
                 raise ValueError(
@@ -259,12 +291,13 @@ class VLLMEngine(ResubmittingEngine):
         if record_routes:
             options["enable_return_routed_experts"] = True
         options.update(llm_kwargs)
-        model = ModelConfig.from_hf_config(folder)
-        if record_routes and not model.is_moe:  # before vLLM starts
-            raise ValueError(
-                f"record_routes: model_type {model.model_type!r} has no experts to route to"
-            )
-        llm = vllm.LLM(**options)
+        try:
+            with visible_to_workers(worker_gpus, os.environ):
+                llm = vllm.LLM(**options)
+        except Exception as error:
+            if tensor_parallel_size > 1 and "WorkerProc initialization failed" in str(error):
+                raise start_failure(tensor_parallel_size, error) from error
+            raise
         if full_vocab_logprobs:
             llm.collective_rpc("bapo_full_vocab_logprobs")
         return cls(
@@ -309,7 +342,7 @@ class VLLMEngine(ResubmittingEngine):
             while engine.has_unfinished_requests():
                 if self._abort.is_set() or self._pause.is_set():
                     break
-                for output in engine.step():
+                for output in self._step(engine):
                     index = ids.get(output.request_id)
                     if index is None:  # a late output of a request an earlier call aborted
                         continue
@@ -323,23 +356,50 @@ class VLLMEngine(ResubmittingEngine):
                         routes[index] = getattr(completion, "routed_experts", None)
         finally:
             unfinished = [rid for rid, index in ids.items() if finish[index] is None]
-            if unfinished:
+            if unfinished and not self._failed:
                 engine.abort_request(unfinished)
         return [
             EngineOutput(token_ids=t, logprobs=lp, finish=f or "abort", routes=r)
             for t, lp, f, r in zip(tokens, logprobs, finish, routes)
         ]
 
+    def _step(self, engine: Any) -> list[Any]:
+        """One engine step; a worker that ended is named (:class:`WorkerFailure`)."""
+        try:
+            return engine.step()
+        except Exception as error:
+            failure = failed_workers_error(self.llm, "generating", error)
+            if failure is None:
+                raise
+            self._failed = True
+            raise failure from error
+
+    def _rpc(self, method: str, action: str, *args: Any) -> Any:
+        """``collective_rpc`` on every worker; a worker that ended is named."""
+        try:
+            return self.llm.collective_rpc(method, args=args)
+        except Exception as error:
+            failure = failed_workers_error(self.llm, action, error)
+            if failure is None:
+                raise
+            self._failed = True
+            raise failure from error
+
     # -------------------------------------------------------------- weights and memory
 
-    def _load_weights(self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: int) -> None:
-        """Check the fused groups, reload the tensors in the worker and reset the prefix cache
-        (so that no KV computed under the old weights is reused)."""
+    def _load_weights(
+        self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: int, checksum: bool
+    ) -> list[Any] | None:
+        """Check the fused groups, reload the tensors in every worker and reset the prefix cache
+        (so that no KV computed under the old weights is reused); returns each worker's report
+        (:func:`~bapo_megatron.rollout.vllm.worker_extension.summed`)."""
         loaded = list(tensors)  # every check passes before anything reaches vLLM
         check_fused_groups([name for name, _ in loaded], self.model_config)
+        reports = None
         if loaded:
-            self.llm.collective_rpc("bapo_load_weights", args=(loaded,))
+            reports = self._rpc("bapo_load_weights", "loading weights", loaded, checksum)
         self.llm.reset_prefix_cache()
+        return reports
 
     def _release(self) -> None:
         """``sleep(level=1)`` on GPUs; a logged no-op on CPU (vLLM ignores sleep there)."""
@@ -361,8 +421,15 @@ class VLLMEngine(ResubmittingEngine):
             self.llm.wake_up(tags=["weights"])
             self.llm.wake_up(tags=["kv_cache"])
 
+    def close(self) -> None:
+        """Shut the engine down: its worker processes end (vLLM ends them with this process
+        otherwise)."""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+
     def _alive(self) -> bool:
-        return not self.llm.llm_engine.is_sleeping()
+        return not self._failed and not self.llm.llm_engine.is_sleeping()
 
 
 def check_fused_groups(names: list[str], model: ModelConfig | None = None) -> None:

@@ -174,6 +174,16 @@ def _chunked_prefill(answer: Any, base_url: str) -> bool:
     return value
 
 
+def _results(answer: Any, method: str) -> list[Any]:
+    """The per-worker results of a ``/collective_rpc`` answer (``{"results": [...]}``)."""
+    results = answer.get("results") if isinstance(answer, dict) else None
+    if not isinstance(results, list) or not results:
+        raise ValueError(
+            f"/collective_rpc {method}: expected 'results', one per worker, got {answer!r:.300}"
+        )
+    return results
+
+
 def _token_id(text: Any, position: int, where: str) -> int:
     if isinstance(text, str) and text.startswith("token_id:"):
         try:
@@ -351,17 +361,22 @@ class VLLMServerClient(ResubmittingEngine):
 
     # -------------------------------------------------------------- weights and memory
 
-    def _load_weights(self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: int) -> None:
+    def _load_weights(
+        self, tensors: Iterator[tuple[str, torch.Tensor]], *, version: int, checksum: bool
+    ) -> list[Any] | None:
         """Send the tensors (over the weight group, or as a new folder under ``weights_dir``
-        whose predecessor is then removed), reload them in the server's workers and reset its
-        prefix cache."""
+        whose predecessor is then removed), reload them in every worker of the server and reset
+        its prefix cache; returns each worker's report (with ``checksum``, of what it
+        received)."""
         if self.weight_group is not None:
             received = list(tensors)  # every check passes before anything is sent
             check_fused_groups([name for name, _ in received], self.model_config)
+            reports = None
             if received:
-                self.weight_group.update(received)
+                self.weight_group.update(received, checksum=checksum)
+                reports = _results(self.weight_group.answer, "bapo_receive_weights")
             self._call("POST", "/reset_prefix_cache")
-            return
+            return reports
 
         if self.weights_dir is None:
             raise ValueError(
@@ -370,6 +385,7 @@ class VLLMServerClient(ResubmittingEngine):
             )
         loaded = dict(tensors)  # every check passes before anything is written
         check_fused_groups(list(loaded), self.model_config)
+        reports = None
         if loaded:
             folder = self.weights_dir / f"bapo-v{version}-{uuid.uuid4().hex[:8]}"
             folder.mkdir(parents=True)
@@ -377,15 +393,18 @@ class VLLMServerClient(ResubmittingEngine):
                 {n: t.detach().contiguous().cpu() for n, t in loaded.items()},
                 folder / "model.safetensors",
             )
-            self._call(
+            request = {"folder": str(folder), "names": list(loaded), "checksum": checksum}
+            answer = self._call(
                 "POST",
                 "/collective_rpc",
-                {"method": "bapo_load_weights_from", "args": [str(folder)]},
+                {"method": "bapo_load_weights_from", "args": [json.dumps(request)]},
             )
+            reports = _results(answer, "bapo_load_weights_from")
             if self._loaded_folder is not None:
                 shutil.rmtree(self._loaded_folder, ignore_errors=True)
             self._loaded_folder = folder
         self._call("POST", "/reset_prefix_cache")
+        return reports
 
     def _release(self) -> None:
         """``POST /sleep?level=1``; a logged no-op on a CPU server (its workers ignore sleep,

@@ -15,7 +15,9 @@ import json
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
+from bapo_megatron.rollout.checksum import Checksum
 from bapo_megatron.rollout.weight_group import join_weight_group, leave_weight_group
 
 
@@ -104,6 +106,17 @@ def repack_cpu_experts(model: Any) -> int:
     return len(found)
 
 
+def summed(named_tensors: list[tuple[str, torch.Tensor]], checksum: bool) -> dict[str, Any]:
+    """What a worker reports of an update it loaded: how many tensors and, with ``checksum``,
+    the :class:`~bapo_megatron.rollout.checksum.Checksum` of what it received, in order (every
+    worker of a tensor-parallel engine receives the same tensors, so all must agree)."""
+    total = Checksum() if checksum else None
+    if total is not None:
+        for name, tensor in named_tensors:
+            total.add(name, tensor)
+    return {"loaded": len(named_tensors), "checksum": total.hexdigest() if total else None}
+
+
 def reloaded(model: Any) -> None:
     """What an in-place reload leaves to redo: the tied output layer, the CPU experts' packing."""
     retie_output_layer(model)
@@ -141,22 +154,32 @@ class BapoWorkerExtension:
             "enable_chunked_prefill": bool(self.vllm_config.scheduler_config.enable_chunked_prefill)
         }
 
-    def bapo_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Load HF-named tensors into the live model with vLLM's in-place reload (in process:
-        the tensors arrive by reference), then redo what the reload leaves undone
-        (:func:`reloaded`); returns how many were given."""
+    def bapo_load_weights(
+        self, named_tensors: list[tuple[str, torch.Tensor]], checksum: bool = False
+    ) -> dict[str, Any]:
+        """Load HF-named tensors into the live model with vLLM's in-place reload (the tensors
+        arrive by reference with the single-process executor, as pickled messages with the
+        multiprocess one), then redo what the reload leaves undone (:func:`reloaded`); returns
+        :func:`summed`."""
         check_cpu_experts_reloadable(self.model_runner.get_model())
+        report = summed(named_tensors, checksum)
         self.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
         reloaded(self.model_runner.get_model())
-        return len(named_tensors)
+        return report
 
-    def bapo_load_weights_from(self, folder: str) -> str:
-        """Load the safetensors files of ``folder`` with vLLM's in-place reload (a server's
-        path: only strings cross its ``/collective_rpc``); returns the folder."""
+    def bapo_load_weights_from(self, request: str) -> dict[str, Any]:
+        """Load the tensors of a folder's ``model.safetensors`` with vLLM's in-place reload (a
+        server's path: only strings cross its ``/collective_rpc``). ``request`` is JSON with
+        ``folder``, ``names`` (the order the client sent them in) and ``checksum``; returns
+        :func:`summed`."""
+        fields = json.loads(request)
         check_cpu_experts_reloadable(self.model_runner.get_model())
-        self.reload_weights(weights_path=folder, is_checkpoint_format=True)
+        tensors = load_file(f"{fields['folder']}/model.safetensors")
+        named = [(name, tensors[name]) for name in fields["names"]]
+        report = summed(named, bool(fields.get("checksum")))
+        self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
         reloaded(self.model_runner.get_model())
-        return folder
+        return report
 
     def bapo_join_weight_group(self, request: str) -> dict[str, Any]:
         """Join the trainer's weight group (:mod:`bapo_megatron.rollout.weight_group`) as group
@@ -185,9 +208,10 @@ class BapoWorkerExtension:
     def bapo_receive_weights(self, request: str) -> dict[str, Any]:
         """Receive one update over a weight group and load it with vLLM's in-place reload.
         ``request`` is JSON with ``names``, ``dtypes``, ``shapes``, ``group_name`` (SGLang's
-        ``/update_weights_from_distributed`` fields); the tensors arrive in that order, broadcast
-        from group rank 0. Everything is received before anything is loaded, so an update cut
-        off part-way raises here and leaves the model on its previous weights."""
+        ``/update_weights_from_distributed`` fields) and ``checksum``; the tensors arrive in that
+        order, broadcast from group rank 0. Everything is received before anything is loaded, so
+        an update cut off part-way raises here and leaves the model on its previous weights.
+        Returns :func:`summed`."""
         fields = json.loads(request)
         groups = getattr(self, "_bapo_weight_groups", {})
         if fields["group_name"] not in groups:
@@ -208,9 +232,10 @@ class BapoWorkerExtension:
         for work in works:
             work.wait()
         check_cpu_experts_reloadable(self.model_runner.get_model())
+        report = summed(received, bool(fields.get("checksum")))
         self.reload_weights(weights_iterator=iter(received), is_checkpoint_format=True)
         reloaded(self.model_runner.get_model())
-        return {"loaded": len(received)}
+        return report
 
 
 WORKER_EXTENSION = f"{__name__}.{BapoWorkerExtension.__qualname__}"
