@@ -150,6 +150,9 @@ FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
         "the CUDA-only varlen kernel; its module imports TorchDynamo (about 3 s of CPU per "
         "process), which runs on the CPU never use"
     ),
+    ("bapo_megatron.commands.console", "bapo_megatron"): (
+        "each console script prepares its process before its command line imports Megatron-Core"
+    ),
     ("bapo_megatron.repro.evaluate_cli", "bapo_megatron.repro.evaluate"): (
         "the reward pool's spawn workers re-import the main module; OMP_NUM_THREADS is set first"
     ),
@@ -251,6 +254,9 @@ _BLOCKING_IMPORT = textwrap.dedent("""
                 raise ModuleNotFoundError(f"blocked: {{name}}", name=name)
 
     sys.meta_path.insert(0, Blocked())
+    from bapo_megatron.commands.process_start import prepare_process
+
+    prepare_process()  # as a command line does
     for name in {modules!r}:
         importlib.import_module(name)
     print(sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED))
@@ -283,7 +289,7 @@ def test_every_module_imports_without_the_optional_packages():
     modules = [name for name in module_files() if not name.endswith(".__main__")]
     assert "bapo_megatron.rollout.vllm.engine" in modules
     stderr = _import_blocking(modules, ["vllm", "sglang", "transformer_engine", "wandb", "mlflow"])
-    # Megatron-Core's fallback warnings are silenced by the package (megatron_patches/)
+    # Megatron-Core's fallback warnings are silenced by the command lines' process start
     assert "not installed" not in stderr, stderr[-3000:]
 
 
