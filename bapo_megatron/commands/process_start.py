@@ -5,9 +5,9 @@ see that it is there, and imports TorchDynamo for ``torch.compile`` decorators m
 call (``bapo_megatron/megatron_patches/``: ``import_warnings``, ``deferred_wandb``,
 ``deferred_jit_compile``). Each changes process-wide state (a warnings filter,
 ``sys.modules["wandb"]``, an import hook), so it is the choice of a process's entry point, not
-of ``import bapo_megatron``: the console scripts (:mod:`bapo_megatron.commands.console`), the
-tools in ``tools/`` and the device checks call :func:`prepare_process` first, and a program that
-uses the package as a library keeps its own imports as they are.
+of ``import bapo_megatron``: the console scripts and ``python -m bapo_megatron.train``
+(:mod:`bapo_megatron.commands.console`) and the tools in ``tools/`` call :func:`prepare_process`
+first, and a program that uses the package as a library keeps its own imports as they are.
 """
 
 from __future__ import annotations
