@@ -14,6 +14,11 @@ os.environ["BAPO_DEVICE"] = "cpu"
 
 
 def pytest_configure(config):
+    # The tests run the command lines' code in this process too (``main()`` of the trainer and
+    # the tools): prepare it as they prepare theirs, before any test module imports megatron.
+    from bapo_megatron.commands.process_start import prepare_process
+
+    prepare_process()
     # Every trainer, worker and tool process the tests start, themselves or through torchrun,
     # a script or a tool, is forked from one server that imported torch, Megatron-Core and
     # transformers once (tests/helpers/preloaded_processes.py); it imports while tests collect.

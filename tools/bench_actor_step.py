@@ -434,7 +434,9 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
-    from bapo_megatron.train.process_exit import skip_final_collection
+    from bapo_megatron.commands.process_exit import skip_final_collection
+    from bapo_megatron.commands.process_start import prepare_process
 
+    prepare_process()
+    main(sys.argv[1:])
     skip_final_collection()

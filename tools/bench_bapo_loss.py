@@ -307,7 +307,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    from bapo_megatron.train.process_exit import skip_final_collection
+    from bapo_megatron.commands.process_exit import skip_final_collection
+    from bapo_megatron.commands.process_start import prepare_process
 
+    prepare_process()
+    main()
     skip_final_collection()

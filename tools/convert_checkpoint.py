@@ -4,9 +4,7 @@ Same as the console script ``bapo-convert-checkpoint``; the command line is
 :mod:`bapo_megatron.weights.convert_cli`.
 """
 
-from bapo_megatron.train.process_exit import skip_final_collection
-from bapo_megatron.weights.convert_cli import main
+from bapo_megatron.commands.console import convert_checkpoint
 
 if __name__ == "__main__":
-    main()
-    skip_final_collection()
+    convert_checkpoint()

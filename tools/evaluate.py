@@ -4,9 +4,7 @@ Same as the console script ``bapo-evaluate``; the command line is
 :mod:`bapo_megatron.repro.evaluate_cli`.
 """
 
-from bapo_megatron.repro.evaluate_cli import main
-from bapo_megatron.train.process_exit import skip_final_collection
+from bapo_megatron.commands.console import evaluate
 
 if __name__ == "__main__":
-    main()
-    skip_final_collection()
+    evaluate()

@@ -7,10 +7,7 @@
 
 import sys
 
-from bapo_megatron.planning.cli import main
-from bapo_megatron.train.process_exit import skip_final_collection
+from bapo_megatron.commands.console import plan_layout
 
 if __name__ == "__main__":
-    status = main()
-    skip_final_collection()
-    sys.exit(status)
+    sys.exit(plan_layout())

@@ -4,7 +4,7 @@ Same as the console script ``bapo-plot-runs``; the command line is
 :mod:`bapo_megatron.repro.plots_cli`.
 """
 
-from bapo_megatron.repro.plots_cli import main
+from bapo_megatron.commands.console import plot_runs
 
 if __name__ == "__main__":
-    main()
+    plot_runs()

@@ -7,10 +7,12 @@ dotted field and the expected type (:func:`~bapo_megatron.config.value_types.bui
 a quoted ``'0.001'`` is a string and is refused where a number is expected, ``true`` is not a
 number, and ``2.0`` is not an integer; an integer is accepted where a float is expected. A key
 written twice in one mapping is refused with both lines (YAML would silently keep the last).
+:func:`config_yaml` writes a built configuration back as the YAML that loads to it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any, TypeVar
@@ -120,3 +122,19 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
             )
         node = child
     node[parts[-1]] = value
+
+
+def config_yaml(config: Any) -> str:
+    """Every field of the configuration dataclass ``config``, sections nested, in the order the
+    dataclasses define them, as YAML that :func:`load_config` builds back to an equal one."""
+    return yaml.safe_dump(_tree(config), sort_keys=False, allow_unicode=True, width=100)
+
+
+def _tree(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _tree(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+    if isinstance(value, (list, tuple)):
+        return [_tree(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _tree(item) for key, item in value.items()}
+    return value

@@ -1,6 +1,5 @@
 """Synthetic verifiable tasks whose failures are long: walk from one number to another (`walk`),
-count up a ring to a digit (`seek`), or walk upwards from a policy that often runs on (`runon`,
-the main job's; its section below).
+or walk upwards from a policy that often runs on (`runon`, the main job's; its section below).
 
 Prompt ``"7>12"``; the one right response counts there one step at a time, ``"8 9 10 11 12"``,
 then ends. A policy that walks past the target without stopping keeps counting until the length
@@ -94,62 +93,6 @@ def longest_response_tokens() -> int:
     return longest + 1
 
 
-# ------------------------------------------------------------------ the `seek` variant
-# The numbers 0..RING_SIZE-1 stand on a ring (after RING_SIZE - 1 comes 0 again). Prompt
-# ``"23>7"``: count up from 23 and stop right after the first number whose last digit is 7,
-# ``"24 25 26 27"``. The end token is the stop marker and is right only there (exact match); a
-# policy that passes that number does not meet the digit again for ten numbers (about 30
-# tokens), so a miss that keeps counting runs to the length cap of the sweep (32), and the stop
-# rule is one digit compared with one prompt token, not a distance to work out. A policy can still
-# stop at a wrong number (a short wrong answer), and after a short warm-up it does: measured, the
-# tiny model after the 150-step warm-up answered 65% of 256 prompts right (12.3 tokens with the
-# end token); of the misses, 27% stopped short (13.2 tokens), 27% wrote a wrong number (16.5),
-# 39% overshot and stopped a number or so later (19.8) and 8% ran to the cap (32): wrong
-# responses about 1.5x as long as right ones, against 1.2x for `walk`. (A first variant, `walk`
-# on the ring to a whole target number, measured like `walk`: stops around the expected length.)
-
-RING_SIZE = MAX_NUMBER + 1
-
-
-def seek_response(start: int, digit: int) -> str:
-    """The right `seek` response: the numbers after ``start`` going up around the ring, up to
-    and including the first one whose last digit is ``digit``."""
-    if not (0 <= start < RING_SIZE and 0 <= digit <= 9):
-        raise ValueError(
-            f"seek_response: start in [0, {RING_SIZE}) and a digit, got {start}, {digit}"
-        )
-    numbers, n = [], start
-    while True:
-        n = (n + 1) % RING_SIZE
-        numbers.append(str(n))
-        if n % 10 == digit:
-            return " ".join(numbers)
-
-
-def seek_rows(count: int, seed: int) -> list[PromptRow]:
-    """``count`` `seek` problems ``"<start>><digit>"``: start in [0, RING_SIZE), a digit other
-    than start's last (so 1 to 9 numbers to write); the answer is the right response."""
-    rng = random.Random(seed)
-    rows = []
-    for index in range(count):
-        start = rng.randrange(RING_SIZE)
-        digit = rng.choice([d for d in range(10) if d != start % 10])
-        rows.append(
-            PromptRow(
-                id=f"seek-{index}", prompt=f"{start}>{digit}", answer=seek_response(start, digit)
-            )
-        )
-    return rows
-
-
-def seek_longest_response_tokens() -> int:
-    """Tokens of the longest right `seek` response, its end token included (for length caps)."""
-    return (
-        max(len(seek_response(s, d)) for s in range(RING_SIZE) for d in range(10) if d != s % 10)
-        + 1
-    )
-
-
 # ------------------------------------------------------------------ the `runon` variant
 # `walk` upwards, from a policy that often does not stop (the main job's task). What differs from
 # `walk` is the warm-up's reference: for a share RUN_ON_SHARE of the warm-up's examples (drawn
@@ -217,7 +160,7 @@ def warmup_reference(
 
 
 # Rows of each synthetic task (all of them use :func:`walk_tokenizer` and the `exact_match` reward).
-SYNTHETIC_TASKS = {"walk": walk_rows, "seek": seek_rows, "runon": runon_rows}
+SYNTHETIC_TASKS = {"walk": walk_rows, "runon": runon_rows}
 
 
 def synthetic_rows(task: str, count: int, seed: int) -> list[PromptRow]:

@@ -12,8 +12,9 @@ replaces ``jit_fuser`` by :func:`compile_on_first_call` of ``torch.compile``: a 
 ``torch.compile(fn)`` when the decorated function is first called and uses what it returns from
 then on: the same compiled function, compiled at the same moment, only TorchDynamo's import moves
 to that first call. Megatron's ``disable_jit_fuser()`` / ``enable_jit_fuser()`` keep their
-meaning for what is decorated after them. Called by the package's root ``__init__``, before any
-module imports megatron; where megatron is already imported it does nothing.
+meaning for what is decorated after them. Installed by the command lines
+(:mod:`bapo_megatron.commands.process_start`), before any module imports megatron; where
+megatron is already imported it does nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ JIT_MODULE = "megatron.core.jit"
 def compile_on_first_call(compile_function):
     """A decorator that makes ``compile_function(fn)`` (``torch.compile``) when the decorated
     function is first called, and calls what it made from then on. (``torch`` is handed in, not
-    imported here: the package root that installs the hook stays free of torch.)"""
+    imported here: the module that installs the hook stays free of torch.)"""
 
     def decorate(fn):
         compiled = None

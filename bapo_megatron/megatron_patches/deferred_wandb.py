@@ -15,8 +15,8 @@ a custom operator). wandb's ``__init__`` runs in that same object the first time
 name it defines (``wandb.init``), or imports one of its submodules: from then on it is the real
 package, the object Megatron and our W&B sink (``trainer/sinks/wandb_run.py``) hold included. The
 standard library's ``LazyLoader`` does the same but runs the package at any attribute lookup,
-``__file__`` included, so under torch it saves nothing. It is called by the package's root
-``__init__``, before any module imports megatron.
+``__file__`` included, so under torch it saves nothing. It is called by the command lines
+(:mod:`bapo_megatron.commands.process_start`), before any module imports megatron.
 """
 
 from __future__ import annotations

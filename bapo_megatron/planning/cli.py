@@ -145,7 +145,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"REFUSED: {problem}", file=sys.stderr)
     print(json.dumps(summary))
     return 0 if not plan.problems else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

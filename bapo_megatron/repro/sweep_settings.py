@@ -26,7 +26,7 @@ class SweepSettings:
 
     task: str = "runon"
     """Synthetic task (:data:`bapo_megatron.data.synthetic_task.SYNTHETIC_TASKS`): `runon`, the
-    main job's, whose failures run long (BAPO's premise); the sweep before it ran on `seek`."""
+    main job's, whose failures run long (BAPO's premise)."""
     task_size: int = 4000
     """Prompts generated for the task (seed 0)."""
     warmup_steps: int = 300

@@ -1,3 +1,2 @@
-"""``python -m bapo_megatron.train``: an alias of the trainer's command line
-(:mod:`bapo_megatron.trainer.main`), and how command-line processes end
-(:mod:`bapo_megatron.train.process_exit`)."""
+"""``python -m bapo_megatron.train``: the trainer's command line under its short name
+(:func:`bapo_megatron.commands.console.train`, the same as ``bapo-train``)."""

@@ -1,6 +1,4 @@
-from bapo_megatron.train.process_exit import skip_final_collection
-from bapo_megatron.trainer.main import main
+from bapo_megatron.commands.console import train
 
 if __name__ == "__main__":
-    main()
-    skip_final_collection()
+    train()

@@ -1,5 +1,6 @@
 """The trainer's command line: ``python -m bapo_megatron.train --config FILE.yaml
-[dotted.key=value ...]`` (also ``bapo-train``), the same under ``torchrun`` on one or many nodes.
+[dotted.key=value ...]`` (also ``bapo-train``), the same under ``torchrun`` on one or many nodes;
+``--print-config`` prints the configuration those resolve to, as YAML, and exits.
 
 A user error (a bad setting, file or folder: ``ValueError``, named by what raised it) ends the
 run with one line, ``error: ...``, and exit code 1; ``--debug`` shows the traceback instead.
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 from bapo_megatron.config import Config
-from bapo_megatron.config.loading import load_config
+from bapo_megatron.config.loading import config_yaml, load_config
 from bapo_megatron.config.trackers import check_tracker_packages
 from bapo_megatron.disaggregated.engine_rank import run_engine_rank
 from bapo_megatron.disaggregated.link import connect_engines
@@ -54,11 +55,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--debug", action="store_true", help="show the traceback of a user error too"
     )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved configuration (the file with the overrides applied) as YAML "
+        "and exit",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)  # per-bucket parameter listings
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            print(config_yaml(cfg), end="")
+            return
         preflight(cfg)
         if cfg.rollout.placement == "disaggregated" and cfg.rollout.engine_ranks:
             run_disaggregated(cfg)

@@ -31,10 +31,10 @@ import threading
 import traceback
 
 # What a trainer, a tool or a worker of the suite imports (each costing > 0.1 s), in the order
-# they would be imported: the package first, whose root defers Megatron-Core's imports of wandb,
-# TorchDynamo and its JIT before anything imports megatron (bapo_megatron/megatron_patches), as
-# in every process of a real run. A module that fails to import here is only imported by the
-# child.
+# they would be imported, after :func:`preload` has deferred Megatron-Core's imports of wandb,
+# TorchDynamo and its JIT as every command line of a real run does
+# (bapo_megatron/commands/process_start.py). A module that fails to import here is only imported
+# by the child.
 PRELOAD = (
     "bapo_megatron",
     "numpy",
@@ -71,6 +71,9 @@ def preload() -> None:
     import importlib
     import warnings
 
+    from bapo_megatron.commands.process_start import prepare_process
+
+    prepare_process()  # before megatron's import, and inherited by every child
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # import-time notices belong to the child that imports
         for name in PRELOAD:

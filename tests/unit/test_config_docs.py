@@ -1,47 +1,31 @@
 """Every field of every configuration dataclass carries a docstring (the string literal right
-after the field, which is where the documentation of a field lives in this project)."""
+after the field, which is where the documentation of a field lives in this project), and the
+reference page made from them, docs/config.md, is current."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import importlib
 import inspect
 import pkgutil
 import textwrap
+import typing
 
 import bapo_megatron.config as config_package
+from bapo_megatron.config import reference
+from bapo_megatron.config.reference import config_reference, field_docstrings
+from tests.helpers.gloo_launch import REPO_ROOT
+
+PAGE = REPO_ROOT / "docs" / "config.md"
 
 
 def undocumented_fields(source: str) -> dict[str, dict[str, list[str]]]:
     """Per dataclass defined at the top level of ``source``: its annotated fields that are not
     followed by a non-empty string literal, and the names of all its annotated fields."""
-    found = {}
-    for node in ast.parse(source).body:
-        if not isinstance(node, ast.ClassDef) or not any(
-            "dataclass" in ast.unparse(d) for d in node.decorator_list
-        ):
-            continue
-        fields, missing = [], []
-        for index, statement in enumerate(node.body):
-            if (
-                not isinstance(statement, ast.AnnAssign)
-                or not isinstance(statement.target, ast.Name)
-                or "ClassVar" in ast.unparse(statement.annotation)
-            ):  # not a dataclass field
-                continue
-            fields.append(statement.target.id)
-            following = node.body[index + 1] if index + 1 < len(node.body) else None
-            documented = (
-                isinstance(following, ast.Expr)
-                and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)
-                and following.value.value.strip()
-            )
-            if not documented:
-                missing.append(statement.target.id)
-        found[node.name] = {"fields": fields, "missing": missing}
-    return found
+    return {
+        name: {"fields": list(docs), "missing": [f for f, doc in docs.items() if doc is None]}
+        for name, docs in field_docstrings(source).items()
+    }
 
 
 def test_every_config_field_has_a_docstring():
@@ -81,3 +65,47 @@ def test_the_walk_finds_an_undocumented_field():
             "missing": ["bare", "blank", "last"],
         }
     }
+
+
+def test_the_reference_page_is_current():
+    assert PAGE.read_text(encoding="utf-8") == config_reference(), (
+        "docs/config.md is out of date: run python tools/config_reference.py"
+    )
+
+
+def test_the_reference_page_follows_a_changed_field_docstring(monkeypatch):
+    read = reference.class_field_docstrings
+
+    def edited(cls):
+        docs = read(cls)
+        if cls.__name__ == "TrainConfig":
+            docs["steps"] = "An edited description of the field."
+        return docs
+
+    monkeypatch.setattr(reference, "class_field_docstrings", edited)
+    page = config_reference()
+    assert page != PAGE.read_text(encoding="utf-8")
+    assert "- `steps` (`int`; default " in page
+    assert "An edited description of the field." in page
+
+
+def test_the_reference_page_lists_every_field_under_its_section():
+    blocks = {}
+    for block in config_reference().split("\n## ")[1:]:
+        heading, _, body = block.partition("\n")
+        blocks[heading] = [line.split("`")[1] for line in body.splitlines() if line[:3] == "- `"]
+    expected = {}
+
+    def walk(cls, path):
+        expected[f"`{path}` ({cls.__name__})" if path else "The root (Config)"] = [
+            f.name for f in dataclasses.fields(cls)
+        ]
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            section = reference._section_class(hints[field.name])
+            if section is not None:
+                walk(section, f"{path}.{field.name}" if path else field.name)
+
+    walk(config_package.Config, "")
+    assert blocks == expected
+    assert "model.moe" in "".join(blocks) and "logging.wandb" in "".join(blocks)

@@ -1,7 +1,9 @@
-"""What ``import megatron.core`` no longer runs: wandb (bapo_megatron/megatron_patches/
-deferred_wandb.py: Megatron-Core's ``import wandb`` runs nothing, the first real use runs the
-package once, in the same object) and TorchDynamo (deferred_jit_compile.py: ``jit_fuser`` calls
-``torch.compile`` at a fused function's first call).
+"""What ``import megatron.core`` no longer runs in a command-line process: wandb
+(bapo_megatron/megatron_patches/deferred_wandb.py: Megatron-Core's ``import wandb`` runs nothing,
+the first real use runs the package once, in the same object) and TorchDynamo
+(deferred_jit_compile.py: ``jit_fuser`` calls ``torch.compile`` at a fused function's first
+call); that the command lines install both (bapo_megatron/commands/) and ``import bapo_megatron``
+does not.
 
 The import cases run in a fresh interpreter: what they check is the state of ``sys.modules``.
 The package cases use a made-up package that logs every module it runs, so a module run twice
@@ -10,14 +12,28 @@ The package cases use a made-up package that logs every module it runs, so a mod
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import textwrap
+import tomllib
 
+import pytest
 import torch
 
+from bapo_megatron.commands import process_exit, process_start
 from bapo_megatron.megatron_patches.deferred_jit_compile import compile_on_first_call
 from tests.helpers.gloo_launch import REPO_ROOT
+
+# The command line each console script runs.
+CONSOLE_COMMAND_LINES = {
+    "bapo-train": "bapo_megatron.trainer.main",
+    "bapo-convert-checkpoint": "bapo_megatron.weights.convert_cli",
+    "bapo-evaluate": "bapo_megatron.repro.evaluate_cli",
+    "bapo-plot-runs": "bapo_megatron.repro.plots_cli",
+    "bapo-sweep": "bapo_megatron.repro.sweep_cli",
+    "bapo-plan-layout": "bapo_megatron.planning.cli",
+}
 
 PACKAGE_FILES = {
     # the package imports a submodule at its own import, as wandb imports wandb.sdk
@@ -114,13 +130,35 @@ def test_missing_imported_or_blocked_packages_are_left_alone(tmp_path):
     )
 
 
-def test_the_trainer_and_megatron_core_import_without_running_wandb_or_dynamo(tmp_path):
+def test_importing_the_package_changes_no_process_wide_state(tmp_path):
     run_python(
         """
-        import sys
-        import bapo_megatron  # the root __init__ defers wandb and the jit decorator
-        import megatron.core.models.gpt
-        import bapo_megatron.trainer.main  # the trainer's whole import (the actor's attention...)
+        import sys, warnings
+        import torch
+        hooks, filters = list(sys.meta_path), list(warnings.filters)
+        import bapo_megatron, bapo_megatron.algo, bapo_megatron.config  # the loss, its settings
+        import bapo_megatron.commands.console  # the console scripts prepare when they run
+        assert sys.meta_path == hooks, "importing the package installed an import hook"
+        assert warnings.filters == filters, "importing the package changed the warnings filters"
+        assert "wandb" not in sys.modules and "megatron.core.jit" not in sys.modules
+        """,
+        tmp_path,
+    )
+
+
+def test_the_trainer_command_imports_megatron_core_without_running_wandb_or_dynamo(tmp_path):
+    missing = tmp_path / "missing.yaml"
+    run_python(
+        f"""
+        import runpy, sys
+        sys.argv = ["bapo_megatron.train", "--config", {str(missing)!r}]
+        try:  # the trainer's whole import (the actor's attention...), then a config error
+            runpy.run_module("bapo_megatron.train", run_name="__main__", alter_sys=True)
+        except SystemExit as stop:
+            assert str(stop.code).startswith("error: ") and "missing.yaml" in str(stop.code)
+        else:
+            raise AssertionError("the trainer accepted a missing config")
+        assert "bapo_megatron.trainer.loop" in sys.modules
         import megatron.core.timers
         from megatron.core import jit
         import torch
@@ -135,6 +173,28 @@ def test_the_trainer_and_megatron_core_import_without_running_wandb_or_dynamo(tm
         tmp_path,
         timeout=300,
     )
+
+
+def console_scripts() -> dict[str, str]:
+    return tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+def test_every_console_script_is_checked_below():
+    assert set(CONSOLE_COMMAND_LINES) == set(console_scripts())
+
+
+@pytest.mark.parametrize("script", sorted(CONSOLE_COMMAND_LINES))
+def test_a_console_script_prepares_its_process_first_and_skips_the_final_collection_last(
+    script, monkeypatch
+):
+    calls = []
+    monkeypatch.setattr(process_start, "prepare_process", lambda: calls.append("prepare"))
+    monkeypatch.setattr(process_exit, "skip_final_collection", lambda: calls.append("skip"))
+    command_line = importlib.import_module(CONSOLE_COMMAND_LINES[script])
+    monkeypatch.setattr(command_line, "main", lambda: calls.append("main") or 0)
+    module, _, function = console_scripts()[script].partition(":")
+    getattr(importlib.import_module(module), function)()
+    assert calls == ["prepare", "main", "skip"]
 
 
 def test_compile_on_first_call_compiles_once_at_the_first_call():

@@ -11,7 +11,10 @@ from bapo_megatron.data.prompts import prompt_token_ids
 from bapo_megatron.data.synthetic_task import (
     MAX_DISTANCE,
     MAX_NUMBER,
+    SYNTHETIC_TASKS,
     longest_response_tokens,
+    runon_rows,
+    synthetic_rows,
     walk_response,
     walk_rows,
     walk_tokenizer,
@@ -72,7 +75,15 @@ def test_a_response_that_misses_the_target_is_wrong(seed):
         assert reward(" ".join(numbers[:-1]), row.answer) == 0.0  # stopped short
 
 
-@pytest.mark.parametrize("name", ["walk", "seek"])
+def test_the_registry_names_each_task_and_refuses_others():
+    assert set(SYNTHETIC_TASKS) == {"walk", "runon"}
+    assert synthetic_rows("walk", 20, seed=3) == walk_rows(20, seed=3)
+    assert synthetic_rows("runon", 20, seed=3) == runon_rows(20, seed=3)
+    with pytest.raises(ValueError, match="unknown synthetic task"):
+        synthetic_rows("seek", 1, seed=0)
+
+
+@pytest.mark.parametrize("name", ["walk", "runon"])
 def test_load_task_generates_the_named_task(name):
     from bapo_megatron.config.loading import load_config
     from bapo_megatron.data.synthetic_task import synthetic_rows

@@ -1,0 +1,26 @@
+"""What a command-line process installs before anything imports Megatron-Core.
+
+Megatron-Core warns at import that Transformer Engine or Apex is missing, imports wandb only to
+see that it is there, and imports TorchDynamo for ``torch.compile`` decorators most runs never
+call (``bapo_megatron/megatron_patches/``: ``import_warnings``, ``deferred_wandb``,
+``deferred_jit_compile``). Each changes process-wide state (a warnings filter,
+``sys.modules["wandb"]``, an import hook), so it is the choice of a process's entry point, not
+of ``import bapo_megatron``: the console scripts and ``python -m bapo_megatron.train``
+(:mod:`bapo_megatron.commands.console`) and the tools in ``tools/`` call :func:`prepare_process`
+first, and a program that uses the package as a library keeps its own imports as they are.
+"""
+
+from __future__ import annotations
+
+from bapo_megatron.megatron_patches.deferred_jit_compile import defer_jit_compile
+from bapo_megatron.megatron_patches.deferred_wandb import defer_wandb_import
+from bapo_megatron.megatron_patches.import_warnings import quiet_missing_accelerator_warnings
+
+
+def prepare_process() -> None:
+    """Silence Megatron-Core's missing-accelerator warnings and defer its imports of wandb and
+    TorchDynamo. Call before anything imports megatron; where megatron or wandb is imported
+    already, that part does nothing. Idempotent."""
+    quiet_missing_accelerator_warnings()
+    defer_wandb_import()
+    defer_jit_compile()
