@@ -1,7 +1,7 @@
 """The device check's Transformer Engine and vLLM passes (bapo_megatron/device_check/passes.py)
 in what runs without TE, vLLM or a GPU: their refusals (with a report that says why), which
 checks each pass runs, the TE pass's verdict on an actor built without TE, the FP8 tolerances,
-and the inputs of the loop with vLLM. The passes themselves run on a GPU (docs/gpu-checks.md)."""
+and the inputs of the loop with vLLM. The passes themselves run on a GPU (docs/validation.md)."""
 
 from __future__ import annotations
 
