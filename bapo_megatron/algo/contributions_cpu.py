@@ -9,7 +9,7 @@ lookup table, no search) and pass 2 only scatters, into four interleaved histogr
 consecutive tokens of one bucket do not wait on each other (1.7x faster than one fused loop).
 
 The kernel is serial on purpose: numba's parallel layers bring their own OpenMP runtime, whose
-spinning threads fight torch's on small machines (up to 40x slower with two cores). Serial also
+spinning threads fight torch's on small machines (up to 40x slower). Serial also
 makes the sums reproducible.
 """
 
