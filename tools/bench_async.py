@@ -4,7 +4,7 @@ Every mode trains the tiny CPU example (examples/tiny_cpu/train.yaml) from one s
 (its supervised warm-up and one RL step, built once, loaded with ``train.load_checkpoint``) on
 the same data, seeds and settings, with one optimizer step per rollout step
 (``algorithm.optimizer_steps_per_rollout=1``, so eta = k lets the engine run k rollout steps
-ahead), and the same two cores. The defaults (16 prompts x 8 samples, micro-batches of 128,
+ahead), and the same CPU cores. The defaults (16 prompts x 8 samples, micro-batches of 128,
 100 rollout steps) make generation and training cost about the same in the colocated run
 (``time/rollout`` against the rest of the step; the JSON reports the balance as
 ``colocated_rollout_over_train``).
@@ -35,7 +35,7 @@ Per step (rollout-step record of metrics.jsonl):
   (``async/engine_weight_load_s``), each as a share of the wall time;
 - staleness: ``staleness/mean`` and ``staleness/max`` of the window's optimizer steps.
 
-Targets (issue 16): eta >= 1 at >= 1.5x the colocated steps per minute; median step time <=
+Targets: eta >= 1 at >= 1.5x the colocated steps per minute; median step time <=
 1.15x max(rollout time, train time) of the step; weight update < 5% of the step. The last line
 printed is one JSON object with every figure, the ratios and the targets.
 

@@ -542,7 +542,7 @@ def weight_update(
         )
 
     if in_process:
-        how = "in process: export and export+update measured here"
+        how = "in process: export and export+update measured in this process"
         result = export_phase(args, consumers)
         tensors = result.pop("tensors")
         measured_both = True

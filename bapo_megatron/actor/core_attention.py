@@ -40,14 +40,10 @@ Packed sequences, per device:
   ``window_size=(-1, 0)``), when the installed torch has it. It needs the longest sequence:
   ``packed_seq_params.max_seqlen_q`` / ``max_seqlen_kv`` (Megatron's contract: the longest of
   the boundaries used, padded ones when given), else computed here with one device sync.
-- Otherwise one SDPA call per sequence, after one ``.tolist()`` of the boundaries. Measured on
-  2026-11-26 on a shared 2-core CPU (1 thread), t = 4096 tokens in 16 or 64 sequences of
-  log-normal lengths (longest 678 / 353, shortest 28 / 1), 8 heads, hn 64, float32, forward +
-  backward: per-sequence calls 0.26-0.38 s (16 sequences) and 0.20-0.54 s (64), peak extra
-  memory 100-165 MiB; one SDPA call with a [t, t] block-diagonal causal mask 2.9-6.7 s and
-  12-17 s, 1.6 GiB (it computes all t^2 scores, the per-sequence calls only the sum of the
-  squared lengths). Per-sequence calls it is. (Padded, same machine: b = 4, s = 1024, 8 heads
-  in 2 groups, hn 64, float32, forward + backward: 0.29 s here, 1.43 s in Megatron's module.)
+- Otherwise one SDPA call per sequence, after one ``.tolist()`` of the boundaries: a single
+  call with a [t, t] block-diagonal causal mask computes all t^2 scores, the per-sequence calls
+  only the sum of the squared lengths, and on a CPU the mask was 10-30x slower and took 10x the
+  memory (docs/benchmarks.md, "Packed attention on the CPU").
 """
 
 from __future__ import annotations

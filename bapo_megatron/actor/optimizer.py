@@ -130,7 +130,7 @@ def require_offload_support(optimizer: OptimizerConfig, device: str) -> None:
     moves tensors with CUDA streams and pinned memory and tells GPU from host tensors by
     ``is_cuda``), and without Transformer Engine or Apex, where the distributed optimizer's
     ``state_dict`` asserts on the fresh offloading optimizer's empty state, so that its
-    checkpoints save but never load (found on an H200 without TE, docs/gpu-checks.md run 6):
+    checkpoints save but never load (found on an H200 without TE, docs/validation.md run 6):
     a crashed run could not resume."""
     fraction = optimizer.cpu_offload_fraction
     if fraction > 0 and not uses_cuda(device):

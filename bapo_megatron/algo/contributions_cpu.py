@@ -2,14 +2,14 @@
 kernel that buckets every token and accumulates all channels in two tight passes.
 
 Torch's eager ops would take about a dozen passes over the tokens (bucketize twice, masks,
-wheres, three bincounts), which on CPU costs more than the loss itself. Measured on 2 vCPUs, the
+wheres, three bincounts), which on CPU costs more than the loss itself. On a CPU the
 cost of a histogram is in its memory traffic, not in the arithmetic: writing hist[b] while b is
 still being computed stalls the pipeline, so pass 1 only computes each token's bucket (through a
 lookup table, no search) and pass 2 only scatters, into four interleaved histograms so that
 consecutive tokens of one bucket do not wait on each other (1.7x faster than one fused loop).
 
 The kernel is serial on purpose: numba's parallel layers bring their own OpenMP runtime, whose
-spinning threads fight torch's on small machines (seen: 40x slowdowns on 2 vCPUs). Serial also
+spinning threads fight torch's on small machines (up to 40x slower). Serial also
 makes the sums reproducible.
 """
 

@@ -67,3 +67,13 @@ def plan_layout() -> int:
     status = main()
     process_exit.skip_final_collection()
     return status
+
+
+def gpu_check() -> int:
+    """``bapo-gpu-check`` (:func:`bapo_megatron.device_check.run.main`); its exit status."""
+    process_start.prepare_process()
+    from bapo_megatron.device_check.run import main
+
+    status = main()
+    process_exit.skip_final_collection()
+    return status

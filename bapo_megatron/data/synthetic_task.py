@@ -113,14 +113,10 @@ def runon_rows(count: int, seed: int) -> list[PromptRow]:
     """``count`` `runon` problems ``"<start>><target>"``: start in [0, MAX_NUMBER], target 1 to
     RUN_ON_DISTANCE above it; the answer is the right (upward) walk.
 
-    Measured by ``tools/task_figures.py`` on the main job (``examples/tiny_cpu/train.yaml``:
-    300 warm-up steps, cap 32 tokens, 32 prompts x 8 samples per rollout step, 4 optimizer steps
-    each; commit 0581fa8), over the first half of the run (50 rollout steps): wrong responses
-    17.4 tokens on average against 6.8 for right ones (2.56x), 40% of the wrong ones at the cap,
-    and rho before the bound search below rho0 = 0.4 in 65% of the optimizer steps with a
-    non-zero advantage (the bounds moved in all of those). The first rollout step after the
-    warm-up scores 0.46; RL raises the reward to 0.97 within the run, mostly by teaching the
-    policy to stop.
+    On the main job (``examples/tiny_cpu/train.yaml``) the warmed-up policy's wrong responses
+    are about 2.5x as long as its right ones, and rho before the bound search sits below rho0
+    in most optimizer steps: the situation BAPO is for (``tools/task_figures.py`` prints these
+    figures for a run; docs/benchmarks.md has a run's).
     """
     rng = random.Random(seed)
     rows = []

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from bapo_megatron.device_check.shapes import model_config
 from bapo_megatron.device_check.start_folder import write_start_folder
 
-if TYPE_CHECKING:  # annotations only: run.py imports this module
-    from bapo_megatron.device_check.run import Checks
+if TYPE_CHECKING:  # annotations only: actor_checks.py imports this module
+    from bapo_megatron.device_check.processes import Checks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

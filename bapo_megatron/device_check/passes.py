@@ -1,9 +1,9 @@
 """The device check's passes: the base pass (what the GPU image runs as it is), the Transformer
 Engine pass (``--spec te``: the actor, the loop and the conversion built from TE's layers, and
-FP8) and the vLLM pass (``--only vllm``: our vLLM adapter on the device, and the loop colocated
-with vLLM). The TE and vLLM passes need packages the image lacks, carried in parts
-(:mod:`bapo_megatron.device_check.carry`); where they are missing a pass is refused with the
-reason, before any check starts. What the run did not cover is listed in its report.
+FP8) and the vLLM pass (``--only vllm``: the vLLM adapter on the device, and the loop colocated
+with vLLM). The TE and vLLM passes need those packages installed (docs/install.md); where they
+are missing a pass is refused with the reason, before any check starts. What the run did not
+cover is listed in its report.
 """
 
 from __future__ import annotations
@@ -42,13 +42,12 @@ TE_MODULES = ("transformer_engine", "megatron.core.extensions.transformer_engine
 """Where the classes of Transformer Engine's layers (and Megatron's wrappers of them) live."""
 
 NOT_RUN = {
-    "multi-GPU NCCL (TP/PP/DP on CUDA, NCCL weight broadcast)": "the lent machine has one GPU; "
+    "multi-GPU NCCL (TP/PP/DP on CUDA, NCCL weight broadcast)": "the device check uses one GPU; "
     "NCCL refuses two ranks on one device",
-    "Transformer Engine layers and FP8": "the TE pass (--spec te, GPU_PASS=te in "
-    "tools/gpu_check.sh): prepared, carried in parts; see docs/gpu-checks.md",
-    "vLLM on a GPU": "the vLLM pass (--only vllm, GPU_PASS=vllm in tools/gpu_check.sh): "
-    "prepared, carried in parts; see docs/gpu-checks.md",
-    "SGLang on a GPU": "its wheels (> 900 MiB) are not carried",
+    "Transformer Engine layers and FP8": "the TE pass (--spec te), with Transformer Engine "
+    "installed; see docs/gpu-check.md",
+    "vLLM on a GPU": "the vLLM pass (--only vllm), with vLLM installed; see docs/gpu-check.md",
+    "SGLang on a GPU": "the device check has no SGLang pass",
     "Transformer Engine's fused attention": "it comes with Transformer Engine (the TE pass); "
     "without it the local layer spec's attention (torch SDPA) runs",
 }
@@ -99,8 +98,8 @@ def refusal(args: argparse.Namespace, wanted: set[str] | None) -> str | None:
     if args.spec == "te":
         if importlib.util.find_spec("transformer_engine") is None:
             return (
-                "--spec te: Transformer Engine is not installed (carry it: "
-                "tools/gpu_carry.py te, docs/gpu-checks.md)"
+                "--spec te: Transformer Engine is not installed (pip install "
+                "--no-build-isolation 'bapo-megatron[te]', docs/install.md)"
             )
         if args.device != "cuda":
             return "--spec te: Transformer Engine's layers run on CUDA only (--device cuda)"
@@ -109,8 +108,8 @@ def refusal(args: argparse.Namespace, wanted: set[str] | None) -> str | None:
             return f"--spec te: Transformer Engine is installed but does not import: {error}"
     if wanted and wanted & set(VLLM_CHECKS) and importlib.util.find_spec("vllm") is None:
         return (
-            "vLLM checks: vLLM is not installed (on a GPU carry it: tools/gpu_carry.py "
-            "vllm; on a CPU: the vLLM tier's environment, requirements-vllm.txt)"
+            "vLLM checks: vLLM is not installed (on a GPU: requirements-vllm-gpu.txt, "
+            "docs/install.md; on a CPU: the vLLM tier's environment, requirements-vllm.txt)"
         )
     return None
 

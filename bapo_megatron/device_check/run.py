@@ -1,15 +1,15 @@
-"""The device check: everything of this project that a single GPU can run, in one command that
-fits a lent GPU's minutes, and the same command on the CPU (tiny sizes, under a minute) so that
-it cannot rot between GPU runs. Each check runs in a process of its own with a deadline; a check
-that fails or overruns is recorded with its error and the others still run. Writes
-``device_check[-LABEL].json`` (every figure) and ``.md`` (a summary) into ``--out``.
+"""The GPU self-check (``bapo-gpu-check``): every path of this trainer that one GPU can run,
+against float32 CPU references, in a few minutes; with ``--device cpu`` the same checks at tiny
+sizes (under a minute), which the test suite runs. Each check runs in a process of its own with
+a deadline; a check that fails or overruns is recorded with its error and the others still run.
+Writes ``device_check[-LABEL].json`` (every figure) and ``.md`` (a summary) into ``--out``.
 
-    python -m bapo_megatron.device_check.run --device cuda --out $OUT
-    python -m bapo_megatron.device_check.run --device cpu --out /tmp/check   # CI-sized
-    python -m bapo_megatron.device_check.run --device cuda --out $OUT --spec te   # TE pass
-    python -m bapo_megatron.device_check.run --device cuda --out $OUT --only vllm # vLLM pass
+    bapo-gpu-check --out $OUT                          # the base pass on one CUDA GPU
+    bapo-gpu-check --device cpu --out /tmp/check       # CPU-sized
+    bapo-gpu-check --out $OUT --spec te                # the Transformer Engine pass
+    bapo-gpu-check --out $OUT --only vllm              # the vLLM pass
 
-The Transformer Engine and vLLM passes need packages the GPU image lacks
+The Transformer Engine and vLLM passes need those packages installed
 (:mod:`bapo_megatron.device_check.passes`); without them they are refused, with a report that
 says why, and exit status 2. What a run did not cover is listed in its report with the reason.
 """
@@ -31,8 +31,17 @@ import megatron.core
 import torch
 import transformers
 
-from bapo_megatron.device_check import loop_runs, passes
-from bapo_megatron.device_check.compare import compare_actor_runs, summary_markdown
+from bapo_megatron.device_check import passes
+from bapo_megatron.device_check.actor_checks import (
+    ALL_VARIANTS,
+    FP8_RECIPES,
+    actor_comparison,
+    conversion,
+    distributed_optimizer,
+    same_run_twice,
+)
+from bapo_megatron.device_check.compare import summary_markdown
+from bapo_megatron.device_check.loop_checks import loop, loop_moe, loop_vllm, resume, vllm_engine
 from bapo_megatron.device_check.measurements import (
     loss_bench,
     memory,
@@ -41,369 +50,7 @@ from bapo_megatron.device_check.measurements import (
     packing_bench,
     speed,
 )
-from bapo_megatron.device_check.shapes import model_config
-from bapo_megatron.device_check.start_folder import write_start_folder
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-ALL_VARIANTS = "paper/step,paper/microbatch,reference/step,reference/microbatch"
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
-"""The FP8 recipes a Hopper GPU runs (``mxfp8`` is Blackwell's)."""
-
-
-CPU_LOOP_OVERRIDES = [
-    "warmup.steps=20",
-    "rollout.prompts_per_step=4",
-    "rollout.samples_per_prompt=4",
-    "rollout.max_new_tokens=16",
-    "actor.micro_batch_size=16",
-    "warmup.batch_size=16",
-    "data.synthetic_size=200",
-]
-"""The loop checks' sizes on the CPU, where the full tiny run would take minutes."""
-
-
-class Checks:
-    """Runs the check processes of one invocation and collects their results."""
-
-    def __init__(self, args: argparse.Namespace, work: Path) -> None:
-        self.args, self.work = args, work
-        self.gpu = args.device == "cuda"
-        self.results: dict[str, dict] = {}
-        self.env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(
-                [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-            ),
-        }
-        if not self.gpu:
-            self.env.setdefault("OMP_NUM_THREADS", "1")
-
-    def python(self, module: str, *argv: str, timeout: float, env: dict | None = None) -> dict:
-        """Run ``python -m module argv --json FILE`` and return the JSON it wrote."""
-        out = self.work / f"{module.rsplit('.', 1)[-1]}-{time.monotonic_ns()}.json"
-        proc = subprocess.run(
-            [sys.executable, "-m", module, *argv, "--json", str(out)],
-            env=env or self.env,
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-        if proc.returncode or not out.exists():
-            raise RuntimeError(f"{module} exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
-        return json.loads(out.read_text())
-
-    def record(self, name: str, check, *args) -> None:
-        began = time.monotonic()
-        try:
-            result = check(*args)
-        except subprocess.TimeoutExpired as error:
-            result = {"status": "timed out", "error": f"no result within {error.timeout:.0f} s"}
-        except Exception as error:  # noqa: BLE001 - recorded, the other checks go on
-            result = {"status": "error", "error": f"{type(error).__name__}: {error}"[-4000:]}
-        result["seconds"] = round(time.monotonic() - began, 1)
-        self.results[name] = result
-        print(f"[device check] {name}: {result['status']} ({result['seconds']} s)", flush=True)
-
-
-def actor_comparison(
-    checks: Checks,
-    size: str,
-    variants: str,
-    steps: int,
-    cpu_variants: str,
-    cpu_steps: int,
-    sequences: int,
-    length: int,
-    fp8_recipes: tuple[str, ...] = (),
-) -> dict:
-    """``size`` trained on the device (bf16 on a GPU) against the same steps in float32 on the
-    CPU, from one HF folder of bf16 weights. With ``fp8_recipes``, one device run per recipe
-    in FP8 (`hybrid`) against the one reference instead. In the TE pass the device runs must
-    have been built from Transformer Engine's layers."""
-    a = checks.args
-    start = write_start_folder(
-        model_config(size, cpu_sized=not checks.gpu), checks.work / f"start-{size}", seed=0
-    )
-    common = [
-        "--start",
-        str(start),
-        "--sequences",
-        str(sequences),
-        "--length",
-        str(length),
-        "--micro-batch-size",
-        str(min(4, sequences)),
-    ]
-    reference_env = {**checks.env, "CUDA_VISIBLE_DEVICES": "", "BAPO_DEVICE": "cpu"}
-    if a.reference_pythonpath is not None:
-        reference_env["PYTHONPATH"] = os.pathsep.join(
-            [str(REPO_ROOT), *filter(None, [a.reference_pythonpath])]
-        )
-    reference = BackgroundActorRun(
-        checks,
-        reference_env,
-        [
-            "--device",
-            "cpu",
-            "--dtype",
-            "float32",
-            "--variants",
-            cpu_variants,
-            "--steps",
-            str(cpu_steps),
-            "--threads",
-            str(a.cpu_threads if checks.gpu else 1),
-            *common,
-        ],
-    )
-    dtype = "bfloat16" if checks.gpu else "float32"
-    device_argv = [
-        "--device",
-        a.device,
-        "--dtype",
-        dtype,
-        "--variants",
-        variants,
-        "--steps",
-        str(steps),
-        *common,
-    ]
-    if not fp8_recipes:
-        device_run = checks.python(
-            "bapo_megatron.device_check.actor_steps", *device_argv, timeout=a.check_timeout
-        )
-        return _judged(checks, device_run, reference.result(a.check_timeout), fp8=False)
-    runs = {}
-    for recipe in fp8_recipes:
-        try:
-            runs[recipe] = checks.python(
-                "bapo_megatron.device_check.actor_steps",
-                *device_argv,
-                "--fp8",
-                "hybrid",
-                "--fp8-recipe",
-                recipe,
-                timeout=a.check_timeout,
-            )
-        except Exception as error:  # noqa: BLE001 - recorded, the other recipes go on
-            runs[recipe] = {"status": "error", "error": f"{type(error).__name__}: {error}"[-4000:]}
-    cpu = reference.result(a.check_timeout)
-    recipes = {
-        r: run if "error" in run else _judged(checks, run, cpu, fp8=True) for r, run in runs.items()
-    }
-    passed = all(r["status"] == "passed" for r in recipes.values())
-    return {"status": "passed" if passed else "failed", "format": "hybrid", "recipes": recipes}
-
-
-def _judged(checks: Checks, device_run: dict, reference: dict, *, fp8: bool) -> dict:
-    result = compare_actor_runs(device_run, reference, bf16=checks.gpu, fp8=fp8)
-    result["layer_spec"] = device_run.get("layer_spec")
-    if checks.args.spec == "te" and result["layer_spec"] != "te":
-        result.update(
-            status="failed",
-            error="--spec te, but the actor was built from the "
-            f"{result['layer_spec']!r} layer spec, not Transformer Engine's",
-        )
-    return result
-
-
-class BackgroundActorRun:
-    """An actor_steps process started now (the CPU reference runs while the GPU works)."""
-
-    def __init__(self, checks: Checks, env: dict, argv: list[str]) -> None:
-        fd, name = tempfile.mkstemp(suffix=".json", dir=checks.work)
-        os.close(fd)
-        os.unlink(name)
-        self.out = Path(name)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bapo_megatron.device_check.actor_steps", *argv, "--json", name],
-            env=env,
-            cwd=REPO_ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-
-    def result(self, timeout: float) -> dict:
-        try:
-            _, err = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        if self.proc.returncode or not self.out.exists():
-            raise RuntimeError(f"CPU reference exited with {self.proc.returncode}:\n{err[-3000:]}")
-        return json.loads(self.out.read_text())
-
-
-def same_run_twice(checks: Checks, argv: list[str]) -> dict:
-    """Two processes with the same seeds in deterministic mode: bitwise equal parameters?"""
-    runs = [
-        checks.python(
-            "bapo_megatron.device_check.actor_steps",
-            *argv,
-            "--deterministic",
-            timeout=checks.args.check_timeout,
-        )
-        for _ in range(2)
-    ]
-    digests = [[v["parameters_sha256"] for v in r["variants"]] for r in runs]
-    losses = [[[s["loss"] for s in v["steps"]] for v in r["variants"]] for r in runs]
-    same = digests[0] == digests[1] and losses[0] == losses[1]
-    return {
-        "status": "passed" if same else "failed",
-        "parameters_bitwise_equal": same,
-        "losses": losses[0],
-    }
-
-
-def distributed_optimizer(checks: Checks, argv: list[str]) -> dict:
-    plain, sharded = (
-        checks.python(
-            "bapo_megatron.device_check.actor_steps",
-            *argv,
-            *extra,
-            timeout=checks.args.check_timeout,
-        )
-        for extra in ([], ["--distributed-optimizer"])
-    )
-    a = [s["loss"] for s in plain["variants"][0]["steps"]]
-    b = [s["loss"] for s in sharded["variants"][0]["steps"]]
-    worst = max(abs(x - y) / max(abs(x), 1e-6) for x, y in zip(a, b))
-    return {
-        "status": "passed" if worst <= 1e-3 else "failed",
-        "losses_plain": a,
-        "losses_distributed_optimizer": b,
-        "max_relative_difference": worst,
-        "tolerance": "1e-3 relative (one data-parallel rank: the same updates, other order)",
-    }
-
-
-def loop(checks: Checks, small: bool) -> dict:
-    a = checks.args
-    fast = [] if checks.gpu else CPU_LOOP_OVERRIDES
-    # bf16 with the distributed optimizer, as the GPU recipes run
-    dtype = (
-        ["model.params_dtype=bfloat16", "optimizer.use_distributed_optimizer=true"]
-        if checks.gpu
-        else []
-    )
-    if small:
-        overrides = [
-            *fast,
-            *dtype,
-            *(loop_runs.SMALL_MODEL if checks.gpu else ()),
-            "warmup.steps=10",
-            "train.steps=3",
-            "checkpoint.interval=3",
-            "actor.micro_batch_size=32",
-        ]
-    else:
-        overrides = [
-            *fast,
-            *dtype,
-            f"train.steps={20 if checks.gpu else 4}",
-            "checkpoint.interval=10",
-        ]
-    folder = checks.work / ("loop-small" if small else "loop-tiny")
-    folder.mkdir()
-    return loop_runs.loop_check(folder, a.device, overrides, checks.env, a.check_timeout)
-
-
-def loop_moe(checks: Checks) -> dict:
-    """The tiny Qwen3-MoE example (routing replay R3) through the loop on the device."""
-    fast = [] if checks.gpu else CPU_LOOP_OVERRIDES
-    # bf16 with the distributed optimizer on the GPU: expert parameters in its buffers too
-    dtype = (
-        ["model.params_dtype=bfloat16", "optimizer.use_distributed_optimizer=true"]
-        if checks.gpu
-        else []
-    )
-    config = REPO_ROOT / "examples" / "tiny_cpu_moe" / "train.yaml"
-    overrides = [
-        f"--config={config}",
-        *fast,
-        *dtype,
-        f"train.steps={10 if checks.gpu else 3}",
-        "checkpoint.interval=0",
-    ]
-    folder = checks.work / "loop-moe"
-    folder.mkdir()
-    result = loop_runs.loop_check(
-        folder, checks.args.device, overrides, checks.env, checks.args.check_timeout
-    )
-    result["status"] = "passed" if result["rollout_steps"] else "failed"  # no checkpoints asked
-    return result
-
-
-def resume(checks: Checks) -> dict:
-    fast = [
-        "warmup.steps=20",
-        "rollout.prompts_per_step=8",
-        "rollout.samples_per_prompt=4",
-        "rollout.max_new_tokens=16",
-        "actor.micro_batch_size=16",
-        "warmup.batch_size=16",
-        "data.synthetic_size=200",
-        "train.steps=6",
-        "checkpoint.interval=2",
-    ]
-    dtype = (
-        ["model.params_dtype=bfloat16", "optimizer.use_distributed_optimizer=true"]
-        if checks.gpu
-        else []
-    )
-    folder = checks.work / "resume"
-    folder.mkdir()
-    return loop_runs.resume_check(
-        folder,
-        checks.args.device,
-        [*fast, *dtype],
-        checks.env,
-        kill_step=2,
-        timeout=checks.args.check_timeout,
-    )
-
-
-def conversion(checks: Checks) -> dict:
-    """HF -> Megatron -> HF on the device (:mod:`~bapo_megatron.device_check.model_checks`); in
-    the TE pass, through TE's layers and their fused norm names."""
-    (checks.work / "conversion").mkdir()
-    result = model_check(checks, "conversion", "--work", str(checks.work / "conversion"))
-    if checks.args.spec == "te" and result.get("layer_spec") != "te":
-        result.update(
-            status="failed",
-            error="--spec te, but the converted model was built from "
-            f"the {result.get('layer_spec')!r} layer spec, not Transformer Engine's",
-        )
-    return result
-
-
-def vllm_engine(checks: Checks, quantization: str | None) -> dict:
-    """Our vLLM adapter against the actor on the device (:mod:`.vllm_checks`)."""
-    folder = checks.work / f"vllm-{quantization or 'bf16'}"
-    folder.mkdir()
-    return checks.python(
-        "bapo_megatron.device_check.vllm_checks",
-        "--device",
-        checks.args.device,
-        "--work",
-        str(folder),
-        *(["--quantization", quantization] if quantization else []),
-        timeout=checks.args.check_timeout,
-    )
-
-
-def loop_vllm(checks: Checks) -> dict:
-    """The loop with vLLM colocated (``rollout.engine=vllm``), from an HF folder with a
-    tokenizer and a prompt file (:func:`~.loop_runs.vllm_loop_inputs`)."""
-    folder = checks.work / "loop-vllm"
-    folder.mkdir()
-    overrides = loop_runs.vllm_loop_inputs(folder, gpu=checks.gpu)
-    return loop_runs.loop_check(
-        folder, checks.args.device, overrides, checks.env, checks.args.check_timeout
-    )
+from bapo_megatron.device_check.processes import REPO_ROOT, Checks
 
 
 def not_on_this_device(why: str) -> dict:

@@ -1,6 +1,6 @@
 """Which GPUs an engine rank's in-process vLLM/SGLang engine may use. Written for GPU nodes and
-never run on one (this project has no GPU): it only sets ``CUDA_VISIBLE_DEVICES``, the variable
-both engines document for choosing devices.
+never run on one (docs/validation.md): it only sets ``CUDA_VISIBLE_DEVICES``, the variable both
+engines document for choosing devices.
 
 torchrun starts every rank of a node with all of the node's GPUs visible, and an in-process
 engine takes the first ones it sees, so engine ranks that share a node would all land on its

@@ -144,7 +144,7 @@ def stage_broadcast(role: Role, parallel: ParallelConfig, stage: int) -> StageBr
     if backend == "gloo":
         return StageBroadcast(messenger, stage)
     # NCCL between GPUs for the buffers (written to torch's documented constructor, never run
-    # here: this project has no GPU); the headers stay on the gloo group
+    # on GPUs: docs/validation.md); the headers stay on the gloo group
     data_group = dist.ProcessGroupNCCL(
         dist.PrefixStore(f"bapo/weights/stage{stage}/nccl", role.store),
         rank,

@@ -3,9 +3,9 @@
 Megatron-Core 0.16 decorates about 40 fused element-wise functions (bias-GeLU, SwiGLU, dropout-add,
 router helpers...) with ``megatron.core.jit.jit_fuser``, which is ``torch.compile`` on torch >= 2.2.
 ``torch.compile(fn)`` compiles nothing until ``fn`` is called, but it imports TorchDynamo and
-Inductor at once, so ``import megatron.core`` paid about 2.8 s of CPU for them in every rank and
-worker process (of about 10.5 s on the 2-core machine), runs that never call a fused function
-(every CPU run: the local spec's fusions are off there) included.
+Inductor at once, so ``import megatron.core`` paid seconds of CPU for them in every rank and
+worker process (about a quarter of the import), runs that never call a fused function (every
+CPU run: the local spec's fusions are off there) included.
 
 :func:`defer_jit_compile` installs an import hook that, right after ``megatron.core.jit`` runs,
 replaces ``jit_fuser`` by :func:`compile_on_first_call` of ``torch.compile``: a decorator that calls

@@ -5,7 +5,7 @@ dynamic inference context and engine, all reached by ``import megatron.core``) o
 it exists; it calls it only with a W&B writer the caller passes in, which bapo-megatron never
 does. wandb's own import (its SDK, protobuf, pydantic, botocore...) costs 2-5 s of CPU, so every
 rank, converter and worker process paid for it whether ``logging.wandb`` was on or not: about a
-third of ``import megatron.core`` on these machines.
+third of ``import megatron.core`` on a CPU machine.
 
 :func:`defer_wandb_import` registers the package the way the import system would, without running
 it: ``sys.modules["wandb"]`` is the module object, with its ``__spec__``, ``__file__`` and

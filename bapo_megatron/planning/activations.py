@@ -22,7 +22,8 @@ parallelism, the others always, since heads and FFN columns are split):
   output ((a/t)·d each), k and v unexpanded ((g/t)·d each), 3 (f/t)-wide MLP tensors and one
   fp32 softmax statistic per head. This is a model of what Transformer Engine keeps (as in
   Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", and
-  Megatron-LM's ``theoretical_memory_usage``), not a measurement: there is no GPU here.
+  Megatron-LM's ``theoretical_memory_usage``), not a measurement (docs/validation.md has the
+  GPU measurements of the local spec's activations against this model).
 
 A mixture-of-experts layer (:mod:`~bapo_megatron.planning.moe_memory`) saves the same norm-side
 and attention tensors, and instead of the MLP's f-wide ones its router's and experts' tensors.

@@ -181,7 +181,7 @@ def collector_paused() -> Iterator[None]:
 
 # The shards stay alive until the plan is done: a large plan holds millions of module objects, and
 # the collector's passes over them, which find nothing (the builds leave no cycles), were a quarter
-# of the 235B recipe's plan (28 s on the 2-core machine).
+# of the 235B recipe's plan.
 @collector_paused()
 def plan_layout(
     config: Config,

@@ -64,8 +64,7 @@ def meta_weights_skip_the_full_matrix() -> Iterator[None]:
     build the full matrix, initialize it, keep this rank's slices), reduced to what it leaves on
     a meta weight: its tensor-parallel attributes. The full matrix, its split and ``torch.cat`` of
     the slices compute nothing on the meta device, yet they were a third of the planner's time
-    (42 of 136 s for the 235B recipe's 64 ranks on the 2-core machine). Weights on another device
-    take Megatron's own function."""
+    for the 235B recipe's 64 ranks. Weights on another device take Megatron's own function."""
     megatrons = layers._initialize_affine_weight_cpu
     signature = inspect.signature(megatrons)  # once: a large plan makes ~30,000 calls
 

@@ -389,7 +389,7 @@ def write_report(settings, out: Path, runs, records: list[dict], config: Path) -
             ]
         lines.append("")
     lines += [_timing(runs, records, settings.jobs), ""]
-    lines += ["## The paper's claims, as measured here", ""]
+    lines += ["## The paper's claims, as this sweep measured them", ""]
     lines += [f"- {line}" for line in claims(groups)] if groups else ["- No run finished."]
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")

@@ -4,7 +4,7 @@ engine kinds, filled by the engine families.
 Each family (:mod:`.embedded`, :mod:`.vllm`, :mod:`.sglang`) registers a builder for its
 in-process engine under its name and, when it has one, a builder for its server client under
 ``<name>-server``. The adapters import vllm/sglang only when an engine starts, so registering
-needs neither; only the embedded engine runs on these machines, and vLLM and
+needs neither; the embedded engine needs nothing more, and vLLM and
 SGLang need their packages installed on the ranks that hold an engine (docs/rollout-engines.md).
 """
 

@@ -6,8 +6,8 @@ The group is built the way SGLang's ``/init_weights_update_group`` builds its si
 store that group rank 0 serves at ``master_address:master_port``, prefixed with the group's
 name, then torch's process-group constructor), so an SGLang server and the vLLM worker extension
 (:mod:`bapo_megatron.rollout.vllm.worker_extension`, which joins with :func:`join_weight_group`)
-meet the trainer the same way. gloo carries CPU tensors (run here); NCCL carries CUDA tensors
-(written to the same API, never run here).
+meet the trainer the same way. gloo carries CPU tensors (tested); NCCL carries CUDA tensors
+(written to the same API, never run: docs/validation.md).
 
 Per update the server is told the names, dtypes and shapes of every tensor in one request
 (SGLang's ``/update_weights_from_distributed``; vLLM's ``/collective_rpc``

@@ -1,4 +1,4 @@
-"""The device check (``python -m bapo_megatron.device_check.run``, ``tools/gpu_check.sh`` on a GPU)
+"""The device check (``python -m bapo_megatron.device_check.run``, ``bapo-gpu-check`` on a GPU)
 in its CPU size, so that it cannot rot between GPU runs, and its verdicts on constructed runs."""
 
 from __future__ import annotations

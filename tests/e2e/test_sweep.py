@@ -82,7 +82,8 @@ def test_minimal_sweep_end_to_end(tmp_path):
     for run in runs:
         assert json.loads((run.output_dir / "run.json").read_text())["returncode"] == 0
         assert any(line.startswith(f"| {run.method} | {run.seed} |") for line in text.splitlines())
-    assert "## The paper's claims, as measured here" in text and "Failed runs" not in text
+    assert "## The paper's claims, as this sweep measured them" in text
+    assert "Failed runs" not in text
     for name in (
         "reward",
         "entropy",

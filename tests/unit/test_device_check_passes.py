@@ -1,7 +1,7 @@
 """The device check's Transformer Engine and vLLM passes (bapo_megatron/device_check/passes.py)
 in what runs without TE, vLLM or a GPU: their refusals (with a report that says why), which
 checks each pass runs, the TE pass's verdict on an actor built without TE, the FP8 tolerances,
-and the inputs of the loop with vLLM. The passes themselves run on a GPU (docs/gpu-checks.md)."""
+and the inputs of the loop with vLLM. The passes themselves run on a GPU (docs/validation.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bapo_megatron.config import load_config
-from bapo_megatron.device_check import passes, run
+from bapo_megatron.device_check import actor_checks, passes, run
 from bapo_megatron.device_check.actor_steps import parallel_config
 from bapo_megatron.device_check.compare import compare_actor_runs
 from bapo_megatron.device_check.loop_runs import vllm_loop_inputs
@@ -77,15 +77,15 @@ def test_the_te_pass_fails_an_actor_built_from_the_local_spec(monkeypatch, tmp_p
                 "model": {"model_type": "llama", "num_layers": 2, "hidden_size": 8,
                           "vocab_size": 16},
                 "variants": [{"variant": "paper/step", "steps": [step], "tokens_per_s": 1.0}]}
-    monkeypatch.setattr(run, "write_start_folder", lambda model, folder, seed: folder)
-    monkeypatch.setattr(run, "BackgroundActorRun", lambda *a: type(
+    monkeypatch.setattr(actor_checks, "write_start_folder", lambda model, folder, seed: folder)
+    monkeypatch.setattr(actor_checks, "BackgroundActorRun", lambda *a: type(
         "Done", (), {"result": lambda self, timeout: run_json})())
     checks = run.Checks(args(spec="te", device="cpu"), tmp_path)
     monkeypatch.setattr(checks, "python", lambda *a, **k: run_json)
-    result = run.actor_comparison(checks, "tiny", "paper/step", 1, "paper/step", 1, 8, 32)
+    result = actor_checks.actor_comparison(checks, "tiny", "paper/step", 1, "paper/step", 1, 8, 32)
     assert result["status"] == "failed" and "'local' layer spec" in result["error"]
     checks.args.spec = "auto"
-    assert run.actor_comparison(checks, "tiny", "paper/step", 1, "paper/step", 1, 8,
+    assert actor_checks.actor_comparison(checks, "tiny", "paper/step", 1, "paper/step", 1, 8,
                                 32)["status"] == "passed"
 
 

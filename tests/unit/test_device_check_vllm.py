@@ -1,6 +1,6 @@
 """The vLLM pass of the device check (bapo_megatron/device_check/vllm_checks.py): its flow with
 the embedded engine standing in for vLLM (always), and its CPU mode against a real vLLM (the
-vLLM tier, .ci/vllm-tier; on a GPU: docs/gpu-checks.md)."""
+vLLM tier, .ci/vllm-tier; on a GPU: docs/validation.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """FP8 training configuration (``parallel.fp8``, ``parallel.fp8_recipe``): refused where
 Transformer Engine's layers cannot run it, handed to Megatron's ``TransformerConfig`` unchanged,
 and the token multiple the packer must pad a micro-batch to. FP8 itself runs on a GPU only
-(docs/gpu-checks.md)."""
+(docs/validation.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The README's "Train a real model" walk-through, checked as far as a CPU allows: every
 command in it is read from the README itself, and each trainer launch loads and passes the
 training checks with its overrides at its world size, the recipe passes the layout planner on
-one node of 8 GPUs, and the converter's and evaluator's arguments parse. (That the runs work on
+two nodes of 8 GPUs, and the converter's and evaluator's arguments parse. (That the runs work on
 GPUs is not checked anywhere: the README says so.)"""
 
 from __future__ import annotations
@@ -58,12 +58,12 @@ def test_each_trainer_launch_passes_the_training_checks():
         assert replicas >= 1 and cfg.rollout.prompts_per_step % replicas == 0, words
 
 
-def test_the_recipe_fits_one_node_of_8_gpus(capsys):
+def test_the_recipe_fits_two_nodes_of_8_gpus(capsys):
     (words,) = commands("bapo-plan-layout")
     code = plan_layout([*words[1:], "--hf-config", str(config_path(HF_CONFIG))])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and summary["ok"], summary["problems"]
-    assert summary["world_size"] == 8 and summary["data_parallel_size"] == 2  # TP4 x DP2
+    assert summary["world_size"] == 16 and summary["data_parallel_size"] == 8  # TP2 x DP8
 
 
 def test_the_conversion_and_evaluation_commands_parse():

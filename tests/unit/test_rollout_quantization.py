@@ -1,7 +1,7 @@
 """FP8 rollout (``rollout.quantization``): refused where it cannot run (engines other than
 in-process vLLM/SGLang, a CPU run, a CPU vLLM), and passed on as vLLM's and SGLang's own
 ``quantization`` argument, against stand-ins of their APIs (the real FP8 engine runs on a GPU
-only: docs/gpu-checks.md)."""
+only: docs/validation.md)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ pre-norm weights fused into ``linear_qkv`` / ``linear_fc1`` as ``layer_norm_weig
 layer keeps its own ``pre_mlp_layernorm``) maps to exactly the name map's parameters, and so to
 HF's names and back. A dense Qwen2 with TE's names is also exported and loaded for real
 (tests/unit/test_weights_convert.py); the TE pass of the GPU check runs the layers
-(docs/gpu-checks.md)."""
+(docs/validation.md)."""
 
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ protocol maps onto SGLang's requests and answers: the client of SGLang's HTTP se
 is built the same way (both are :class:`~bapo_megatron.rollout.resubmission.ResubmittingEngine`
 subclasses, as the vLLM adapters are).
 
-NOT RUN HERE. SGLang cannot run on the CPU machines this project is developed on (see
-``docs/rollout-engines.md``); this module is written against SGLang 0.5.x's documented API and
-only its request building, response parsing and bookkeeping are tested (with responses
+Never run against a live SGLang (SGLang has no CPU build; ``docs/rollout-engines.md``): this
+module is written against SGLang 0.5.x's documented API and only its request building,
+response parsing and bookkeeping are tested (with responses
 written by hand from SGLang's documentation, never recorded from a server, and a fake engine).
 ``sglang`` is imported lazily, by :meth:`SGLangEngine.in_process` only.
 

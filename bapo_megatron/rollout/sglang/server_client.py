@@ -4,9 +4,9 @@ disaggregated runs. Built like the in-process
 (a :class:`~bapo_megatron.rollout.resubmission.ResubmittingEngine` with the same request
 bodies, answer parsing and weight buckets), over HTTP instead of ``sglang.Engine``'s methods.
 
-NOT RUN HERE (SGLang cannot run on these CPU machines): written against SGLang 0.5.x's HTTP
-routes and tested with a fake transport only. It needs no SGLang package on the client side,
-except for weight updates, which serialize with SGLang's own serializer.
+Never run against a live SGLang server (SGLang has no CPU build): written against SGLang
+0.5.x's HTTP routes and tested with a fake transport only. It needs no SGLang package on the
+client side, except for weight updates, which serialize with SGLang's own serializer.
 
 Routes used (JSON bodies as SGLang's ``io_struct`` request dataclasses define them):
 
