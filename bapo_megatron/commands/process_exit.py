@@ -1,10 +1,9 @@
 """The end of a command-line process: let its shutdown skip the collector's walk.
 
-When a trainer's work was done, its interpreter still took 2-3 s of CPU to shut down on the
-2-core machine (measured from the end of ``main()`` to the process's exit: 2.9-3.1 s, 0.4-0.5 s
-with this), most of it the full garbage collection over everything torch, Megatron and
-transformers keep alive, some 460,000 objects. Every trainer, rank and worker process of a run
-pays it, after its results are written.
+When a trainer's work is done, its interpreter still spends seconds of CPU shutting down, most
+of it the full garbage collection over everything torch, Megatron and transformers keep alive
+(some 460,000 objects; docs/benchmarks.md has the figures). Every trainer, rank and worker
+process of a run pays it, after its results are written.
 
 :func:`skip_final_collection` moves every live object into the collector's permanent generation
 (``gc.freeze``), which that last collection does not walk. ``atexit`` handlers still run and

