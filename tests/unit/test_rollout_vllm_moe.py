@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.rollout.checksum import checksum
 from bapo_megatron.rollout.embedded.experts import RouteRecorder
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.vllm.engine import VLLMEngine
@@ -77,20 +78,30 @@ def check_against_transformers(samples, seed: int) -> None:
     assert used == {(layer, e) for layer in range(2) for e in range(4)}
 
 
-def test_vllm_cpu_runs_qwen3_moe_and_a_refit_replaces_every_expert(tmp_path):
+@pytest.mark.parametrize(
+    "layout",
+    [{}, {"tensor_parallel_size": 2, "enable_expert_parallel": True}],
+    ids=["tp1", "tp2-ep2"],
+)
+def test_vllm_cpu_runs_qwen3_moe_and_a_refit_replaces_every_expert(tmp_path, layout):
+    """In one process, and over two worker processes with vLLM's expert parallelism (each
+    worker holds half of every layer's experts, attention split in two): every worker reports
+    the bytes sent, and log-probs follow each refit."""
     engine = VLLMEngine.from_pretrained(
-        moe_folder(tmp_path / "start", seed=100), enforce_eager=True, max_model_len=64
+        moe_folder(tmp_path / "start", seed=100), enforce_eager=True, max_model_len=64, **layout
     )
     try:
         assert engine.model_config.is_moe
         check_against_transformers(engine.generate(PROMPTS, PARAMS), seed=100)
         for version, seed in ((1, 0), (2, 1)):  # the first reload, then one more
-            engine.update_weights(exported(tmp_path, seed).items(), version=version)
+            tensors = exported(tmp_path, seed)
+            digest = engine.update_weights(tensors.items(), version=version, checksum=True)
+            assert digest == checksum(tensors.items())
             samples = engine.generate(PROMPTS, PARAMS)
             assert all(s.versions == [version] * PARAMS.max_new_tokens for s in samples)
             check_against_transformers(samples, seed)
     finally:
-        del engine.llm
+        engine.close()
 
 
 def test_a_vllm_server_takes_the_experts_by_both_weight_routes(tmp_path):

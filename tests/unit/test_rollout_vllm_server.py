@@ -26,11 +26,11 @@ import torch
 import tests.unit.test_rollout_engines as suite
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from bapo_megatron.rollout.guard import EngineFailure, GuardedEngine
-from bapo_megatron.rollout.http import answers_health, http_transport
+from bapo_megatron.rollout.http import ApiKey, ServerRefusedKey, answers_health, http_transport
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 from bapo_megatron.rollout.vllm.worker_extension import WORKER_EXTENSION
-from tests.unit.test_rollout_vllm import VLLM_MODEL, long_seeded_continuations
+from tests.unit.test_rollout_vllm import TENSOR_PARALLEL, VLLM_MODEL, long_seeded_continuations
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
@@ -49,11 +49,21 @@ class ServerProcess:
     """A vLLM server in a subprocess on the model in ``folder`` (context ``max_model_len``), with
     the RL routes, the worker extension and chunked prefill off (seeded requests crash a CPU
     vLLM that prefills in chunks: bapo_megatron/rollout/vllm/engine.py). Its output goes to
-    ``server-N.log``."""
+    ``server-N.log``. ``tensor_parallel_size`` > 1 starts that many workers, with the thread
+    binding a host of one NUMA node needs (``VLLM_CPU_OMP_THREADS_BIND=nobind``); ``api_key``
+    starts it with ``--api-key`` and its clients send the key."""
 
-    def __init__(self, folder: Path, max_model_len: int = 131072) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        max_model_len: int = 131072,
+        tensor_parallel_size: int = 1,
+        api_key: str | None = None,
+    ) -> None:
         self.folder = folder
         self.max_model_len = max_model_len
+        self.tensor_parallel_size = tensor_parallel_size
+        self.api_key = None if api_key is None else ApiKey(api_key, "VLLM_TEST_KEY")
         self.starts = 0
         self.process: subprocess.Popen | None = None
         self.client: VLLMServerClient | None = None
@@ -74,6 +84,11 @@ class ServerProcess:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+        options = ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.tensor_parallel_size > 1:
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if self.api_key is not None:
+            options += ["--api-key", self.api_key.value]
         with open(self.log_path, "w") as log_file:
             self.process = subprocess.Popen(
                 [
@@ -97,13 +112,15 @@ class ServerProcess:
                     str(port),
                     "--max-model-len",
                     str(self.max_model_len),
+                    *options,
                 ],
                 env=env,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
             )
         url = f"http://127.0.0.1:{port}"
-        transport = http_transport(url, timeout=5)
+        self.base_url = url
+        transport = http_transport(url, timeout=5, api_key=self.api_key)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not answers_health(transport):
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -113,10 +130,14 @@ class ServerProcess:
                 )
             time.sleep(1)
         self.cores = [self.engine_core()]
-        self.client = VLLMServerClient.connect(
-            url, VLLM_MODEL, weights_dir=self.folder / "updates", timeout=120
-        )
+        self.client = self.connect(url, weights_dir=self.folder / "updates")
         return self.client
+
+    def connect(self, url: str, **options) -> VLLMServerClient:
+        """A client of this server (with its key) on VLLM_MODEL."""
+        return VLLMServerClient.connect(
+            url, VLLM_MODEL, timeout=120, api_key=self.api_key, **options
+        )
 
     def alive(self) -> bool:
         return (
@@ -162,27 +183,43 @@ class ServerProcess:
         return cores[0]
 
 
+TP2_KEY = "tp2-server-key"
+"""The API key the module's TP 2 server is started with (``--api-key``)."""
+
+
 @pytest.fixture(scope="module")
-def server_process(tmp_path_factory):
-    """The module's vLLM server (started on first use, restarted when found dead)."""
+def server_processes(tmp_path_factory):
+    """The module's vLLM servers by tensor-parallel size (each started on first use, restarted
+    when found dead): one worker, and two worker processes behind an API key."""
     folder = tmp_path_factory.mktemp("vllm-server-model")
     torch.manual_seed(0)
     EmbeddedEngine(VLLM_MODEL).model.save_pretrained(folder)
-    server = ServerProcess(folder)
-    yield server
-    server.stop()
+    servers = {
+        1: ServerProcess(folder),
+        2: ServerProcess(folder, tensor_parallel_size=2, api_key=TP2_KEY),
+    }
+    yield servers
+    for server in servers.values():
+        server.stop()
 
 
 @pytest.fixture
-def server_suite(server_process, monkeypatch):
-    """The suite's ``make_engine`` on a live server: loads the given weights as version 0."""
+def server_process(server_processes):
+    """The module's one-worker server (the death tests kill it)."""
+    return server_processes[1]
+
+
+@pytest.fixture(params=TENSOR_PARALLEL, ids=lambda tp: f"tp{tp}")
+def server_suite(request, server_processes, monkeypatch):
+    """The suite's ``make_engine`` on a live server of each size: loads the given weights as
+    version 0, every worker reporting the bytes sent."""
     monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
-    client = server_process.live_client()
+    client = server_processes[request.param].live_client()
 
     def make_engine(weights):
         client.resume()
         client.resume_memory()
-        client.update_weights(weights.items(), version=0)
+        client.update_weights(weights.items(), version=0, checksum=True)
         return client
 
     return make_engine
@@ -244,11 +281,13 @@ def test_vllm_server_weight_updates_are_checked_and_memory_can_be_released(serve
 
 
 @pytest.mark.parametrize("victim", ["engine core", "server"])
-def test_a_vllm_server_that_dies_mid_run_is_named(server_process, server_suite, victim):
+def test_a_vllm_server_that_dies_mid_run_is_named(server_process, monkeypatch, victim):
     """Kill the server's EngineCore process (as vLLM's crash above did) or the whole server
     between two calls: the next call raises EngineFailure naming the engine and its URL, and
     health() answers False. (The guard's deadline bounds the call if the server hung instead.)"""
-    client = server_suite(suite.random_weights(3))
+    monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
+    client = server_process.live_client()
+    client.update_weights(suite.random_weights(3).items(), version=0)
     url = client.base_url
     guarded = GuardedEngine(client, name=f"rollout engine 'vllm-server' at {url}", timeout_s=300)
     params = SamplingParams(max_new_tokens=3, seed=1)
@@ -262,3 +301,41 @@ def test_a_vllm_server_that_dies_mid_run_is_named(server_process, server_suite, 
     assert message.startswith(f"rollout engine 'vllm-server' at {url}: generate failed: ")
     assert "gave no result within" not in message  # the engine's own error, not the deadline
     assert not guarded.health()
+
+
+def under_weights(client: VLLMServerClient, weights: dict[str, torch.Tensor], version: int):
+    """Generate and check every token's version and log-prob against a float64 recompute under
+    ``weights``."""
+    params = SamplingParams(n=2, max_new_tokens=6, seed=5)
+    for sample in client.generate(suite.PROMPTS, params):
+        assert sample.versions == [version] * params.max_new_tokens
+        torch.testing.assert_close(
+            torch.tensor(sample.logprobs, dtype=torch.float64),
+            suite.teacher_forced(weights, sample, params.temperature),
+            rtol=0,
+            atol=2e-5,
+        )
+
+
+def test_a_tp2_vllm_server_takes_weights_by_both_routes_into_both_workers(
+    server_processes, monkeypatch, tmp_path
+):
+    """Both workers of a TP 2 server join the weight group, and by either route each reports the
+    checksum of the bytes sent; generation follows the new weights. The server wants its API
+    key: a client without it is refused, naming the server."""
+    monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
+    server = server_processes[2]
+    server.live_client()
+    with pytest.raises(ServerRefusedKey, match=f"vLLM server at {server.base_url}"):
+        VLLMServerClient.connect(server.base_url, VLLM_MODEL, timeout=120)
+    by_group = server.connect(server.base_url, weight_transport="process-group")
+    by_folder = server.connect(server.base_url, weights_dir=tmp_path)
+    assert by_group.weight_group.server_ranks == 2
+    for version, (client, seed) in enumerate(((by_group, 21), (by_folder, 22), (by_group, 23)), 1):
+        new = suite.random_weights(seed)
+        digest = client.update_weights(new.items(), version=version, checksum=True)
+        assert digest == suite.checksum(new.items())
+        if client is by_group:
+            reports = by_group.weight_group.answer["results"]
+            assert [report["checksum"] for report in reports] == [digest, digest]
+        under_weights(client, new, version)
