@@ -10,6 +10,7 @@ SGLang need their packages installed on the ranks that hold an engine (docs/roll
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,14 +64,26 @@ class EngineSetup:
         quantization = self.rollout.quantization
         return {} if quantization is None else {"quantization": quantization}
 
+    @property
+    def starts_without_weights(self) -> bool:
+        """Whether the run's model comes from the model section (random initial weights): an
+        in-process vLLM/SGLang then starts on dummy weights from :meth:`hf_folder`'s
+        ``config.json`` alone, and the trainer's first weight sync, before any rollout, gives it
+        the actor's."""
+        return self.model_path is None
+
     def hf_folder(self) -> str:
-        """``model_path``, which in-process vLLM/SGLang start from; ``ValueError`` without it."""
-        if self.model_path is None:
-            raise ValueError(
-                f"rollout.engine={self.rollout.engine!r} starts from an HF folder: "
-                "set train.model_path"
-            )
-        return self.model_path
+        """The HF folder an in-process vLLM/SGLang starts from: ``model_path``, else a folder
+        under ``work_dir`` holding the model section's ``config.json`` only
+        (:attr:`starts_without_weights`)."""
+        if self.model_path is not None:
+            return self.model_path
+        folder = self.work_dir / f"engine_start_dp{self.dp_rank}"
+        folder.mkdir(parents=True, exist_ok=True)
+        written = folder / "config.json.partial"
+        written.write_text(json.dumps(self.model.to_hf_config(), indent=1))
+        written.replace(folder / "config.json")  # never a half-written config
+        return str(folder)
 
 
 Builder = Callable[[EngineSetup], RolloutEngine]

@@ -4,6 +4,7 @@ clients give up on a server that is gone or silent."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -18,6 +19,8 @@ from bapo_megatron.rollout.guard import EngineFailure, GuardedEngine
 from bapo_megatron.rollout.http import ServerUnreachable, http_transport
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.registry import build_engine, engine_kinds, register_family
+from bapo_megatron.rollout.sglang.engine import SGLangEngine
+from bapo_megatron.rollout.vllm.engine import VLLMEngine
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 
 # A context long enough that nothing but the deadline ends the generation below.
@@ -190,21 +193,45 @@ def test_the_registry_knows_every_configurable_kind_and_refuses_others(tmp_path)
     with pytest.raises(ValueError, match=r"kinds \['vllm', 'vllm-server'\] are already registered"):
         register_family("vllm", in_process=print, server_client=print)
     assert len(engine_kinds()) == len(ENGINE_KINDS)
-    for kind in ("vllm", "sglang"):  # in-process engines start from the run's HF folder
-        with pytest.raises(
-            EngineFailure,
-            match=rf"^rollout engine '{kind}' of data-parallel "
-            rf"replica 0 could not start: ValueError: "
-            rf"rollout.engine='{kind}' starts from an HF folder",
-        ):
-            build_engine(
-                RolloutConfig(engine=kind),
-                suite.MODEL,
-                model_path=None,
-                dp_rank=0,
-                work_dir=tmp_path,
-                pad_token_id=0,
-            )
+
+
+def test_in_process_engines_start_from_the_model_sections_config_on_dummy_weights(
+    tmp_path, monkeypatch
+):
+    """Without train.model_path, vLLM and SGLang start from a folder holding the model section's
+    config.json alone, on dummy weights (the trainer's first sync replaces them)."""
+    started = {}
+
+    def start(folder, **options):
+        started.update(options, folder=folder)
+        return EmbeddedEngine(suite.MODEL)
+
+    monkeypatch.setattr(VLLMEngine, "from_pretrained", start)
+    monkeypatch.setattr(SGLangEngine, "in_process", start)
+    for kind in ("vllm", "sglang"):
+        started.clear()
+        build_engine(
+            RolloutConfig(engine=kind),
+            suite.MODEL,
+            model_path=None,
+            dp_rank=1,
+            work_dir=tmp_path,
+            pad_token_id=0,
+        )
+        folder = tmp_path / "engine_start_dp1"
+        assert started["folder"] == str(folder) and started["load_format"] == "dummy"
+        assert json.loads((folder / "config.json").read_text()) == suite.MODEL.to_hf_config()
+        assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
+        started.clear()
+        build_engine(
+            RolloutConfig(engine=kind),
+            suite.MODEL,
+            model_path=str(tmp_path / "hf"),
+            dp_rank=0,
+            work_dir=tmp_path,
+            pad_token_id=0,
+        )
+        assert started["folder"] == str(tmp_path / "hf") and "load_format" not in started
 
 
 def closed_port() -> int:

@@ -39,6 +39,7 @@ def start_in_process(setup: EngineSetup) -> RolloutEngine:
         record_routes=setup.record_routes,
         **placement,
         **setup.quantization_options(),
+        **({"load_format": "dummy"} if setup.starts_without_weights else {}),
     )
 
 

@@ -36,6 +36,7 @@ def start_in_process(setup: EngineSetup) -> RolloutEngine:
         dtype=setup.engine_dtype,
         tensor_parallel_size=rollout.engine_tensor_parallel_size,
         worker_gpus=engine_worker_gpus(setup.device, rollout.engine_tensor_parallel_size),
+        **({"load_format": "dummy"} if setup.starts_without_weights else {}),
         gpu_memory_utilization=rollout.gpu_memory_utilization,
         max_model_len=setup.model.max_position_embeddings,
         enable_sleep_mode=True,
@@ -48,7 +49,7 @@ def engine_worker_gpus(device: str, tensor_parallel_size: int) -> str | None:
     """``CUDA_VISIBLE_DEVICES`` of a colocated engine's workers: on GPUs, from this rank's
     current GPU on (the ranks after it on the node, whose actors share their GPU with a worker);
     None on the CPU or at tensor parallel 1 (the worker runs in this process)."""
-    if device != "cuda" or tensor_parallel_size == 1:
+    if not device.startswith("cuda") or tensor_parallel_size == 1:  # the rank's, e.g. "cuda:0"
         return None
     return worker_gpus(
         torch.cuda.current_device(),
