@@ -306,12 +306,22 @@ def _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention, expe
     layers = model.num_layers // parallel.pipeline_model_parallel_size
     colocated = rollout.engine in COLOCATED
     firsts = [megatron_rank(parallel, world, 0, d, 0) for d in range(dp)]
-    hosts = engine_ranks(firsts, rollout.engine_tensor_parallel_size) if colocated else set()
+    engine_tp = rollout.engine_tensor_parallel_size
+    hosts = engine_ranks(firsts, engine_tp) if colocated else set()
     if colocated and len(hosts) < len(firsts) * rollout.engine_tensor_parallel_size:
         plan.problems.append(
             f"rollout.engine_tensor_parallel_size={rollout.engine_tensor_parallel_size}: each "
             "replica's engine spans that many GPUs from its first rank, and the replicas' first "
             f"ranks {firsts[:4]} lie closer than that, so engines would share GPUs"
+        )
+    spill = [
+        f for f in firsts if colocated and f % plan.gpus_per_node + engine_tp > plan.gpus_per_node
+    ]
+    if spill:
+        plan.problems.append(
+            f"rollout.engine_tensor_parallel_size={engine_tp}: the engine of the replica whose "
+            f"first rank is {spill[0]} would span GPUs past its node's {plan.gpus_per_node} "
+            "(an engine's workers run on the GPUs of its first rank's node)"
         )
     short: dict[str, list[int]] = {}  # engine problem -> the ranks that have it
     for rank in range(world):

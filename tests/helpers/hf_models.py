@@ -100,10 +100,12 @@ def build_hf_model(
 MOE_EXPERTS, MOE_TOPK, MOE_FFN = 4, 2, 32
 
 
-def build_hf_moe_model(seed: int = 0, layers: int = 4) -> torch.nn.Module:
+def build_hf_moe_model(
+    seed: int = 0, layers: int = 4, expert_ffn: int = MOE_FFN
+) -> torch.nn.Module:
     """A random transformers ``Qwen3MoeForCausalLM`` (untied, q/k norms, head size 32, layer 0
-    dense) in eval mode, float32; norms and routers drawn at random so that a swapped tensor or
-    expert changes the logits."""
+    dense, experts ``expert_ffn`` wide) in eval mode, float32; norms and routers drawn at random
+    so that a swapped tensor or expert changes the logits."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
@@ -120,7 +122,7 @@ def build_hf_moe_model(seed: int = 0, layers: int = 4) -> torch.nn.Module:
         rope_theta=1e6,
         num_experts=MOE_EXPERTS,
         num_experts_per_tok=MOE_TOPK,
-        moe_intermediate_size=MOE_FFN,
+        moe_intermediate_size=expert_ffn,
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[0],
@@ -138,10 +140,12 @@ def build_hf_moe_model(seed: int = 0, layers: int = 4) -> torch.nn.Module:
     return model.eval()
 
 
-def save_hf_moe_folder(folder: Path, seed: int = 0, layers: int = 4) -> torch.nn.Module:
+def save_hf_moe_folder(
+    folder: Path, seed: int = 0, layers: int = 4, expert_ffn: int = MOE_FFN
+) -> torch.nn.Module:
     """:func:`build_hf_moe_model` saved with a tokenizer to ``folder`` (per-expert tensor names
     on disk, as transformers writes them)."""
-    model = build_hf_moe_model(seed, layers)
+    model = build_hf_moe_model(seed, layers, expert_ffn)
     model.save_pretrained(str(folder), safe_serialization=True, max_shard_size="40KB")
     save_tokenizer(folder)
     return model

@@ -209,3 +209,21 @@ def test_engines_that_would_share_gpus_are_refused():
         "engine_tensor_parallel_size=4" in p and "engines would share GPUs" in p
         for p in plan.problems
     ), plan.problems
+
+
+def test_engines_that_would_span_past_their_node_are_refused():
+    """Replicas of 4 ranks on nodes of 6 GPUs: the second replica's first rank is GPU 4 of its
+    node, so an engine over 4 GPUs from there would need GPUs 4..7; on nodes of 8 it fits."""
+    config = Config(
+        parallel=layout(tensor_model_parallel_size=4, sequence_parallel=True),
+        rollout=RolloutConfig(engine="vllm", engine_tensor_parallel_size=4),
+    )
+    model = dataclasses.replace(MODEL, num_query_groups=4)
+    spill = "would span GPUs past its node's"
+    fits = plan_layout(config, model, 8, accelerator=CPU, gpus_per_node=8)
+    assert not any(spill in p for p in fits.problems), fits.problems
+    plan = plan_layout(config, model, 12, accelerator=CPU, gpus_per_node=6)
+    assert any(
+        "engine_tensor_parallel_size=4" in p and "first rank is 4" in p and spill in p
+        for p in plan.problems
+    ), plan.problems

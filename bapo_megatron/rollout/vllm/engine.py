@@ -291,6 +291,8 @@ class VLLMEngine(ResubmittingEngine):
         if record_routes:
             options["enable_return_routed_experts"] = True
         options.update(llm_kwargs)
+        if _on_cpu():  # vLLM refuses sleep mode on the CPU, where it frees nothing anyway
+            options.pop("enable_sleep_mode", None)
         try:
             with visible_to_workers(worker_gpus, os.environ):
                 llm = vllm.LLM(**options)
