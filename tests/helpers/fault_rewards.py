@@ -60,3 +60,50 @@ def hangs_while_told(response: str, truth: str) -> float:
         while Path(told).exists() and time.monotonic() < deadline:
             time.sleep(0.05)
     return exact_match_reward(response, truth)
+
+
+KILL_RANK = "BAPO_TEST_KILL_RANK"
+"""Environment variable: the global rank :func:`kills_a_rank_once` kills."""
+KILL_AFTER = "BAPO_TEST_KILL_AFTER"
+"""Environment variable: the path (a checkpoint folder) that must exist before it kills."""
+KILL_MARK = "BAPO_TEST_KILL_MARK"
+"""Environment variable: the file it creates when it kills, so that it kills once per run."""
+
+
+def kills_a_rank_once(response: str, truth: str) -> float:
+    """Once ``$BAPO_TEST_KILL_AFTER`` exists, at the first check after it: SIGKILLs the
+    torchrun worker of global rank ``$BAPO_TEST_KILL_RANK`` of this attempt (as an ECC error or
+    an OOM kill would), having created ``$BAPO_TEST_KILL_MARK`` first, so that no later check,
+    in this attempt or a restarted one, kills again. The rank is this worker's own trainer, or
+    a rank without reward workers (an engine rank), found by its environment (its ``RANK`` in
+    this attempt's world: the same ``MASTER_PORT``). Otherwise an exact-match reward."""
+    after, mark = os.environ.get(KILL_AFTER), os.environ.get(KILL_MARK)
+    if after and mark and Path(after).exists():
+        try:
+            os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return exact_match_reward(response, truth)
+        target = os.environ[KILL_RANK]
+        if target == os.environ.get("RANK"):
+            os.kill(os.getppid(), signal.SIGKILL)
+        else:
+            os.kill(_worker_of_rank(target), signal.SIGKILL)
+    return exact_match_reward(response, truth)
+
+
+def _worker_of_rank(rank: str) -> int:
+    """The PID of the process torchrun started as ``rank`` in this process's world."""
+    import psutil
+
+    port = os.environ["MASTER_PORT"]
+    found = []
+    for process in psutil.process_iter():
+        try:
+            env = process.environ()
+        except (psutil.Error, OSError):  # ended, or not ours to read
+            continue
+        if env.get("RANK") == rank and env.get("MASTER_PORT") == port:
+            found.append(process.pid)
+    if len(found) != 1:
+        raise RuntimeError(f"not one process of rank {rank} at port {port}: {found}")
+    return found[0]
