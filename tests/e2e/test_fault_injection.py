@@ -163,6 +163,7 @@ def test_a_second_run_in_the_same_folder_is_refused_naming_the_first(tmp_path):
     finally:
         holder.stdin.close()
         holder.wait()
+        holder.stdout.close()
     assert not (tmp_path / "checkpoints").exists()  # nothing was written beside the holder's
 
 
