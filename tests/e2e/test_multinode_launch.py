@@ -4,8 +4,9 @@
   own eta (4 with the example's 4 mini-batches: one rollout step ahead), checked by its
   admission and staleness metrics;
 - ``examples/launch/torchrun_multinode.sh`` started twice, as on two nodes: two torchrun agents
-  meeting in a static rendezvous on 127.0.0.1, node 0 with one trainer process and node 1 (the
-  engine node, ``ENGINE_NODES=1``) with one engine process; synchronous
+  meeting in a c10d rendezvous on 127.0.0.1, node 0 with one trainer process and node 1 (the
+  engine node, ``ENGINE_NODES=1``) with one engine process, which is killed once after a
+  checkpoint (both nodes restart their workers in place); synchronous
   (``algorithm.max_staleness=0``, :data:`STALENESS`), so its metrics must be bitwise those of the
   colocated run in one process with the same seeds (the check of the synchronous disaggregated
   loop with one trainer rank and one engine rank: test_train_disaggregated.py runs it with
