@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 RESTART_VARIABLE = "TORCHELASTIC_RESTART_COUNT"
 """torchrun's count of the restarts of this node's worker group (0: the first attempt)."""
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 NODE_RANK_VARIABLE = "BAPO_NODE_RANK"
 """The launcher's index of this node, which orders the ranks (see the module docstring)."""
 
@@ -55,17 +56,28 @@ def join_rendezvous(startup_timeout_s: float, collective_timeout: datetime.timed
     ``startup_timeout_s`` in all; then the store's operations wait up to ``collective_timeout``.
     Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and ``LOCAL_RANK``,
     ``BAPO_NODE_RANK``); sets ``RANK`` to the launcher-ordered rank when that differs."""
+    missing = [name for name in TORCHRUN_VARIABLES if not os.environ.get(name)]
+    if missing:
+        raise ValueError(f"a torchrun rank needs the environment variables {missing}")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    endpoint = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    endpoint = f"{host}:{port}"
     began = time.monotonic()
     budget = datetime.timedelta(seconds=startup_timeout_s)
     setting = f"parallel.startup_timeout_s={startup_timeout_s:g}"
+    # torchrun's agent serves the store, or (TORCHELASTIC_USE_AGENT_STORE not True) rank 0 does;
+    # rank 0 does not wait for the others to connect here: the arrivals below name who is late
+    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    serves = rank == 0 and not agent_serves
     try:
-        store, _, _ = next(dist.rendezvous("env://", timeout=budget))
+        store = dist.TCPStore(
+            host, port, world_size, serves, budget, wait_for_workers=False, multi_tenant=serves
+        )
     except (RuntimeError, ValueError) as error:  # DistNetworkError, DistStoreError
+        server = "torchrun" if agent_serves else "rank 0"
         raise WorldNotFormed(
-            f"the rendezvous store at {endpoint} could not be reached within "
-            f"{setting} ({type(error).__name__}: {str(error)[:300]})"
+            f"the rendezvous store at {endpoint} (served by {server}) could not be reached "
+            f"within {setting} ({type(error).__name__}: {str(error)[:300]})"
         ) from error
     attempt = restart_count()
     namespace = dist.PrefixStore(f"bapo/attempt{attempt}", store)

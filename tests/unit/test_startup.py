@@ -77,5 +77,28 @@ def test_a_store_that_cannot_be_reached_is_named(monkeypatch):
             "TORCHELASTIC_USE_AGENT_STORE": "True",
         }.items():
             monkeypatch.setenv(name, value)
-        with pytest.raises(WorldNotFormed, match=rf"^the rendezvous store at 127.0.0.1:{port} "):
+        with pytest.raises(
+            WorldNotFormed,
+            match=rf"^the rendezvous store at 127.0.0.1:{port} \(served by torchrun\) could not",
+        ):
             join_rendezvous(1, COLLECTIVE)
+
+
+def test_rank_0_serving_the_store_names_the_rank_that_did_not_connect(monkeypatch):
+    """Without torchrun's shared store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), rank 0
+    serves its attempt's store; a peer that never comes is named, not a store timeout."""
+    with socket.socket() as holder:  # the port stays ours until the store listens on it
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", 0))
+        port = holder.getsockname()[1]
+        for name, value in {
+            "RANK": "0",
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+        }.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+        with pytest.raises(WorldNotFormed, match=r": rank\(s\) 1 of 2 did not arrive "):
+            join_rendezvous(0.5, COLLECTIVE)
