@@ -78,10 +78,16 @@ class ParallelConfig:
     stall_report_s: float = 300.0
     """A phase of a rollout step that lasts this long logs which rank has not reached it (read
     from the process group's store), well before ``collective_timeout_s`` stops the run."""
+    startup_timeout_s: float = 300.0
+    """How long a rank started by torchrun waits for the rendezvous store and for every other
+    rank of its attempt to arrive before the run stops with an error naming the store's address
+    and the ranks that did not come (a peer that never started, a stale address after a
+    restart). Far shorter than ``collective_timeout_s``: the ranks of one attempt start together,
+    so it only has to cover their imports' spread."""
 
     def __post_init__(self) -> None:
         prefix = "parallel"
-        for name in ("collective_timeout_s", "stall_report_s"):
+        for name in ("collective_timeout_s", "stall_report_s", "startup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(
                     f"{prefix}.{name} must be a number > 0, got {getattr(self, name)!r}"

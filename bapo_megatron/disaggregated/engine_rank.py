@@ -5,6 +5,7 @@ whether that worked, join the weight broadcasts and serve until the trainer stop
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from bapo_megatron.config import Config
@@ -15,6 +16,7 @@ from bapo_megatron.disaggregated.server import TRAINER, serve
 from bapo_megatron.disaggregated.stream_server import StreamServer
 from bapo_megatron.disaggregated.world import Role, request_link, result_link, stage_broadcast
 from bapo_megatron.distributed.collectives import describe_failure
+from bapo_megatron.distributed.startup import RESTART_VARIABLE, restart_count
 from bapo_megatron.rollout.registry import build_engine
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,15 @@ def run_engine_rank(cfg: Config, role: Role) -> None:
     """Serve engine replica ``role``'s index until the trainer says stop. An engine that cannot
     start reports its error to the trainer (which stops naming it) and raises it here."""
     index = role.split.engine_index(role.rank)
+    if RESTART_VARIABLE in os.environ:
+        log.info(
+            "engine rank %d: torchrun restart count %d (%s): engine replica %d starts anew and "
+            "takes its weights from the trainer",
+            role.rank,
+            restart_count(),
+            RESTART_VARIABLE,
+            index,
+        )
     engine, failure = None, None
     try:
         pin_this_process(cfg.rollout.engine, cfg.rollout.engine_tensor_parallel_size)

@@ -33,6 +33,7 @@ from bapo_megatron.config import Config, ParallelConfig
 from bapo_megatron.distributed.device import uses_cuda
 from bapo_megatron.distributed.layout import WorldSplit, split_world
 from bapo_megatron.distributed.messages import GroupMessenger, gloo_group
+from bapo_megatron.distributed.startup import join_rendezvous
 from bapo_megatron.weights.broadcast import StageBroadcast
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -46,7 +47,8 @@ class Role:
     rank: int
     """Global rank in the torchrun world."""
     store: dist.Store
-    """Torchrun's rendezvous store, which every group of the run meets in."""
+    """This attempt's namespace in torchrun's rendezvous store, which every group of the run
+    meets in (:func:`~bapo_megatron.distributed.startup.join_rendezvous`)."""
     timeout: datetime.timedelta
     """Deadline of group set-up and of every transfer (``parallel.collective_timeout_s``)."""
 
@@ -62,8 +64,9 @@ class Role:
 
 
 def join_world(cfg: Config) -> Role:
-    """Read torchrun's environment, check the split and, on a trainer rank, make the default
-    process group over the trainer ranks. ``ValueError`` naming the setting when the run is not
+    """Read torchrun's environment, check the split, wait for every rank (within
+    ``parallel.startup_timeout_s``) and, on a trainer rank, make the default process group over
+    the trainer ranks. ``ValueError`` naming the setting when the run is not
     under torchrun or the world does not split."""
     missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
     if missing:
@@ -71,18 +74,18 @@ def join_world(cfg: Config) -> Role:
             "rollout.placement=disaggregated runs one process per rank under torchrun "
             f"(missing environment variables {missing})"
         )
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    split = split_world(cfg.parallel, cfg.rollout, world_size)
+    split = split_world(cfg.parallel, cfg.rollout, int(os.environ["WORLD_SIZE"]))
     timeout = datetime.timedelta(seconds=cfg.parallel.collective_timeout_s)
-    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-    role = Role(split=split, rank=rank, store=store, timeout=timeout)
+    rendezvous = join_rendezvous(cfg.parallel.startup_timeout_s, timeout)
+    rank = rendezvous.rank
+    role = Role(split=split, rank=rank, store=rendezvous.store, timeout=timeout)
     if not role.is_engine:
         backend = "nccl" if uses_cuda(cfg.parallel.device) else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore("bapo/trainer", store),
+            store=dist.PrefixStore("bapo/trainer", role.store),
             rank=rank,
             world_size=split.trainer_size,
             timeout=timeout,

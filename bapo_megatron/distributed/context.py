@@ -24,6 +24,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from bapo_megatron.config import ParallelConfig
 from bapo_megatron.distributed.device import uses_cuda
+from bapo_megatron.distributed.startup import join_rendezvous
 from bapo_megatron.megatron_patches.cpu_runtime import apply_cpu_patches
 from bapo_megatron.megatron_patches.without_transformer_engine import apply_without_te_patches
 
@@ -95,7 +96,9 @@ class ParallelContext:
 
         If ``torch.distributed`` is not initialized yet, it is initialized here: from the
         ``torchrun`` environment (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``...) when present,
-        otherwise as a world of one process. The backend is NCCL when ``config.device`` resolves
+        once every rank has arrived within ``config.startup_timeout_s``
+        (:func:`~bapo_megatron.distributed.startup.join_rendezvous`), otherwise as a world of one
+        process. The backend is NCCL when ``config.device`` resolves
         to CUDA (:mod:`bapo_megatron.distributed.device`), else gloo; on the CPU, the
         Megatron-Core CPU patches are applied first. Sizes that do not fit
         the world raise ``ValueError``, after destroying a world created here (see
@@ -124,7 +127,15 @@ class ParallelContext:
             if "WORLD_SIZE" in os.environ:
                 if use_cuda:
                     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-                dist.init_process_group(backend, timeout=timeout)
+                # every rank arrives within the start-up deadline, or none builds a group
+                rendezvous = join_rendezvous(config.startup_timeout_s, timeout)
+                dist.init_process_group(
+                    backend,
+                    store=dist.PrefixStore("world", rendezvous.store),
+                    rank=rendezvous.rank,
+                    world_size=rendezvous.world_size,
+                    timeout=timeout,
+                )
             else:
                 dist.init_process_group(
                     backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout

@@ -6,6 +6,10 @@ shards. The lock is ``flock`` on a file in the folder, which the kernel releases
 holder ends, however it ends (SIGKILL included): a crashed run never leaves a stale lock. The
 file names the holder (PID and host) so that the refusal can say who it is.
 
+A torchrun job that restarts its workers in place locks the folder again from a new process
+while the dead attempt's processes may still be ending: a lock tagged with the job's id
+(``job``) waits, bounded, for a holder of the same job to go, and refuses any other at once.
+
 An output that is written aside and renamed into place (a conversion's,
 :func:`~bapo_megatron.files.atomic.staged_folder`) cannot hold its own lock file: the folder is
 replaced. :meth:`FolderLock.beside` locks a hidden file next to it instead, which its holder
@@ -19,6 +23,7 @@ import fcntl
 import json
 import os
 import socket
+import time
 from pathlib import Path
 
 LOCK_FILE = ".bapo_megatron.lock"
@@ -30,10 +35,12 @@ class FolderLocked(RuntimeError):
 
 class FolderLock:
     """``with FolderLock(folder, purpose):`` holds ``folder``'s lock (creating the folder) or
-    raises :class:`FolderLocked` naming the holder. Also :meth:`acquire` / :meth:`release`."""
+    raises :class:`FolderLocked` naming the holder. Also :meth:`acquire` / :meth:`release`.
+    ``job``: the id of the job this process belongs to (a torchrun run id), written beside the
+    PID; :meth:`acquire` waits for a holder of the same job."""
 
-    def __init__(self, folder: str | Path, purpose: str) -> None:
-        self.folder, self.purpose = Path(folder), purpose
+    def __init__(self, folder: str | Path, purpose: str, *, job: str | None = None) -> None:
+        self.folder, self.purpose, self.job = Path(folder), purpose, job
         self.path = self.folder / LOCK_FILE
         """The lock file."""
         self._remove_on_release = False
@@ -49,8 +56,11 @@ class FolderLock:
         lock.path, lock._remove_on_release = parent / f".{lock.folder.name}.lock", True
         return lock
 
-    def acquire(self) -> FolderLock:
+    def acquire(self, *, same_job_wait_s: float = 0.0) -> FolderLock:
+        """Take the lock; a holder of this lock's ``job`` (an earlier attempt of the job, ending)
+        is waited for up to ``same_job_wait_s``, any other refused at once."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + same_job_wait_s
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -58,9 +68,14 @@ class FolderLock:
             except BlockingIOError:
                 holder = _read_holder(fd)
                 os.close(fd)
+                same_job = self.job is not None and holder.get("job") == self.job
+                if same_job and time.monotonic() < deadline:
+                    time.sleep(0.05)  # the holder's end releases the lock: try again
+                    continue
+                still = f" (still held after {same_job_wait_s:g} s)" if same_job else ""
                 raise FolderLocked(
-                    f"{self.folder} is in use by another process ({holder}); give this "
-                    f"{self.purpose} another folder, or wait for that one to end"
+                    f"{self.folder} is in use by another process ({_describe(holder)}){still}; "
+                    f"give this {self.purpose} another folder, or wait for that one to end"
                 ) from None
             except BaseException:
                 os.close(fd)
@@ -74,7 +89,12 @@ class FolderLock:
         os.pwrite(
             fd,
             json.dumps(
-                {"pid": os.getpid(), "host": socket.gethostname(), "purpose": self.purpose}
+                {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "purpose": self.purpose,
+                    "job": self.job,
+                }
             ).encode(),
             0,
         )
@@ -106,10 +126,18 @@ def _is_file_at(fd: int, path: Path) -> bool:
     return (found.st_dev, found.st_ino) == (opened.st_dev, opened.st_ino)
 
 
-def _read_holder(fd: int) -> str:
-    """``PID N on host H (purpose)`` from the lock file, or what is known of it."""
+def _read_holder(fd: int) -> dict:
+    """What the lock file says of its holder (``{}`` while it is being written)."""
     try:
         holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _describe(holder: dict) -> str:
+    """``PID N on host H, purpose`` from the lock file's record, or what is known of it."""
+    try:
         return f"PID {holder['pid']} on host {holder['host']}, {holder['purpose']}"
-    except (ValueError, KeyError, TypeError):
+    except KeyError:
         return "holder unknown: its lock file is being written"

@@ -2,8 +2,9 @@
 [dotted.key=value ...]`` (also ``bapo-train``), the same under ``torchrun`` on one or many nodes;
 ``--print-config`` prints the configuration those resolve to, as YAML, and exits.
 
-A user error (a bad setting, file or folder: ``ValueError``, named by what raised it) ends the
-run with one line, ``error: ...``, and exit code 1; ``--debug`` shows the traceback instead.
+A user error (a bad setting, file or folder: ``ValueError``, named by what raised it) and a
+world that did not form within ``parallel.startup_timeout_s`` end the run with one line,
+``error: ...``, and exit code 1; ``--debug`` shows the traceback instead.
 What can be checked without building anything is checked first (:func:`preflight`), so a bad
 reward name or an unwritable output folder is not found only after the model is built.
 """
@@ -23,6 +24,7 @@ from bapo_megatron.disaggregated.engine_rank import run_engine_rank
 from bapo_megatron.disaggregated.link import connect_engines
 from bapo_megatron.disaggregated.world import join_world
 from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.distributed.startup import WorldNotFormed
 from bapo_megatron.files.unpickling_guard import refuse_unpickling_loads
 from bapo_megatron.rewards.registry import get_reward
 from bapo_megatron.rollout.http import rollout_api_key
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
                 train(cfg, context)
             finally:
                 context.teardown()
-    except ValueError as error:
+    except (ValueError, WorldNotFormed) as error:
         if args.debug:
             raise
         sys.exit(_one_line(error))

@@ -8,6 +8,7 @@ import dataclasses
 import datetime
 import functools
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from bapo_megatron.disaggregated.server import IDLE_LIMIT
 from bapo_megatron.distributed.collectives import barrier, on_every_rank
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.distributed.layout import validate_layout
+from bapo_megatron.distributed.startup import RESTART_VARIABLE, restart_count
 from bapo_megatron.distributed.watchdog import PhaseWatchdog
 from bapo_megatron.files.lock import FolderLock, FolderLocked
 from bapo_megatron.rewards.pool import RewardPool
@@ -143,7 +145,7 @@ def start_run(cfg: Config, context: ParallelContext, engines: EngineLink | None 
     :meth:`Run.close`."""
     cfg.check_training()
     output = Path(cfg.train.output_dir)
-    lock = _lock_output(output, context)
+    lock = _lock_output(output, context, cfg.parallel.startup_timeout_s)
     try:
         return _build_run(cfg, context, output, lock, engines)
     except BaseException:
@@ -248,6 +250,16 @@ def _build_run(
             state.step,
             state.version,
         )
+    if RESTART_VARIABLE in os.environ:
+        # under torchrun, which may have restarted the worker group in place (the count is this
+        # node's: a node restarted because another's workers failed keeps its count)
+        log.info(
+            "rank %d: torchrun restart count %d (%s): %s",
+            context.rank,
+            restart_count(),
+            RESTART_VARIABLE,
+            f"resumed from {resume_from}" if resume_from else "no checkpoint to resume from",
+        )
         if state.step >= cfg.train.steps and context.rank == 0:
             print(
                 f"{output} already holds a run finished at rollout step {state.step} "
@@ -334,14 +346,17 @@ def _initial_weights(cfg: Config, task: Task, actor: Actor, logger: MetricsLogge
         )
 
 
-def _lock_output(output: Path, context: ParallelContext) -> FolderLock | None:
+def _lock_output(output: Path, context: ParallelContext, wait_s: float) -> FolderLock | None:
     """Rank 0 creates ``output`` and takes its lock; every rank raises ``ValueError`` naming the
-    folder if that fails (another run holds it, or the folder cannot be written)."""
-    lock = FolderLock(output, "training run") if context.rank == 0 else None
+    folder if that fails (another run holds it, or the folder cannot be written). Under torchrun
+    the lock names the job (``TORCHELASTIC_RUN_ID``): after a restart in place, the dead
+    attempt's rank 0 may still be ending, and is waited for up to ``wait_s``."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    lock = FolderLock(output, "training run", job=job) if context.rank == 0 else None
 
     def take() -> None:
         if lock is not None:
-            lock.acquire()
+            lock.acquire(same_job_wait_s=wait_s)
 
     on_every_rank(
         take,

@@ -11,14 +11,19 @@
 #   MASTER_ADDR    address of node 0, reachable by all   (default 127.0.0.1)
 #   MASTER_PORT    a free TCP port on node 0             (default 29500)
 #   GPUS_PER_NODE  ranks started on this node            (default 8)
+#   MAX_RESTARTS   times torchrun restarts the job's workers in place after one fails; each
+#                  restart resumes from the newest checkpoint     (default 3; 0: none)
+#   RDZV_ID        the job's rendezvous id, the same on every node (default bapo-MASTER_PORT)
+#   RDZV_READ_TIMEOUT  seconds a node waits for node 0's rendezvous store      (default 300)
+#   LOCAL_ADDR     this node's address as the others reach it   (default: its host name)
 # e.g. on the second of two nodes:
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 examples/launch/torchrun_multinode.sh \
 #     examples/qwen2.5-7b/train.yaml train.steps=10
 #
-# Disaggregated runs (rollout.placement=disaggregated): torchrun numbers the ranks node by node
-# (static rendezvous on MASTER_ADDR:MASTER_PORT, node NODE_RANK's ranks after those of the nodes
-# before it), and the last rollout.engine_ranks ranks run the engines, so the first nodes train
-# and the last ones generate. Engine nodes may start another number of ranks than trainer nodes:
+# Disaggregated runs (rollout.placement=disaggregated): the trainer numbers the ranks node by
+# node in NODE_RANK order (BAPO_NODE_RANK, bapo_megatron/distributed/startup.py), and the last
+# rollout.engine_ranks ranks run the engines, so the first nodes train and the last ones
+# generate. Engine nodes may start another number of ranks than trainer nodes:
 #   ENGINE_NODES          the last nodes of the job, which only generate  (default 0)
 #   ENGINE_RANKS_PER_NODE ranks started on each of them                   (default GPUS_PER_NODE)
 # e.g. examples/qwen2.5-32b/train_async.yaml: 4 trainer nodes x 8 ranks, then 2 nodes with one
@@ -42,6 +47,8 @@ MASTER_PORT=${MASTER_PORT:-29500}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 ENGINE_NODES=${ENGINE_NODES:-0}
 ENGINE_RANKS_PER_NODE=${ENGINE_RANKS_PER_NODE:-$GPUS_PER_NODE}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+RDZV_ID=${RDZV_ID:-bapo-$MASTER_PORT}
 
 if ((NODE_RANK < 0 || NODE_RANK >= NNODES)); then
     echo "NODE_RANK=$NODE_RANK must lie in 0 .. NNODES-1 = $((NNODES - 1))" >&2
@@ -76,15 +83,35 @@ export TOKENIZERS_PARALLELISM=false
 # export NCCL_NVLS_ENABLE=0               # if NVLink SHARP fails to initialise on your nodes
 # export TORCH_NCCL_ASYNC_ERROR_HANDLING=1  # a failed collective ends the job instead of hanging
 
-# Static rendezvous: node 0's agent serves the store on MASTER_ADDR:MASTER_PORT and each node
-# keeps the NODE_RANK it is given (a dynamic rendezvous would number the nodes in join order).
-command=(torchrun
-    --rdzv-backend static
+# Restarts in place (--max-restarts): when a worker dies, torchrun stops this node's workers,
+# and the nodes meet again in a new round of the rendezvous and start them all anew; the trainer
+# resumes from its newest verified checkpoint, so a restart costs the steps since then.
+# c10d rendezvous, not static: a static one never tells the other nodes' agents that one node's
+# workers restarted (theirs go on until a collective with the dead rank fails, with NCCL at the
+# collective timeout, and each node counts its restarts alone), and it always shares its store
+# with the workers. A c10d restart starts a new round on every node at once;
+# node 0's agent serves it on MASTER_ADDR:MASTER_PORT (is_host), the others wait up to
+# read_timeout seconds for it. It orders the nodes by address, not NODE_RANK: the trainer
+# orders the ranks by BAPO_NODE_RANK itself.
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: each round's workers get a store of their own (served by
+# rank 0 on a free port) instead of sharing the agents', where the restarted workers would read
+# the dead attempt's addresses and fail or hang in init_process_group
+# (https://github.com/pytorch/pytorch/issues/135712).
+IS_HOST=false
+if ((NODE_RANK == 0)); then
+    IS_HOST=true
+fi
+# LOCAL_ADDR (--local-addr): where the node torchrun ranks first serves its workers' store.
+command=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "BAPO_NODE_RANK=$NODE_RANK"
+    torchrun
+    --rdzv-backend c10d
+    --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
+    --rdzv-id "$RDZV_ID"
+    --rdzv-conf "is_host=$IS_HOST,read_timeout=${RDZV_READ_TIMEOUT:-300}"
+    ${LOCAL_ADDR:+--local-addr "$LOCAL_ADDR"}
     --nnodes "$NNODES"
     --nproc-per-node "$NPROC_PER_NODE"
-    --node-rank "$NODE_RANK"
-    --master-addr "$MASTER_ADDR"
-    --master-port "$MASTER_PORT"
+    --max-restarts "$MAX_RESTARTS"
     -m bapo_megatron.train --config "$CONFIG" "$@")
 
 if [[ -n "${BAPO_DRY_RUN:-}" ]]; then

@@ -340,6 +340,10 @@ LAUNCH_VARIABLES = (
     "GPUS_PER_NODE",
     "ENGINE_NODES",
     "ENGINE_RANKS_PER_NODE",
+    "MAX_RESTARTS",
+    "RDZV_ID",
+    "RDZV_READ_TIMEOUT",
+    "LOCAL_ADDR",
 )
 
 
@@ -367,19 +371,24 @@ def test_torchrun_script_passes_shape_and_overrides():
         {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"},
     )
     assert shlex.split(out) == [
+        "env",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+        "BAPO_NODE_RANK=1",
         "torchrun",
         "--rdzv-backend",
-        "static",
+        "c10d",
+        "--rdzv-endpoint",
+        "10.0.0.1:29500",
+        "--rdzv-id",
+        "bapo-29500",
+        "--rdzv-conf",
+        "is_host=false,read_timeout=300",
         "--nnodes",
         "2",
         "--nproc-per-node",
         "8",
-        "--node-rank",
-        "1",
-        "--master-addr",
-        "10.0.0.1",
-        "--master-port",
-        "29500",
+        "--max-restarts",
+        "3",
         "-m",
         "bapo_megatron.train",
         "--config",
@@ -387,6 +396,19 @@ def test_torchrun_script_passes_shape_and_overrides():
         "train.steps=3",
         "data.system_prompt=think step by step",
     ]
+
+
+def test_torchrun_script_restarts_as_told_and_serves_the_store_where_told():
+    words = shlex.split(
+        _dry_run(
+            [str(SCRIPTS[0]), "examples/qwen2.5-7b/train.yaml"],
+            {"MAX_RESTARTS": "0", "LOCAL_ADDR": "10.0.0.7", "RDZV_ID": "job-5"},
+        )
+    )
+    assert words[words.index("--max-restarts") + 1] == "0"
+    assert words[words.index("--local-addr") + 1] == "10.0.0.7"
+    assert words[words.index("--rdzv-id") + 1] == "job-5"
+    assert words[words.index("--rdzv-conf") + 1] == "is_host=true,read_timeout=300"
 
 
 def test_torchrun_script_without_config_prints_usage():
@@ -471,11 +493,15 @@ def test_slurm_script_starts_one_torchrun_per_node(tmp_path, recipe, engines, ra
         env,
         cwd=tmp_path,
     )
-    commands = [shlex.split(line) for line in out.splitlines() if line.startswith("torchrun")]
-    assert [c[c.index("--node-rank") + 1] for c in commands] == ["0", "1", "2"]
+    commands = [shlex.split(line) for line in out.splitlines() if line.startswith("env ")]
+    assert [c[2] for c in commands] == [f"BAPO_NODE_RANK={node}" for node in range(3)]
+    # node 0's agent serves the rendezvous, on the first node of the allocation
+    hosts = [c[c.index("--rdzv-conf") + 1].split(",")[0] for c in commands]
+    assert hosts == ["is_host=true", "is_host=false", "is_host=false"]
     assert [int(c[c.index("--nproc-per-node") + 1]) for c in commands] == ranks_per_node
     for command in commands:
         assert command[command.index("--nnodes") + 1] == "3"
-        assert command[command.index("--master-addr") + 1] == "gpu-a"
-        assert command[command.index("--master-port") + 1] == "20077"
+        assert command[command.index("--rdzv-endpoint") + 1] == "gpu-a:20077"
+        assert command[command.index("--rdzv-id") + 1] == "bapo-77"
+        assert command[command.index("--max-restarts") + 1] == "3"
         assert command[-3:] == ["--config", f"examples/{recipe}", "train.steps=2"]

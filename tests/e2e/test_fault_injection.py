@@ -107,6 +107,33 @@ def test_a_frozen_rank_stops_the_run_naming_it(tmp_path, warm_start):
     ), output[-4000:]
 
 
+# ------------------------------------------------------------------------- start-up
+
+
+def test_a_rank_that_never_starts_ends_the_start_up_naming_it(tmp_path):
+    """A world of 2 whose rank 1 never starts: rank 0 stops at its start-up deadline (3 s, not
+    the collective timeout's 15 min), naming the rendezvous store and the missing rank."""
+    ranks = Ranks.serving()
+    try:
+        alone = ranks.start(
+            training_command(tmp_path, "parallel.startup_timeout_s=3", "train.steps=1"), 0, 2
+        )
+        output, _ = alone.communicate(timeout=300)
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    assert alone.returncode == 1, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    assert output.strip().splitlines()[-1] == (
+        "rank 0: error: the ranks of torchrun attempt 0 did not all reach the rendezvous at "
+        f"127.0.0.1:{ranks.store.port} within parallel.startup_timeout_s=3: rank(s) 1 of 2 did "
+        "not arrive (a peer that never started or died while starting, or a node of another "
+        "attempt)"
+    ), output[-4000:]
+
+
 # ------------------------------------------------------------------------- output folders
 
 
@@ -136,6 +163,7 @@ def test_a_second_run_in_the_same_folder_is_refused_naming_the_first(tmp_path):
     finally:
         holder.stdin.close()
         holder.wait()
+        holder.stdout.close()
     assert not (tmp_path / "checkpoints").exists()  # nothing was written beside the holder's
 
 

@@ -4,8 +4,9 @@
   own eta (4 with the example's 4 mini-batches: one rollout step ahead), checked by its
   admission and staleness metrics;
 - ``examples/launch/torchrun_multinode.sh`` started twice, as on two nodes: two torchrun agents
-  meeting in a static rendezvous on 127.0.0.1, node 0 with one trainer process and node 1 (the
-  engine node, ``ENGINE_NODES=1``) with one engine process; synchronous
+  meeting in a c10d rendezvous on 127.0.0.1, node 0 with one trainer process and node 1 (the
+  engine node, ``ENGINE_NODES=1``) with one engine process, which is killed once after a
+  checkpoint (both nodes restart their workers in place); synchronous
   (``algorithm.max_staleness=0``, :data:`STALENESS`), so its metrics must be bitwise those of the
   colocated run in one process with the same seeds (the check of the synchronous disaggregated
   loop with one trainer rank and one engine rank: test_train_disaggregated.py runs it with
@@ -17,6 +18,7 @@ it ends."""
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import subprocess
 import time
@@ -26,6 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers.fault_rewards import KILL_AFTER, KILL_MARK, KILL_WORKER
 from tests.helpers.gloo_launch import REPO_ROOT
 from tests.helpers.train_runs import (
     FAST,
@@ -128,6 +131,10 @@ def test_async_example_script_runs_one_trainer_and_one_engine(tmp_path, warm_sta
 
 
 def test_two_agents_one_trainer_node_one_engine_node(tmp_path, warm_start, colocated):
+    """The engine rank is killed once checkpoint 1 exists (:func:`kills_a_rank_once`, in the
+    next reward phase): both nodes restart their workers in place (``MAX_RESTARTS=1``), the
+    trainer resumes from its checkpoint and the engine rank starts anew, and the run ends as
+    the uninterrupted one."""
     output = tmp_path / "run"
     overrides = [
         *FAST,
@@ -136,7 +143,10 @@ def test_two_agents_one_trainer_node_one_engine_node(tmp_path, warm_start, coloc
         *DISAGGREGATED,
         *STALENESS,
         f"train.output_dir={output}",
+        "checkpoint.interval=1",
+        "reward.name=tests.helpers.fault_rewards:kills_a_rank_once",
     ]
+    mark = tmp_path / "killed"
     node_logs = [tmp_path / f"node{rank}.log" for rank in range(2)]
     with reserved_port() as port:
         shape = {
@@ -147,6 +157,10 @@ def test_two_agents_one_trainer_node_one_engine_node(tmp_path, warm_start, coloc
             "ENGINE_NODES": "1",
             "ENGINE_RANKS_PER_NODE": "1",
             "OMP_NUM_THREADS": "1",
+            "MAX_RESTARTS": "1",
+            KILL_WORKER: "1 0",  # node 1's worker: the engine rank
+            KILL_AFTER: str(output / "checkpoints" / "step_00000001"),
+            KILL_MARK: str(mark),
         }
         # node 1 first: its agent waits for node 0's store, as a node that boots early does
         agents = [
@@ -159,8 +173,17 @@ def test_two_agents_one_trainer_node_one_engine_node(tmp_path, warm_start, coloc
         ]
         codes = wait_all(agents, TIMEOUT_S)
     assert codes == [0, 0], logs(node_logs)
-    engine_log = node_logs[1].read_text()
+    assert mark.exists()  # the engine rank was killed
+    trainer_log, engine_log = (path.read_text() for path in node_logs)
     # global rank 1, on node 1, ran the engine; rank 0, on node 0, trained
     assert "engine replica 0 (rank 1) answered" in engine_log, logs(node_logs)
-    assert "engine replica" not in node_logs[0].read_text()
+    assert "answered" not in trainer_log  # (it names the engine rank it lost, though)
+    # node 1's worker failed: its restart 1; node 0's was restarted with it
+    assert "engine rank 1: torchrun restart count 1 (TORCHELASTIC_RESTART_COUNT): engine " in (
+        engine_log
+    ), logs(node_logs)
+    resumed = re.findall(
+        r"rank 0: torchrun restart count \d \(\S+\): resumed from (\S+)", trainer_log
+    )
+    assert len(resumed) == 1 and Path(resumed[0]).name >= "step_00000001", logs(node_logs)
     assert_same_run(read_metrics(output), colocated, rollout_steps=3, updates=6, bitwise=True)

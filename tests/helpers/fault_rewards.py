@@ -60,3 +60,55 @@ def hangs_while_told(response: str, truth: str) -> float:
         while Path(told).exists() and time.monotonic() < deadline:
             time.sleep(0.05)
     return exact_match_reward(response, truth)
+
+
+KILL_WORKER = "BAPO_TEST_KILL_WORKER"
+"""Environment variable: ``NODE LOCAL``, the launcher's node rank (``BAPO_NODE_RANK``) and the
+local rank of the torchrun worker :func:`kills_a_rank_once` kills."""
+KILL_AFTER = "BAPO_TEST_KILL_AFTER"
+"""Environment variable: the path (a checkpoint folder) that must exist before it kills."""
+KILL_MARK = "BAPO_TEST_KILL_MARK"
+"""Environment variable: the file it creates when it kills, so that it kills once per run."""
+
+
+def kills_a_rank_once(response: str, truth: str) -> float:
+    """Once ``$BAPO_TEST_KILL_AFTER`` exists, at the first check after it: SIGKILLs the
+    torchrun worker ``$BAPO_TEST_KILL_WORKER`` of this attempt (as an ECC error or an OOM kill
+    would), having created ``$BAPO_TEST_KILL_MARK`` first, so that no later check, in this
+    attempt or a restarted one, kills again. The worker is this reward worker's own trainer, or
+    one without reward workers (an engine rank), found by its environment (torchrun's, with the
+    same ``MASTER_PORT``: this attempt's). Otherwise an exact-match reward."""
+    after, mark = os.environ.get(KILL_AFTER), os.environ.get(KILL_MARK)
+    if after and mark and Path(after).exists():
+        try:
+            os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return exact_match_reward(response, truth)
+        target = os.environ[KILL_WORKER].split()
+        if target == _worker_name(os.environ):
+            os.kill(os.getppid(), signal.SIGKILL)
+        else:
+            os.kill(_worker_pid(target), signal.SIGKILL)
+    return exact_match_reward(response, truth)
+
+
+def _worker_name(env) -> list[str]:
+    return [env.get("BAPO_NODE_RANK", ""), env.get("LOCAL_RANK", "")]
+
+
+def _worker_pid(name: list[str]) -> int:
+    """The PID of the process torchrun started as worker ``name`` in this process's world."""
+    import psutil
+
+    port = os.environ["MASTER_PORT"]
+    found = []
+    for process in psutil.process_iter():
+        try:
+            env = process.environ()
+        except (psutil.Error, OSError):  # ended, or not ours to read
+            continue
+        if _worker_name(env) == name and env.get("MASTER_PORT") == port:
+            found.append(process.pid)
+    if len(found) != 1:
+        raise RuntimeError(f"not one torchrun worker {name} at port {port}: {found}")
+    return found[0]

@@ -1,13 +1,16 @@
-"""The output-folder lock: a second holder is refused naming the first, and a killed holder
-leaves no stale lock."""
+"""The output-folder lock: a second holder is refused naming the first, a killed holder
+leaves no stale lock, and a restarted torchrun attempt takes the lock over from its job."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -97,3 +100,66 @@ def test_a_lock_file_removed_by_its_holder_before_the_flock_is_not_taken(tmp_pat
         FolderLock.beside(tmp_path / "out", "conversion").acquire()
     lock.release()
     assert list(tmp_path.iterdir()) == []
+
+
+def _job_holder(folder, job):
+    """A process holding ``folder``'s lock as a process of torchrun job ``job``."""
+    script = HOLD.replace("'training run')", f"'training run', job={job!r})")
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, str(folder)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout.readline() == "held\n"
+    return process
+
+
+def test_a_restarted_attempt_takes_the_lock_over_from_its_job_and_no_other(tmp_path, monkeypatch):
+    """A dead attempt's process (job ``run-1``) may still be ending when the restarted one
+    locks: that holder is waited for (bounded); a holder of another job is refused at once."""
+    from bapo_megatron.files import lock as lock_module
+
+    holder = _job_holder(tmp_path, "run-1")
+    try:
+        with pytest.raises(FolderLocked, match=r"training run\) \(still held after 0.2 s\)"):
+            FolderLock(tmp_path, "training run", job="run-1").acquire(same_job_wait_s=0.2)
+        refused = []
+        other = threading.Thread(  # a wait of an hour would not end within the join below
+            target=lambda: _refusal(refused, FolderLock(tmp_path, "run", job="run-2"))
+        )
+        other.start()
+        other.join(timeout=60)
+        assert not other.is_alive() and len(refused) == 1
+        assert "(still held" not in str(refused[0])
+
+        waiting, taken = threading.Event(), []
+        real_sleep = time.sleep
+
+        def sleep(seconds):
+            waiting.set()
+            real_sleep(seconds)
+
+        monkeypatch.setattr(lock_module.time, "sleep", sleep)
+        taker = threading.Thread(
+            target=lambda: taken.append(
+                FolderLock(tmp_path, "training run", job="run-1").acquire(same_job_wait_s=3600)
+            )
+        )
+        taker.start()
+        assert waiting.wait(timeout=60)  # it found the holder and waits for it
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    taker.join(timeout=60)
+    assert not taker.is_alive() and len(taken) == 1
+    record = json.loads((tmp_path / ".bapo_megatron.lock").read_text())
+    assert record["pid"] == os.getpid() and record["job"] == "run-1"
+    taken[0].release()
+
+
+def _refusal(found: list, lock: FolderLock) -> None:
+    try:
+        lock.acquire(same_job_wait_s=3600)
+    except FolderLocked as error:
+        found.append(error)

@@ -235,7 +235,9 @@ client.update_weights(suite.random_weights(2).items(), version=2)
 """
 
 
-def test_a_broadcast_cut_off_part_way_leaves_the_server_on_its_previous_weights(fake):
+def test_a_broadcast_cut_off_part_way_leaves_the_server_on_its_previous_weights_and_it_rejoins(
+    fake,
+):
     first = suite.random_weights(1)
     client_of(fake).update_weights(first.items(), version=1)
     cut = subprocess.run(
@@ -252,6 +254,13 @@ def test_a_broadcast_cut_off_part_way_leaves_the_server_on_its_previous_weights(
     assert path == "/update_weights_from_distributed"
     assert request["names"] == list(first)
     assert_holds(fake, first)
+    # the server outlives its trainer: a restarted trainer's client (a new one, as in a new
+    # process) builds a group of its own with it and updates it
+    again = suite.random_weights(3)
+    client_of(fake).update_weights(again.items(), version=3)
+    assert_holds(fake, again)
+    joins = [body["group_name"] for path, body in fake.requests if path.startswith("/init")]
+    assert len(joins) == len(set(joins)) == 3
 
 
 def test_a_server_url_that_does_not_answer_is_refused_at_startup():

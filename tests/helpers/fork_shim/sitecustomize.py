@@ -73,7 +73,8 @@ def _stand_in():
     line = reader.readline()
     code = json.loads(line)["returncode"] if line else -signal.SIGKILL
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # these two cannot be handled
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
         code = 128 - code
     os._exit(code)
