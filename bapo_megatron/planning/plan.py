@@ -28,6 +28,7 @@ from typing import Any
 
 from bapo_megatron.config import Config, ModelConfig
 from bapo_megatron.distributed.layout import Accelerator, validate_layout
+from bapo_megatron.models.name_maps import name_map_for
 from bapo_megatron.planning.activations import (
     DTYPE_BYTES,
     Attention,
@@ -52,7 +53,6 @@ from bapo_megatron.planning.simulated_rank import (
     megatron_rank,
     simulated_rank,
 )
-from bapo_megatron.weights.name_maps import name_map_for
 
 GB = 10**9
 H100 = Accelerator(transformer_engine=True, cuda=True, fp8_gpu=True)

@@ -1,0 +1,11 @@
+"""Model-family knowledge, below the configuration, the weights and the rollout engines.
+
+- :mod:`.hf_config`: the families (HF ``model_type``) and what each has; an HF ``config.json``
+  read into the fields of ``config.ModelConfig`` and written back.
+- :mod:`.rope`: the RoPE variants and their two HF spellings.
+- :mod:`.experts`: the mixture-of-experts families' fields and the experts' placement.
+- :mod:`.name_maps`: one name map per family, keyed by ``model_type``: which HF tensors make each
+  Megatron parameter, and along which dimension tensor parallelism splits it.
+
+Nothing is imported here: ``config`` reads the tables without loading torch.
+"""
