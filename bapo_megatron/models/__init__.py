@@ -6,6 +6,9 @@
 - :mod:`.experts`: the mixture-of-experts families' fields and the experts' placement.
 - :mod:`.name_maps`: one name map per family, keyed by ``model_type``: which HF tensors make each
   Megatron parameter, and along which dimension tensor parallelism splits it.
+- :mod:`.shard_map`: which HF elements a rank holds and where, one format for both sides of a
+  weight transfer; :mod:`.trainer_shards` (Megatron ranks) and :mod:`.vllm_shards` (vLLM's
+  tensor-parallel workers) derive it.
 
 Nothing is imported here: ``config`` reads the tables without loading torch.
 """

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,9 +31,9 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
     raise ValueError(f"shard maps describe 1-D and 2-D tensors, got shape {tuple(shape)}")
 
 
-@dataclass(frozen=True)
-class Region:
-    """A rectangle of one HF tensor, held in one local tensor."""
+class Region(NamedTuple):
+    """A rectangle of one HF tensor, held in one local tensor (a named tuple: plans of large
+    models make hundreds of thousands)."""
 
     hf: str
     """HF tensor name."""
@@ -70,6 +71,8 @@ class Region:
         right = min(self.col + self.cols, col + cols)
         if top >= bottom or left >= right:
             return None
+        if (top, left, bottom - top, right - left) == (self.row, self.col, self.rows, self.cols):
+            return self
         offset = self.offset + (top - self.row) * self.row_stride + (left - self.col)
         return Region(
             self.hf,
@@ -92,8 +95,7 @@ class Region:
         return run_indices(self.row * hf_cols + self.col, self.rows, self.cols, hf_cols)
 
 
-@dataclass(frozen=True)
-class Fill:
+class Fill(NamedTuple):
     """Local elements that hold no HF element: ``rows`` runs of ``cols`` from ``offset``."""
 
     local: str

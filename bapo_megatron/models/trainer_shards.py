@@ -14,7 +14,7 @@ last stage is a copy of the embedding and is no source.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -140,11 +140,17 @@ def layout_placements(
 
 
 def trainer_shard_map(
-    model: Architecture, placements: Iterable[ParamPlacement], rank: int, at: TrainerRank
+    model: Architecture,
+    placements: Iterable[ParamPlacement],
+    rank: int,
+    at: TrainerRank,
+    rules: Mapping[str, ParamRule] | None = None,
 ) -> ShardMap:
-    """The shard map of trainer ``rank`` (coordinates ``at``) holding ``placements``.
+    """The shard map of trainer ``rank`` (coordinates ``at``) holding ``placements``
+    (``rules``: the name map's rules by Megatron name, when the caller has them already).
     ``ValueError`` naming the parameter when a placement disagrees with the name map."""
-    rules = {rule.megatron: rule for rule in name_map_for(model.model_type).rules(model)}
+    if rules is None:
+        rules = {rule.megatron: rule for rule in name_map_for(model.model_type).rules(model)}
     regions: list[Region] = []
     fills: list[Fill] = []
     shapes: list[tuple[str, tuple[int, ...]]] = []

@@ -18,7 +18,7 @@ import hashlib
 import json
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from bapo_megatron.models.shard_map import Fill, Region, ShardMap
@@ -259,8 +259,6 @@ def _digest(content: object) -> str:
     def plain(value: object) -> object:
         if isinstance(value, Message):
             return [value.sender, value.receiver, value.copies]  # copies: named tuples
-        if isinstance(value, Fill):
-            return astuple(value)
         if isinstance(value, tuple | list):
             return [plain(v) for v in value]
         return value
