@@ -8,12 +8,22 @@ any of them is never loaded as a silently different one. Megatron places the exp
 in contiguous blocks: expert-parallel rank ``r`` of ``ep`` holds experts
 ``[r E/ep, (r+1) E/ep)`` (:func:`local_experts`), each split over the expert tensor-parallel group
 as a dense MLP is over the tensor-parallel group (the name maps' ``ParamRule.expert``).
+
+transformers 5 keeps a sparse layer's experts fused in memory, ``mlp.experts.gate_up_proj``
+``[E, 2 I, H]`` (each expert's gate rows, then its up rows) and ``mlp.experts.down_proj``
+``[E, H, I]``, while checkpoints on disk and the live export name them per expert,
+``mlp.experts.{e}.gate_proj.weight`` ``[I, H]`` etc.: :func:`fused_expert_view` finds the slice of
+the fused tensor one per-expert tensor fills.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # the tables are read by config, which does not load torch
+    import torch
 
 MOE_FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
     "qwen3_moe": (
@@ -122,3 +132,27 @@ def hf_moe_fields(moe: Experts) -> dict[str, Any]:
         "mlp_only_layers": list(moe.mlp_only_layers),
         "router_aux_loss_coef": moe.router_aux_loss_coef,
     }
+
+
+_PER_EXPERT = re.compile(
+    r"^(?P<experts>model\.layers\.\d+\.mlp\.experts)\.(?P<expert>\d+)\."
+    r"(?P<projection>gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+def fused_expert_view(name: str, params: dict[str, torch.nn.Parameter]) -> torch.Tensor | None:
+    """The view of a fused expert parameter that the per-expert HF tensor ``name`` fills, or
+    None when ``name`` is not a per-expert name or the model has no such fused parameter."""
+    found = _PER_EXPERT.match(name)
+    if found is None:
+        return None
+    experts, expert = found["experts"], int(found["expert"])
+    if found["projection"] == "down_proj":
+        fused = params.get(f"{experts}.down_proj")
+        return None if fused is None or expert >= fused.shape[0] else fused[expert]
+    fused = params.get(f"{experts}.gate_up_proj")
+    if fused is None or expert >= fused.shape[0]:
+        return None
+    half = fused.shape[1] // 2
+    rows = slice(0, half) if found["projection"] == "gate_proj" else slice(half, None)
+    return fused[expert, rows]
