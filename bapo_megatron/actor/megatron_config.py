@@ -4,7 +4,8 @@ Megatron's config has some 250 fields; they stay here. Everything else in the pr
 :class:`~bapo_megatron.config.ModelConfig` and :class:`~bapo_megatron.config.ParallelConfig`.
 Fields that are arguments of ``GPTModel`` rather than of the config (vocabulary size, RoPE base,
 tied embeddings) are passed by :mod:`bapo_megatron.actor.model`, which also installs Llama 3.x's
-RoPE scaling (:mod:`bapo_megatron.actor.rope`: Megatron's own fixes three of its four parameters).
+RoPE scaling (:mod:`bapo_megatron.models.rope_frequencies`: Megatron's own fixes three of its
+four parameters).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ attention replaced by :class:`~bapo_megatron.actor.core_attention.SdpaCoreAttent
 fused attention, and packed THD sequences, which Megatron's unfused module refuses); both carry
 the per-head q/k RMSNorm of Qwen3 when ``qk_layernorm``. Rotary position embeddings use
 ``rope_theta``, and Llama 3.x's ``rope_scaling`` is installed the transformers way
-(:mod:`bapo_megatron.actor.rope`); the output layer shares the embedding matrix when
+(:mod:`bapo_megatron.models.rope_frequencies`); the output layer shares the embedding matrix when
 ``tie_word_embeddings``. Each chunk knows from the context whether it holds the embedding
 (``pre_process``: first stage) and the output layer (``post_process``: last stage).
 
@@ -34,11 +34,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from bapo_megatron.actor.core_attention import SdpaCoreAttention
 from bapo_megatron.actor.megatron_config import to_transformer_config
-from bapo_megatron.actor.rope import install_rope_frequencies
 from bapo_megatron.config import ModelConfig, ParallelConfig
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.distributed.device import uses_cuda
 from bapo_megatron.distributed.layout import validate_layout
+from bapo_megatron.models.rope_frequencies import install_rope_frequencies
 
 DEFAULT_SEED = 1234
 

@@ -1,10 +1,9 @@
 """The run's configuration: typed dataclasses (one module per group of sections), the presets,
-the translation of a model's HF ``config.json``, the rules that span sections, and the loader
-that turns YAML files and dotted overrides into them (value types are checked in one place,
-:mod:`bapo_megatron.config.value_types`)."""
+the rules that span sections, and the loader that turns YAML files and dotted overrides into them
+(value types are checked in one place, :mod:`bapo_megatron.config.value_types`). A model's HF
+``config.json`` is translated by :mod:`bapo_megatron.models.hf_config`."""
 
 from bapo_megatron.config.actor import ActorConfig, OptimizerConfig
-from bapo_megatron.config.hf_model import MODEL_TYPES
 from bapo_megatron.config.loading import load_config
 from bapo_megatron.config.loss import AGGREGATIONS, CLIP_PRESETS, ClipSearchConfig, LossConfig
 from bapo_megatron.config.model import ModelConfig
@@ -20,6 +19,7 @@ from bapo_megatron.config.run import (
     TrainConfig,
     WarmupConfig,
 )
+from bapo_megatron.models.hf_config import MODEL_TYPES
 
 __all__ = [
     "AGGREGATIONS",

@@ -8,19 +8,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from bapo_megatron.config.hf_model import (
+from bapo_megatron.config.moe import MoeConfig
+from bapo_megatron.config.rope import Llama3RopeScaling
+from bapo_megatron.config.value_types import build_dataclass
+from bapo_megatron.models.hf_config import (
     HEAD_DIM_FAMILIES,
     MODEL_TYPES,
     MOE_FAMILIES,
     QK_NORM_FAMILIES,
+    QKV_BIAS_FAMILIES,
     ModelType,
     hf_config_fields,
     model_fields_from_hf,
     read_hf_config,
 )
-from bapo_megatron.config.moe import MoeConfig
-from bapo_megatron.config.rope import Llama3RopeScaling
-from bapo_megatron.config.value_types import build_dataclass
 
 ParamsDtype = Literal["float32", "bfloat16"]
 
@@ -124,7 +125,7 @@ class ModelConfig:
                 f"{self.model_type!r} (only {list(HEAD_DIM_FAMILIES)} set it apart)"
             )
         if self.qkv_bias is None:
-            self.qkv_bias = self.model_type == "qwen2"
+            self.qkv_bias = self.model_type in QKV_BIAS_FAMILIES
         if self.model_type in MOE_FAMILIES:
             if self.moe is None:
                 raise ValueError(
@@ -173,7 +174,7 @@ class ModelConfig:
         ``overrides`` set fields that are not in the file (``params_dtype``) or replace ones that
         are (``max_position_embeddings``). Anything this model definition cannot represent
         exactly raises ``ValueError`` naming the file and the field
-        (:func:`~bapo_megatron.config.hf_model.model_fields_from_hf`); the values' types are
+        (:func:`~bapo_megatron.models.hf_config.model_fields_from_hf`); the values' types are
         checked as a YAML ``model`` section's are.
         """
         where, hf = read_hf_config(source)

@@ -1,54 +1,18 @@
-"""The mixture-of-experts part of a policy's architecture (the ``model.moe`` section), and its
-Hugging Face ``config.json`` form.
+"""The mixture-of-experts part of a policy's architecture (the ``model.moe`` section); its
+Hugging Face ``config.json`` form is read and written by :mod:`bapo_megatron.models.experts`.
 
 A family with experts is a dense family plus this section: Qwen3-MoE is Qwen3's attention (q/k
 RMSNorm, its own head_dim) with the SwiGLU MLP of the sparse layers replaced by ``num_experts``
 SwiGLU experts of width ``moe_intermediate_size`` behind a softmax top-k router. What Qwen3-MoE
 does not have (shared experts, sigmoid or grouped routers, a router bias) is refused naming the
 field, so a model with any of them is never loaded as a silently different one. Another MoE
-family is a name map plus a mapping in :data:`MOE_FAMILY_FIELDS`.
+family is a name map plus a mapping in ``models.experts.MOE_FAMILY_FIELDS``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-MOE_FAMILY_FIELDS: dict[str, tuple[str, ...]] = {
-    "qwen3_moe": (
-        "num_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-        "norm_topk_prob",
-        "decoder_sparse_step",
-        "mlp_only_layers",
-        "router_aux_loss_coef",
-    ),
-}
-"""HF config.json fields of each MoE family that this section reads (same names as here)."""
-
-MOE_FIELD_SPELLINGS: dict[str, dict[str, str]] = {
-    "qwen3_moe": {"num_local_experts": "num_experts"},
-}
-"""Other spellings of a family's fields: transformers 5 writes Qwen3-MoE's ``num_experts`` as
-``num_local_experts`` (its attribute map); the published configs write ``num_experts``."""
-
-UNSUPPORTED_MOE_FIELDS: dict[str, str] = {
-    "n_shared_experts": "shared experts are not implemented (Qwen2-MoE, DeepSeek have them)",
-    "shared_expert_intermediate_size": "shared experts are not implemented",
-    "n_routed_experts": "DeepSeek-style routed experts are a different family",
-    "num_local_experts": "Mixtral-style experts are a different family",
-    "n_group": "grouped (device-limited) routing is not implemented",
-    "topk_group": "grouped (device-limited) routing is not implemented",
-    "routed_scaling_factor": "scaled routing weights are not implemented",
-    "moe_layer_freq": "only decoder_sparse_step / mlp_only_layers place the MoE layers",
-}
-"""HF fields of other MoE variants: any of them set (non-zero, non-null) is refused."""
-
-SUPPORTED_ROUTER_SCORES = ("softmax",)
-"""Router score functions implemented (HF ``scoring_func``): Qwen3-MoE's softmax."""
 
 
 @dataclass(kw_only=True)
@@ -123,53 +87,3 @@ class MoeConfig:
     def num_moe_layers(self, num_layers: int) -> int:
         """How many of ``num_layers`` layers have experts."""
         return sum(self.moe_layer_pattern(num_layers))
-
-
-def moe_fields_from_hf(hf: Mapping[str, Any], model_type: str, where: str) -> dict[str, Any] | None:
-    """The ``model.moe`` fields of the HF config ``hf`` (None for a dense family), refusing the
-    fields of MoE variants this model cannot represent, naming ``where`` and the field."""
-
-    def refuse(key: str, why: str) -> None:
-        raise ValueError(f"HF config {where}: {key}={hf[key]!r} is not supported ({why})")
-
-    spellings = MOE_FIELD_SPELLINGS.get(model_type, {})
-    for key, why in UNSUPPORTED_MOE_FIELDS.items():
-        if hf.get(key) and key not in spellings:
-            refuse(key, why)
-    if model_type not in MOE_FAMILY_FIELDS:
-        return None
-    hf = dict(hf)
-    for other, name in spellings.items():
-        if hf.get(other) is None:
-            continue
-        if hf.get(name) is not None and hf[name] != hf[other]:
-            raise ValueError(
-                f"HF config {where}: {name}={hf[name]!r} and {other}={hf[other]!r} disagree "
-                "(two spellings of one field)"
-            )
-        hf[name] = hf[other]
-    scoring = hf.get("scoring_func")
-    if scoring is not None and scoring not in SUPPORTED_ROUTER_SCORES:
-        refuse("scoring_func", f"routers implemented: {list(SUPPORTED_ROUTER_SCORES)}")
-    if hf.get("output_router_logits") is not None and not isinstance(
-        hf["output_router_logits"], bool
-    ):
-        refuse("output_router_logits", "expected true or false")
-    required = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
-    for key in required:
-        if hf.get(key) is None:
-            raise ValueError(f"HF config {where}: required field {key!r} is missing")
-    return {key: hf[key] for key in MOE_FAMILY_FIELDS[model_type] if hf.get(key) is not None}
-
-
-def hf_moe_fields(moe: MoeConfig) -> dict[str, Any]:
-    """The HF config.json fields of ``moe`` (inverse of :func:`moe_fields_from_hf`)."""
-    return {
-        "num_experts": moe.num_experts,
-        "num_experts_per_tok": moe.num_experts_per_tok,
-        "moe_intermediate_size": moe.moe_intermediate_size,
-        "norm_topk_prob": moe.norm_topk_prob,
-        "decoder_sparse_step": moe.decoder_sparse_step,
-        "mlp_only_layers": list(moe.mlp_only_layers),
-        "router_aux_loss_coef": moe.router_aux_loss_coef,
-    }

@@ -3,9 +3,11 @@ rank by rank without a GPU (:func:`bapo_megatron.planning.plan.plan_layout`).
 
 Prints the layout (and for a mixture-of-experts model its expert layout), the distinct
 parameters of all shards, the parameters (and experts) of each simulated rank, the export check
-the memory of the fullest GPU, with optimizer offload the host memory per rank and per node, and
-the command that converts the model to a Megatron checkpoint at the recipe's layout
-(:mod:`bapo_megatron.planning.conversion`); the last line is one JSON object with all of it.
+the memory of the fullest GPU, with optimizer offload the host memory per rank and per node, the
+weight sync's bytes per trainer and engine rank and its messages, broadcast and shard-to-shard
+(:mod:`bapo_megatron.planning.weight_traffic`), and the command that converts the model to a
+Megatron checkpoint at the recipe's layout (:mod:`bapo_megatron.planning.conversion`); the last
+line is one JSON object with all of it.
 Exits 1 when the recipe does not pass (the reasons, with the numbers, are printed and in the JSON's
 ``problems``), 2 on bad input.
 """
@@ -20,6 +22,7 @@ from bapo_megatron.config import ModelConfig
 from bapo_megatron.config.loading import load_config
 from bapo_megatron.planning.conversion import conversion_command
 from bapo_megatron.planning.plan import GB, plan_layout
+from bapo_megatron.planning.weight_traffic import weight_traffic
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,6 +61,17 @@ def _parser() -> argparse.ArgumentParser:
         default=8,
         help="to sum the offloaded optimizer state's host memory per node",
     )
+    parser.add_argument(
+        "--engine-tp",
+        type=int,
+        help="weight sync: vLLM workers per engine replica (default: "
+        "rollout.engine_tensor_parallel_size)",
+    )
+    parser.add_argument(
+        "--engine-replicas",
+        type=int,
+        help="weight sync: engine replicas (default: one per model replica)",
+    )
     return parser
 
 
@@ -87,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--expert-load must be at least 1, got {args.expert_load}")
         if args.gpus_per_node < 1:
             raise ValueError(f"--gpus-per-node must be positive, got {args.gpus_per_node}")
+        for flag in ("engine_tp", "engine_replicas"):
+            if getattr(args, flag) is not None and getattr(args, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be positive")
     except ValueError as err:
         print(f"bapo-plan-layout: {err}", file=sys.stderr)
         print(json.dumps({"ok": False, "problems": [str(err)]}))
@@ -139,9 +156,45 @@ def main(argv: list[str] | None = None) -> int:
             f"): up to {most:.2f} GB per rank, {max(nodes):.2f} GB on the fullest node of "
             f"{args.gpus_per_node} GPUs (half of it pinned), beside the processes' own memory"
         )
+    if plan.placements and not plan.problems:
+        summary["weight_sync"] = _print_weight_traffic(config, model, args, plan)
     command = summary["conversion_command"] = conversion_command(config, args.gpus_per_node)
     print(f"convert (optional; the trainer reads the HF folder itself): {command}")
     for problem in plan.problems:
         print(f"REFUSED: {problem}", file=sys.stderr)
     print(json.dumps(summary))
     return 0 if not plan.problems else 1
+
+
+def _print_weight_traffic(config, model: ModelConfig, args, plan) -> dict:
+    """Print the weight sync's traffic per rank, both paths; its JSON summary."""
+    engine_tp = args.engine_tp or config.rollout.engine_tensor_parallel_size
+    replicas = args.engine_replicas or plan.data_parallel_size
+    traffic = weight_traffic(
+        model,
+        config.parallel,
+        args.world_size,
+        plan.placements,
+        engine_tp,
+        replicas,
+        config.rollout.weight_bucket_mib * 2**20,
+    )
+    print(
+        f"weight sync per update into {replicas} vLLM replica(s) of TP {engine_tp}: broadcast "
+        f"{traffic.broadcast_messages} bucket broadcasts, every engine rank receives "
+        f"{traffic.broadcast_received / GB:.3f} GB; shard-to-shard {traffic.messages} messages "
+        f"(plan digest {traffic.digest[:12]})"
+    )
+    for rank in range(args.world_size):
+        print(
+            f"  trainer rank {rank} sends: broadcast "
+            f"{traffic.broadcast_sent.get(rank, 0) / GB:.3f} GB, shard-to-shard "
+            f"{traffic.sent.get(rank, 0) / GB:.3f} GB"
+        )
+    for rank, received in traffic.received.items():
+        print(
+            f"  engine rank {rank - args.world_size} receives: broadcast "
+            f"{traffic.broadcast_received / GB:.3f} GB, shard-to-shard {received / GB:.3f} GB"
+        )
+    return traffic.summary()
+

@@ -4,7 +4,7 @@ run on every pipeline stage's meta shards, without moving a byte.
 
 Each stage exports the rules of the parameters it holds; the whole HF tensors of a rule are put
 together from the tensor-parallel ranks' shards as the transports do (each rank's
-:func:`~bapo_megatron.weights.name_maps.split` pieces side by side along ``tp_dim``, or one
+:func:`~bapo_megatron.models.name_maps.split` pieces side by side along ``tp_dim``, or one
 rank's piece for a replicated tensor). A mixture-of-experts model's experts are exported apart,
 as :func:`~bapo_megatron.weights.export.export_weights` does: each expert-parallel rank of a stage
 (at expert data-parallel rank 0) plans the buckets of the experts it holds, their shards put
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.models.name_maps import chunk_parameters, name_map_for, split
 from bapo_megatron.weights.export import plan_buckets
-from bapo_megatron.weights.name_maps import chunk_parameters, name_map_for, split
 
 StageShards = Mapping[int, Sequence[torch.nn.Module]]
 """One stage's chunks per tensor-parallel rank."""

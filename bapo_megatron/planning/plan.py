@@ -28,6 +28,8 @@ from typing import Any
 
 from bapo_megatron.config import Config, ModelConfig
 from bapo_megatron.distributed.layout import Accelerator, validate_layout
+from bapo_megatron.models.name_maps import name_map_for
+from bapo_megatron.models.trainer_shards import ParamPlacement, chunk_placements
 from bapo_megatron.planning.activations import (
     DTYPE_BYTES,
     Attention,
@@ -52,7 +54,6 @@ from bapo_megatron.planning.simulated_rank import (
     megatron_rank,
     simulated_rank,
 )
-from bapo_megatron.weights.name_maps import name_map_for
 
 GB = 10**9
 H100 = Accelerator(transformer_engine=True, cuda=True, fp8_gpu=True)
@@ -117,6 +118,8 @@ class LayoutPlan:
     shard_parameters: int = 0
     """Distinct parameters of all simulated shards together (each tensor once)."""
     export: ExportCoverage | None = None
+    placements: dict[int, list[ParamPlacement]] = field(default_factory=dict)
+    """Each simulated rank's parameters as its shard map reads them."""
     memory: list[RankMemory] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -222,6 +225,7 @@ def plan_layout(
             _check_coordinates(parallel, world_size, rank, context)
             chunks = build_meta_shard(model, parallel, context)
             plan.simulated_ranks.append(rank)
+            plan.placements[rank] = chunk_placements(chunks)
             plan.parameters_per_rank[rank] = sum(p.numel() for c in chunks for p in c.parameters())
             if context.dp_rank == 0:
                 shards.setdefault(context.pp_rank, {})[context.tp_rank] = chunks

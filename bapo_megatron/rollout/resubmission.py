@@ -34,6 +34,7 @@ from typing import Any, Literal
 import torch
 
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.models.name_maps import name_map_for
 from bapo_megatron.rollout.checksum import Checksum, agreed_checksum
 from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams, check_prompts, check_ready
 from bapo_megatron.rollout.routes import decode_routes
@@ -174,9 +175,6 @@ def apply_output(
 
 def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name of ``model`` and its shape (tied: no ``lm_head.weight``)."""
-    # not at the top: rollout -> weights would be a package cycle (weights.sync imports rollout)
-    from bapo_megatron.weights.name_maps import name_map_for
-
     return name_map_for(model.model_type).hf_shapes(model)
 
 

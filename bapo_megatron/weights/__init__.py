@@ -1,9 +1,7 @@
 """Weights between Hugging Face checkpoints, Megatron-Core checkpoints, the live actor and the
-rollout engines; ``README.md`` beside this file draws the call chain, one line per module.
+rollout engines; ``README.md`` beside this file draws the call chain, one line per module. How HF
+tensors become Megatron parameters is each family's name map (:mod:`bapo_megatron.models`).
 
-- :mod:`.name_maps`: one name map per model family (HF ``model_type``), the only place that knows
-  how HF tensors become Megatron parameters: names, q/k/v and gate/up merging, and along which
-  dimension tensor parallelism splits each tensor.
 - :mod:`.hf_checkpoint`: read an HF folder lazily and validate it; write safetensors shards.
 - :mod:`.megatron_checkpoint`: torch_dist save/load of the actor's chunks at any layout.
 - :mod:`.convert`: HF -> Megatron and Megatron -> HF, over the modules above;

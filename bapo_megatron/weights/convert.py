@@ -41,6 +41,12 @@ from bapo_megatron.distributed.collectives import raise_if_any_rank_failed
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.files.atomic import check_output, staged_folder
 from bapo_megatron.files.lock import FolderLock, FolderLocked
+from bapo_megatron.models.name_maps import (
+    chunk_parameters,
+    hf_tensor_shapes,
+    merge,
+    tp_slice,
+)
 from bapo_megatron.weights.export import export_weights
 from bapo_megatron.weights.hf_checkpoint import (
     CONFIG_FILE,
@@ -58,12 +64,6 @@ from bapo_megatron.weights.megatron_checkpoint import (
     load_megatron_checkpoint,
     read_checkpoint_info,
     save_megatron_checkpoint,
-)
-from bapo_megatron.weights.name_maps import (
-    chunk_parameters,
-    hf_tensor_shapes,
-    merge,
-    tp_slice,
 )
 from bapo_megatron.weights.transports import make_transport
 

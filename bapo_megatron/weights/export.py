@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.distributed.context import ParallelContext
-from bapo_megatron.weights.name_maps import (
+from bapo_megatron.models.name_maps import (
     ParamRule,
     chunk_parameters,
     hf_tensor_shapes,

@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from bapo_megatron.config import ModelConfig
-from bapo_megatron.weights.name_maps import NameMap, name_map_for
+from bapo_megatron.models.name_maps import NameMap, name_map_for
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"

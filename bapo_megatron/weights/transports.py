@@ -3,7 +3,7 @@ HF tensors on the receiving rank(s): the transport seam of :mod:`bapo_megatron.w
 
 Every rank of the TP group calls :meth:`ShardTransport.assemble` with the bucket's rules; the
 receiving ranks get ``{HF name: whole tensor}``, the others None. Where TP rank ``r``'s piece of
-a tensor goes is the name map's :func:`~bapo_megatron.weights.name_maps.place_shard` (the pieces
+a tensor goes is the name map's :func:`~bapo_megatron.models.name_maps.place_shard` (the pieces
 ``split(shard)`` land at slice ``r`` of ``tp_dim``). Two transports:
 
 - :class:`CollectiveTransport`: each rank flattens its shards into one buffer (in the export
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.distributed.collectives import on_every_rank
 from bapo_megatron.distributed.context import ParallelContext
-from bapo_megatron.weights.name_maps import ParamRule, hf_tensor_shapes, place_shard
+from bapo_megatron.models.name_maps import ParamRule, hf_tensor_shapes, place_shard
 
 TransportKind = Literal["auto", "collective", "shared_memory"]
 SHM_DIR = Path("/dev/shm")

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from bapo_megatron.config import ModelConfig
-from bapo_megatron.weights.name_maps import hf_tensor_shapes, name_map_for
+from bapo_megatron.models.name_maps import hf_tensor_shapes, name_map_for
 
 PUBLISHED_CONFIGS = Path(__file__).resolve().parents[1] / "data" / "published_configs"
 

@@ -368,3 +368,24 @@ def test_the_planner_pauses_the_garbage_collector_and_gives_it_back(enabled_befo
         assert gc.isenabled() == enabled_before  # as it was, also after an error
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("engine_tp,bound", [(2, 0.55), (4, 0.30)])
+def test_shard_to_shard_sync_sends_each_engine_rank_its_shard_only(engine_tp, bound):
+    code, summary, err = run_planner(
+        "qwen2.5-32b/train.yaml", 32, "DeepSeek-R1-Distill-Qwen-32B", "--engine-tp", str(engine_tp)
+    )
+    assert code == 0, err
+    sync = summary["weight_sync"]
+    whole = sync["broadcast"]["received_bytes_per_engine_rank"]
+    assert whole == 2 * summary["model_parameters"]  # bf16
+    received = sync["shard_to_shard"]["received_bytes"]
+    replicas = summary["data_parallel_size"]
+    assert len(received) == engine_tp * replicas
+    assert sync["received_ratio"] <= bound
+    # each replica receives the model once, plus the norms every worker keeps whole
+    assert whole * replicas <= sum(received.values()) <= whole * replicas * 1.001
+    sent = sync["shard_to_shard"]["sent_bytes"]
+    assert sum(sent.values()) == sum(received.values())
+    assert len(sent) == 32 and max(sent.values()) <= 1.01 * min(sent.values())  # spread evenly
+    assert sync["broadcast"]["sent_bytes"]["0"] > 0.4 * whole  # one rank per stage sends it all

@@ -172,7 +172,7 @@ def test_llama3_inverse_frequencies_are_transformers_not_megatrons():
     (low 1, high 4, original context 8192); megatron-core's own scaling gives other values."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from bapo_megatron.actor.rope import rope_inverse_frequencies
+    from bapo_megatron.models.rope_frequencies import rope_inverse_frequencies
 
     hf_model = hf_models.build_hf_model("llama32-tied")
     expected = hf_model.model.rotary_emb.inv_freq

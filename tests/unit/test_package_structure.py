@@ -143,9 +143,6 @@ FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
     ("bapo_megatron.algo.contributions", "numba"): (
         "asked on CPU runs only; a numba that fails to import falls back to torch"
     ),
-    ("bapo_megatron.rollout.resubmission", "bapo_megatron.weights.name_maps"): (
-        "rollout -> weights at the top would be a package cycle (weights.sync imports rollout)"
-    ),
     ("bapo_megatron.actor.core_attention", "torch.nn.attention.varlen"): (
         "the CUDA-only varlen kernel; its module imports TorchDynamo (about 3 s of CPU per "
         "process), which runs on the CPU never use"

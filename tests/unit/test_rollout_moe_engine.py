@@ -16,8 +16,8 @@ from bapo_megatron.actor.logprobs import compute_logprobs, compute_logprobs_and_
 from bapo_megatron.actor.microbatches import Batching  # noqa: E402
 from bapo_megatron.config import ActorConfig, ModelConfig, OptimizerConfig  # noqa: E402
 from bapo_megatron.config.moe import MoeConfig  # noqa: E402
+from bapo_megatron.models.experts import fused_expert_view  # noqa: E402
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine  # noqa: E402
-from bapo_megatron.rollout.embedded.experts import fused_expert_view  # noqa: E402
 from bapo_megatron.rollout.protocol import SamplingParams  # noqa: E402
 from bapo_megatron.weights.export import export_weights  # noqa: E402
 from bapo_megatron.weights.sync import named_tensors_of  # noqa: E402

@@ -1,4 +1,4 @@
-"""The one name map (bapo_megatron/weights/name_maps.py) on Transformer Engine's parameter names,
+"""The one name map (bapo_megatron/models/name_maps.py) on Transformer Engine's parameter names,
 without TE: a stand-in model whose parameters carry the names TE's layer specs give them (the
 pre-norm weights fused into ``linear_qkv`` / ``linear_fc1`` as ``layer_norm_weight``; an MoE
 layer keeps its own ``pre_mlp_layernorm``) maps to exactly the name map's parameters, and so to
@@ -13,7 +13,7 @@ import torch
 
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.config.moe import MoeConfig
-from bapo_megatron.weights.name_maps import (
+from bapo_megatron.models.name_maps import (
     TE_NAME_ALIASES,
     chunk_parameters,
     megatron_shape,
@@ -21,14 +21,27 @@ from bapo_megatron.weights.name_maps import (
 )
 
 QWEN3_MOE = ModelConfig(
-    model_type="qwen3_moe", num_layers=3, hidden_size=32, ffn_hidden_size=64,
-    num_attention_heads=4, num_query_groups=2, head_dim=16, vocab_size=64,
-    moe=MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                  mlp_only_layers=(0,)),
+    model_type="qwen3_moe",
+    num_layers=3,
+    hidden_size=32,
+    ffn_hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=16,
+    vocab_size=64,
+    moe=MoeConfig(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(0,)
+    ),
 )
 QWEN2 = ModelConfig(
-    model_type="qwen2", num_layers=2, hidden_size=32, ffn_hidden_size=64,
-    num_attention_heads=4, num_query_groups=2, vocab_size=64, tie_word_embeddings=True,
+    model_type="qwen2",
+    num_layers=2,
+    hidden_size=32,
+    ffn_hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=64,
+    tie_word_embeddings=True,
 )
 TE_NAMES = {local: te for te, local in TE_NAME_ALIASES.items()}
 
@@ -47,8 +60,9 @@ def fake_te_chunk(model: ModelConfig, ep_rank: int = 0, ep_size: int = 1) -> tor
     """A module tree holding, under TE's names, one parameter per rule of the name map, with
     expert-parallel rank ``ep_rank``'s experts only, numbered locally as Megatron does."""
     name_map = name_map_for(model.model_type)
-    sparse = (model.moe.moe_layer_pattern(model.num_layers) if model.moe
-              else [False] * model.num_layers)
+    sparse = (
+        model.moe.moe_layer_pattern(model.num_layers) if model.moe else [False] * model.num_layers
+    )
     root = torch.nn.Module()
     root.decoder = torch.nn.Module()
     root.decoder.layers = torch.nn.ModuleList()
@@ -63,12 +77,16 @@ def fake_te_chunk(model: ModelConfig, ep_rank: int = 0, ep_size: int = 1) -> tor
             continue
         if rule.expert is not None and not 0 <= rule.expert - expert_offset < per_rank:
             continue
-        layer_index = int(rule.megatron.split(".")[2]) if rule.megatron.startswith(
-            "decoder.layers.") else None
+        layer_index = (
+            int(rule.megatron.split(".")[2])
+            if rule.megatron.startswith("decoder.layers.")
+            else None
+        )
         name = te_name(rule.megatron, layer_index is not None and sparse[layer_index])
         if rule.expert is not None:
-            name = name.replace(f"local_experts.{rule.expert}.",
-                                f"local_experts.{rule.expert - expert_offset}.")
+            name = name.replace(
+                f"local_experts.{rule.expert}.", f"local_experts.{rule.expert - expert_offset}."
+            )
         module = root
         *path, leaf = name.split(".")
         for part in path:
@@ -76,14 +94,18 @@ def fake_te_chunk(model: ModelConfig, ep_rank: int = 0, ep_size: int = 1) -> tor
                 module = module[int(part)]
                 continue
             if not hasattr(module, part):
-                setattr(module, part, torch.nn.ModuleList() if part == "local_experts"
-                        else torch.nn.Module())
+                setattr(
+                    module,
+                    part,
+                    torch.nn.ModuleList() if part == "local_experts" else torch.nn.Module(),
+                )
             module = getattr(module, part)
             if part == "local_experts":
                 while len(module) <= int(name.split("local_experts.")[1].split(".")[0]):
                     module.append(torch.nn.Module())
-        module.register_parameter(leaf, torch.nn.Parameter(torch.zeros(megatron_shape(rule,
-                                                                                      model))))
+        module.register_parameter(
+            leaf, torch.nn.Parameter(torch.zeros(megatron_shape(rule, model)))
+        )
     for layer, is_sparse in zip(root.decoder.layers, sparse):
         if is_sparse:
             count = len(layer.mlp.experts.local_experts)
@@ -105,8 +127,9 @@ def test_te_names_map_to_the_name_maps_parameters_and_hf_names(model):
     assert sorted(hf_names) == sorted(name_map_for(model.model_type).hf_shapes(model))
     # and back: every HF tensor names one rule, whose parameter has a TE name in the chunk
     by_hf = {hf: r.megatron for r in rules.values() for hf in r.hf}
-    sparse = (model.moe.moe_layer_pattern(model.num_layers) if model.moe
-              else [False] * model.num_layers)
+    sparse = (
+        model.moe.moe_layer_pattern(model.num_layers) if model.moe else [False] * model.num_layers
+    )
     for hf, megatron in by_hf.items():
         layer = int(megatron.split(".")[2]) if megatron.startswith("decoder.layers.") else 0
         assert te_name(megatron, sparse[layer]) in raw, hf

@@ -22,11 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from bapo_megatron.config import MODEL_TYPES, ModelConfig
 from bapo_megatron.files.atomic import staging_path
-from bapo_megatron.weights import megatron_checkpoint
-from bapo_megatron.weights.convert import hf_to_megatron, load_hf_weights, megatron_to_hf
-from bapo_megatron.weights.export import export_weights, plan_buckets, rule_nbytes
-from bapo_megatron.weights.hf_checkpoint import HFCheckpoint, read_model_config
-from bapo_megatron.weights.name_maps import (
+from bapo_megatron.models.name_maps import (
     NAME_MAPS,
     chunk_parameters,
     megatron_shape,
@@ -36,6 +32,10 @@ from bapo_megatron.weights.name_maps import (
     split,
     tp_slice,
 )
+from bapo_megatron.weights import megatron_checkpoint
+from bapo_megatron.weights.convert import hf_to_megatron, load_hf_weights, megatron_to_hf
+from bapo_megatron.weights.export import export_weights, plan_buckets, rule_nbytes
+from bapo_megatron.weights.hf_checkpoint import HFCheckpoint, read_model_config
 from tests.helpers import hf_models
 
 

@@ -18,8 +18,9 @@ import torch
 import transformers
 
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.models.experts import fused_expert_view
 from bapo_megatron.rollout.checksum import Checksum
-from bapo_megatron.rollout.embedded.experts import RouteRecorder, fused_expert_view
+from bapo_megatron.rollout.embedded.experts import RouteRecorder
 from bapo_megatron.rollout.embedded.sampling import next_tokens
 from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams, check_prompts, check_ready
 

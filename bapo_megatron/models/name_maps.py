@@ -1,7 +1,7 @@
 """Hugging Face <-> Megatron-Core parameter names and layouts: one name map per model family.
 
 The registry :data:`NAME_MAPS` is keyed by the HF ``model_type`` (no substring dispatch). A name
-map turns a :class:`~bapo_megatron.config.ModelConfig` into :class:`ParamRule`\\ s, one per
+map turns a model's architecture (``config.ModelConfig``) into :class:`ParamRule`\\ s, one per
 Megatron parameter of the whole (TP1/PP1) model, and every rule says
 
 - which HF tensors make the Megatron tensor and how (:func:`merge`, inverse :func:`split`):
@@ -47,7 +47,7 @@ from typing import Literal
 
 import torch
 
-from bapo_megatron.config import ModelConfig
+from bapo_megatron.models.architecture import Architecture
 
 Layout = Literal["same", "qkv", "gate_up"]
 
@@ -168,7 +168,7 @@ class NameMap:
     """An MoE family's sparse layer without its MLP (router and experts are added per expert);
     None for dense families."""
 
-    def rules(self, model: ModelConfig) -> list[ParamRule]:
+    def rules(self, model: Architecture) -> list[ParamRule]:
         """Every Megatron parameter of the whole ``model``, in HF order: embedding, layers, final
         norm, output layer (untied; tied: the loading-only copy of the embedding)."""
         if model.model_type != self.model_type:
@@ -222,7 +222,7 @@ class NameMap:
             rules.append(ParamRule("output_layer.weight", ("lm_head.weight",), "same", 0))
         return rules
 
-    def hf_shapes(self, model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    def hf_shapes(self, model: Architecture) -> dict[str, tuple[int, ...]]:
         """Shape of every HF tensor of ``model`` (without ``lm_head.weight`` when tied)."""
         shapes: dict[str, tuple[int, ...]] = {}
         for rule in self.rules(model):
@@ -249,7 +249,7 @@ def name_map_for(model_type: str) -> NameMap:
     return NAME_MAPS[model_type]
 
 
-def hf_tensor_shapes(rule: ParamRule, model: ModelConfig) -> tuple[tuple[int, ...], ...]:
+def hf_tensor_shapes(rule: ParamRule, model: Architecture) -> tuple[tuple[int, ...], ...]:
     """Shapes of the whole HF tensors of ``rule`` for ``model``."""
     h, d = model.hidden_size, model.head_dim
     q, kv = model.num_attention_heads * d, model.num_query_groups * d
@@ -286,7 +286,7 @@ def hf_tensor_shapes(rule: ParamRule, model: ModelConfig) -> tuple[tuple[int, ..
     return shapes[suffix]
 
 
-def megatron_shape(rule: ParamRule, model: ModelConfig, tp_size: int = 1) -> tuple[int, ...]:
+def megatron_shape(rule: ParamRule, model: Architecture, tp_size: int = 1) -> tuple[int, ...]:
     """Shape of the Megatron parameter of ``rule`` on one of ``tp_size`` ranks."""
     parts = [list(shape) for shape in hf_tensor_shapes(rule, model)]
     if rule.tp_dim is not None:
@@ -310,7 +310,7 @@ def tp_slice(rule: ParamRule, length: int, tp_rank: int, tp_size: int) -> slice:
     return slice(tp_rank * step, (tp_rank + 1) * step)
 
 
-def merge(rule: ParamRule, parts: Sequence[torch.Tensor], model: ModelConfig) -> torch.Tensor:
+def merge(rule: ParamRule, parts: Sequence[torch.Tensor], model: Architecture) -> torch.Tensor:
     """The Megatron tensor made of the HF tensors ``parts`` (whole tensors, or one rank's
     :func:`tp_slice` of each, which gives that rank's shard)."""
     if len(parts) != len(rule.hf):
@@ -332,7 +332,7 @@ def merge(rule: ParamRule, parts: Sequence[torch.Tensor], model: ModelConfig) ->
     ).reshape(-1, *rest)
 
 
-def split(rule: ParamRule, tensor: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, ...]:
+def split(rule: ParamRule, tensor: torch.Tensor, model: Architecture) -> tuple[torch.Tensor, ...]:
     """Inverse of :func:`merge`: the HF tensors (or slices) that make ``tensor``. Views where the
     layout allows (``same``, ``gate_up``); ``qkv`` pieces are strided views too."""
     if rule.layout == "same":
@@ -355,7 +355,7 @@ def place_shard(
     wholes: Sequence[torch.Tensor],
     shard: torch.Tensor,
     tp_rank: int,
-    model: ModelConfig,
+    model: Architecture,
 ) -> None:
     """Copy TP rank ``tp_rank``'s Megatron ``shard`` of ``rule`` into its place in the whole HF
     tensors ``wholes``: the slice ``tp_rank`` of ``tp_dim`` (the whole tensor when replicated),

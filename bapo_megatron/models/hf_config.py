@@ -1,5 +1,5 @@
-"""The Hugging Face ``config.json`` form of a policy architecture: reading one into the fields of
-:class:`~bapo_megatron.config.model.ModelConfig` (refusing what that model cannot represent
+"""The model families' Hugging Face ``config.json``: the tables of what each family has, reading a
+config into the fields of ``config.ModelConfig`` (refusing what that model cannot represent
 exactly), and writing those fields back out.
 
 The model families are Hugging Face's ``model_type`` names, so they are defined here.
@@ -10,17 +10,16 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, get_args
 
-from bapo_megatron.config.moe import MOE_FAMILY_FIELDS, hf_moe_fields, moe_fields_from_hf
-from bapo_megatron.config.rope import hf_rope_fields, rope_fields_from_hf
-
-if TYPE_CHECKING:  # annotations only: model.py imports this module
-    from bapo_megatron.config.model import ModelConfig
+from bapo_megatron.models.architecture import Architecture
+from bapo_megatron.models.experts import MOE_FAMILY_FIELDS, hf_moe_fields, moe_fields_from_hf
+from bapo_megatron.models.rope import hf_rope_fields, rope_fields_from_hf
 
 ModelType = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
 
-MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
+MODEL_TYPES: tuple[str, ...] = get_args(ModelType)
+"""The supported families (HF ``model_type``), each with a name map (``models.name_maps``)."""
 
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -35,6 +34,12 @@ HEAD_DIM_FAMILIES: tuple[str, ...] = ("qwen3", "qwen3_moe")
 
 QK_NORM_FAMILIES: tuple[str, ...] = ("qwen3", "qwen3_moe")
 """Families with an RMSNorm of each query and key head (HF ``q_norm`` / ``k_norm``)."""
+
+QKV_BIAS_FAMILIES: tuple[str, ...] = ("qwen2",)
+"""Families that always bias q, k and v (and nothing else)."""
+
+O_PROJ_BIAS_FAMILIES: tuple[str, ...] = ("llama", "qwen3", "qwen3_moe")
+"""Families whose ``attention_bias`` flag biases o_proj as well as q, k and v."""
 
 MOE_FAMILIES: tuple[str, ...] = tuple(MOE_FAMILY_FIELDS)
 """Families whose sparse layers are experts (they need a ``model.moe`` section)."""
@@ -114,7 +119,7 @@ def model_fields_from_hf(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
                     f"families are {list(MOE_FAMILIES)}",
                 )
     moe = moe_fields_from_hf(hf, model_type, where)
-    if model_type in ("llama", "qwen3", "qwen3_moe") and hf.get("attention_bias"):
+    if model_type in O_PROJ_BIAS_FAMILIES and hf.get("attention_bias"):
         # Their attention_bias puts a bias on o_proj as well; Megatron can bias q/k/v only
         # (add_qkv_bias) or every linear layer including the MLP (add_bias_linear).
         refuse(
@@ -144,14 +149,14 @@ def model_fields_from_hf(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
         "vocab_size": need("vocab_size"),
         **rope,
         "rms_norm_eps": need("rms_norm_eps"),
-        "qkv_bias": model_type == "qwen2",
+        "qkv_bias": model_type in QKV_BIAS_FAMILIES,
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "max_position_embeddings": need("max_position_embeddings"),
         **({} if moe is None else {"moe": moe}),
     }
 
 
-def hf_config_fields(model: ModelConfig) -> dict[str, Any]:
+def hf_config_fields(model: Architecture) -> dict[str, Any]:
     """The Hugging Face ``config.json`` fields of ``model`` (the inverse of
     :func:`model_fields_from_hf`): ``transformers.AutoConfig.for_model(**it)`` builds the
     equivalent ``LlamaConfig`` / ``Qwen2Config`` / ``Qwen3Config``."""
@@ -173,7 +178,7 @@ def hf_config_fields(model: ModelConfig) -> dict[str, Any]:
     }
     if model.moe is not None:
         fields.update(hf_moe_fields(model.moe))
-    if model.model_type in ("llama", "qwen3", "qwen3_moe"):
+    if model.model_type in O_PROJ_BIAS_FAMILIES:
         if model.qkv_bias:
             raise ValueError(
                 f"model.qkv_bias=true has no {model.model_type} config.json equivalent (its "

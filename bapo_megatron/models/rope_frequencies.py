@@ -19,10 +19,10 @@ import math
 
 import torch
 
-from bapo_megatron.config import ModelConfig
+from bapo_megatron.models.architecture import Architecture
 
 
-def rope_inverse_frequencies(model: ModelConfig) -> torch.Tensor:
+def rope_inverse_frequencies(model: Architecture) -> torch.Tensor:
     """The ``head_dim / 2`` inverse frequencies (float32) of ``model``'s rotary embedding, as
     transformers computes them: ``1 / rope_theta ** (2i / head_dim)``, then, with
     ``rope_scaling`` (llama3), low frequencies divided by ``factor`` and the band between the two
@@ -53,7 +53,7 @@ def rope_inverse_frequencies(model: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
 
 
-def install_rope_frequencies(chunk: torch.nn.Module, model: ModelConfig) -> None:
+def install_rope_frequencies(chunk: torch.nn.Module, model: Architecture) -> None:
     """Give the rotary embedding of the model chunk ``chunk`` (a ``GPTModel``) the inverse
     frequencies of :func:`rope_inverse_frequencies`, on the device of the ones it has. Plain
     RoPE is left as Megatron computed it (the same values). Call before the first forward."""

@@ -1,0 +1,3 @@
+"""Shard-to-shard weight transfer from the trainer's ranks into an engine's tensor-parallel
+workers: :mod:`.plan` turns the two sides' shard maps (:mod:`bapo_megatron.models.shard_map`)
+into messages per bucket, a pure function every rank computes and compares by digest."""
