@@ -28,6 +28,8 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplay
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -167,7 +169,23 @@ def build_model(
     for chunk in chunks:
         install_rope_frequencies(chunk, model)
         _parameters_to(chunk, config.params_dtype)
+        _unregister_router_replays(chunk)
     return chunks
+
+
+def _unregister_router_replays(chunk: GPTModel) -> None:
+    """Take the chunk's routers' ``RouterReplay`` objects out of Megatron's class-level list of
+    every one ever made. Each router keeps its own, which is the one routing replay drives;
+    left in the list, they would keep whatever they reach (the routing replay, the model, its
+    process groups) alive for the rest of the process."""
+    mine = {
+        id(module.router_replay)
+        for module in chunk.modules()
+        if isinstance(module, TopKRouter) and module.router_replay is not None
+    }
+    if mine:
+        registry = RouterReplay.global_router_replay_instances
+        registry[:] = [replay for replay in registry if id(replay) not in mine]
 
 
 def _parameters_to(chunk: GPTModel, dtype: torch.dtype) -> None:
