@@ -18,6 +18,7 @@ vocabulary (``parallel_output``), which the log-prob code consumes without gathe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 
 import torch
@@ -170,6 +171,7 @@ def build_model(
         install_rope_frequencies(chunk, model)
         _parameters_to(chunk, config.params_dtype)
         _unregister_router_replays(chunk)
+        _rotary_cache_of_its_own(chunk)
     return chunks
 
 
@@ -186,6 +188,18 @@ def _unregister_router_replays(chunk: GPTModel) -> None:
     if mine:
         registry = RouterReplay.global_router_replay_instances
         registry[:] = [replay for replay in registry if id(replay) not in mine]
+
+
+def _rotary_cache_of_its_own(chunk: GPTModel) -> None:
+    """Megatron caches ``RotaryEmbedding.forward`` in one ``lru_cache`` on the class, keyed by
+    the module: the last 32 rotary embeddings, and the context-parallel group each holds,
+    outlive their models. Give the chunk's rotary embedding the same cache as an attribute of
+    its own, which goes when the model goes."""
+    rotary = getattr(chunk, "rotary_pos_emb", None)
+    cached = getattr(type(rotary), "forward", None)
+    if rotary is not None and hasattr(cached, "cache_clear"):
+        uncached = cached.__wrapped__.__get__(rotary)
+        rotary.forward = functools.lru_cache(maxsize=cached.cache_info().maxsize)(uncached)
 
 
 def _parameters_to(chunk: GPTModel, dtype: torch.dtype) -> None:
