@@ -29,6 +29,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -172,6 +173,9 @@ def build_model(
         _parameters_to(chunk, config.params_dtype)
         _unregister_router_replays(chunk)
         _rotary_cache_of_its_own(chunk)
+        for module in chunk.modules():
+            if isinstance(module, BaseMoELayer):
+                module.register_forward_hook(_drop_dispatcher_graph)
     return chunks
 
 
@@ -200,6 +204,22 @@ def _rotary_cache_of_its_own(chunk: GPTModel) -> None:
     if rotary is not None and hasattr(cached, "cache_clear"):
         uncached = cached.__wrapped__.__get__(rotary)
         rotary.forward = functools.lru_cache(maxsize=cached.cache_info().maxsize)(uncached)
+
+
+def _drop_dispatcher_graph(layer: BaseMoELayer, args, output) -> None:
+    """Forward hook of an MoE layer: drop what its token dispatcher keeps of the forward with an
+    autograd graph (the router probabilities, used by the combine step that has run by now).
+    Kept, that graph leads to the parameters' gradient hooks, which hold the DDP wrapper and so
+    the model: a loop through autograd's own objects that the garbage collector does not see,
+    which would keep the model and its process groups alive after the model is dropped. A call
+    that runs only the first phases of the layer (Megatron's partial CUDA graphs) keeps them for
+    the next call."""
+    if layer.token_dispatcher is None or "postprocess" not in layer.fwd_execution_map:
+        return
+    kept = vars(layer.token_dispatcher)
+    for name, value in list(kept.items()):
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+            kept[name] = None
 
 
 def _parameters_to(chunk: GPTModel, dtype: torch.dtype) -> None:
