@@ -26,11 +26,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bapo_megatron.actor.actor import build_actor
 from bapo_megatron.actor.model import build_model, tensor_parallel_shard
-from bapo_megatron.config import ModelConfig, ParallelConfig
+from bapo_megatron.actor.train_step import train_step
+from bapo_megatron.config import LossConfig, ModelConfig, ParallelConfig
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.megatron_patches import cpu_runtime as cpu_patches
 from bapo_megatron.megatron_patches import without_transformer_engine as without_te
+from tests.distributed import test_routing_replay as moe
 from tests.helpers import gloo_launch
 from tests.helpers.gloo_threads import gloo_transport_threads, gloo_transport_threads_reaching
 
@@ -157,6 +160,41 @@ def test_teardown_in_a_world_it_did_not_create_destroys_the_layouts_groups():
         assert gloo_transport_threads_reaching(threads) == threads
     finally:
         dist.destroy_process_group()
+
+
+def test_moe_actors_torn_down_leave_no_gloo_thread():
+    """An MoE actor that trained a step, and ran a forward outside the schedule, keeps nothing
+    alive once its context is torn down and the actor dropped: not through Megatron's
+    class-level registries (every router's replay object; the rotary embeddings' cache, keyed
+    by the module) and not through the model's own loop (the last forward's router
+    probabilities, left on the token dispatchers with their autograd graph, reach DDP's
+    gradient hooks, which the garbage collector cannot see). Any of them keeps gloo groups of
+    the layout, each with a transport thread."""
+    import gc
+
+    data = moe.batch()
+    g = torch.Generator().manual_seed(3)
+    data = dataclasses.replace(
+        data,
+        routes=moe.random_routes(*data.tokens.shape, seed=2),
+        old_logprobs=torch.where(
+            data.response_mask, -4.0 + 0.1 * torch.randn(4, 12, generator=g), 0
+        ),
+        advantages=torch.randn(4, generator=g),
+    )
+    gc.collect()
+    threads = gloo_transport_threads()
+    for recompute in (False, True, False):
+        ctx = ParallelContext.initialize(ParallelConfig())
+        actor_config = dataclasses.replace(moe.ACTOR, recompute_activations=recompute)
+        actor = build_actor(moe.MODEL, actor_config, moe.OPTIMIZER, ctx)
+        train_step(actor, data, LossConfig(), moe.fixed_plan())
+        positions = torch.arange(data.tokens.shape[1]).expand_as(data.tokens)
+        actor.chunks[0](data.tokens, positions, None).sum().backward()  # outside the schedule
+        ctx.teardown()
+        del actor, ctx
+    gc.collect()
+    assert gloo_transport_threads_reaching(threads) == threads
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
