@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from bapo_megatron.config import Config, ModelConfig
+from bapo_megatron.config.checks import check_model
 from bapo_megatron.config.loading import load_config
 from bapo_megatron.distributed.layout import Accelerator, split_world, validate_layout
 from tests.helpers.published_configs import config_path, skip_unless_supported
@@ -42,7 +43,7 @@ GPU_RECIPES = {
     },
     "qwen2.5-32b/train.yaml": {
         "hf_config": "DeepSeek-R1-Distill-Qwen-32B",
-        "engine": "sglang",
+        "engine": "vllm",
         "size": "32B",
         "world": 32,
     },
@@ -55,7 +56,7 @@ GPU_RECIPES = {
     "qwen3-8b/train.yaml": {"hf_config": "Qwen3-8B", "engine": "vllm", "size": "8B", "world": 16},
     "qwen3-32b/train.yaml": {
         "hf_config": "Qwen3-32B",
-        "engine": "sglang",
+        "engine": "vllm",
         "size": "32B",
         "world": 32,
     },
@@ -67,7 +68,7 @@ GPU_RECIPES = {
     },
     "qwen3-30b-a3b/train.yaml": {
         "hf_config": "Qwen3-30B-A3B",
-        "engine": "sglang",
+        "engine": "vllm",
         "size": "30B-A3B",
         "world": 8,
         "one_node": True,  # its optimizer state offloaded to the host
@@ -208,15 +209,24 @@ def test_gpu_recipe(name):
     assert cfg.rollout.engine == promise["engine"]
     assert 0 < cfg.rollout.gpu_memory_utilization < 1
     assert cfg.rollout.engine_tensor_parallel_size <= gpus_per_node
-    if cfg.rollout.engine == "vllm":
-        # The in-process vLLM engine uses vLLM's single-process executor: one GPU.
-        assert cfg.rollout.engine_tensor_parallel_size == 1
+    if cfg.rollout.engine in ("vllm", "sglang"):
+        # In process: the engine's workers split the attention heads (vLLM's and SGLang's rule)
+        # and take the GPUs from their replica's first rank up to the next replica's first rank
+        # at most, never past a node (the layout planner checks the GPUs and their memory).
+        check_model(cfg, model)
+        parallel = cfg.parallel
+        spacing = parallel.tensor_model_parallel_size * parallel.context_parallel_size
+        assert cfg.rollout.engine_tensor_parallel_size <= spacing
+        assert gpus_per_node % spacing == 0
     if model.is_moe:
-        # Experts divided over several ranks, each whole (the weight sync needs it), and the
-        # engine's routes replayed (R3).
+        # Experts divided over several ranks, each whole (the weight sync needs it), and routes
+        # replayed: the engine's (R3) where it can record them, and the actor's own (R2) with
+        # vLLM 0.32, which records routes only on its Model Runner V2, while the full-vocabulary
+        # log-prob hook needs its V1 model runner.
         assert cfg.parallel.expert_model_parallel_size > 1
         assert cfg.parallel.expert_tensor_parallel_size == 1
-        assert cfg.algorithm.routing_replay == "rollout"
+        replay = "trainer" if cfg.rollout.engine == "vllm" else "rollout"
+        assert cfg.algorithm.routing_replay == replay
 
     # The paper's settings (docs/algorithm.md section 10) and an off-policy schedule.
     assert cfg.optimizer.lr == 2e-6
