@@ -260,13 +260,13 @@ def _build_run(
             RESTART_VARIABLE,
             f"resumed from {resume_from}" if resume_from else "no checkpoint to resume from",
         )
-        if state.step >= cfg.train.steps and context.rank == 0:
-            print(
-                f"{output} already holds a run finished at rollout step {state.step} "
-                f"(train.steps={cfg.train.steps}); raise train.steps to continue it, or give "
-                "another train.output_dir (or checkpoint.resume=false) to start over",
-                flush=True,
-            )
+    if state.step >= cfg.train.steps and context.rank == 0:
+        print(
+            f"{output} already holds a run finished at rollout step {state.step} "
+            f"(train.steps={cfg.train.steps}); raise train.steps to continue it, or give "
+            "another train.output_dir (or checkpoint.resume=false) to start over",
+            flush=True,
+        )
     # After a resume, drop what the killed run logged past its checkpoint; a run that starts
     # afresh drops every record an earlier run left in the folder (warm-up steps are negative).
     # The experiment trackers reopen the runs the checkpoint names (a fresh start opens new ones).
