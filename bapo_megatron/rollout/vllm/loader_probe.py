@@ -61,8 +61,9 @@ def probe_shard_map(model: torch.nn.Module, hf_shapes: Mapping[str, Sequence[int
 
 
 def shard_map_from_probe(report: Mapping[str, Any], rank: int) -> ShardMap:
-    """The :class:`ShardMap` of a :func:`probe_shard_map` report, as ``rank`` of the weight group
-    (replication is marked across ranks: :func:`~bapo_megatron.models.shard_probe.mark_replicated`)."""
+    """The :class:`ShardMap` of a :func:`probe_shard_map` report, as ``rank`` of the weight
+    group (replication is marked across ranks:
+    :func:`~bapo_megatron.models.shard_probe.mark_replicated`)."""
     return ShardMap(
         rank,
         tuple(Region(*fields) for fields in report["regions"]),
