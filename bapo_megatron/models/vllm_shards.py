@@ -13,7 +13,8 @@ its kind of split:
   of 64, then split into blocks of rows; padding rows are fills);
 - ``replicated`` (norms, the experts' router);
 - ``w13`` / ``w2`` (``FusedMoE`` without expert parallelism: every worker holds every expert,
-  ``w13 [E, 2 I / tp, H]`` its gate then up rows, ``w2 [E, H, I / tp]`` a block of columns).
+  ``w13 [E, 2 I / tp, H]`` its gate then up rows, ``w2 [E, H, I / tp]`` a block of columns; the
+  parameters of its ``routed_experts`` submodule).
 
 Only the description is vLLM-specific; what it gives is the same :class:`ShardMap` as the
 trainer's, so a map derived another way (from vLLM's own loaders) can take its place.
@@ -97,8 +98,11 @@ def _describe(hf: str) -> tuple[str, str, int, int | None]:
         expert = _EXPERT.match(suffix)
         if expert:
             proj = expert["proj"]
-            local = prefix + (
-                "mlp.experts.w2_weight" if proj == "down" else "mlp.experts.w13_weight"
+            # vLLM 0.32 keeps FusedMoE's weights in its `routed_experts` submodule
+            local = (
+                prefix
+                + "mlp.experts.routed_experts."
+                + ("w2_weight" if proj == "down" else "w13_weight")
             )
             kind = "w2" if proj == "down" else "w13"
             return local, kind, int(proj == "up"), int(expert["expert"])

@@ -107,10 +107,10 @@ def vllm_expected(model, full: dict[str, np.ndarray], r: int, t: int) -> dict[st
                 gate = [full[f"{layer}.mlp.experts.{e}.gate_proj.weight"] for e in experts]
                 up = [full[f"{layer}.mlp.experts.{e}.up_proj.weight"] for e in experts]
                 down = [full[f"{layer}.mlp.experts.{e}.down_proj.weight"] for e in experts]
-                out[f"{layer}.mlp.experts.w13_weight"] = np.stack(
+                out[f"{layer}.mlp.experts.routed_experts.w13_weight"] = np.stack(
                     [np.concatenate([rows(g, r, t), rows(u, r, t)]) for g, u in zip(gate, up)]
                 )
-                out[f"{layer}.mlp.experts.w2_weight"] = np.stack(
+                out[f"{layer}.mlp.experts.routed_experts.w2_weight"] = np.stack(
                     [np.split(w, t, axis=1)[r] for w in down]
                 )
         elif not name.endswith("up_proj.weight"):

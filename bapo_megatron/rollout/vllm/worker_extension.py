@@ -1,5 +1,6 @@
 """The methods this project adds to vLLM's workers (``worker_extension_cls``): installing the
-full-vocabulary log-prob hook, loading weights in place, and telling the worker's device. Both
+full-vocabulary log-prob hook, loading weights in place, telling the worker's device, and
+reading its shard map off vLLM's loaders. Both
 the in-process engine (:mod:`bapo_megatron.rollout.vllm.engine`) and a vLLM server started with
 ``--worker-extension-cls`` (:mod:`bapo_megatron.rollout.vllm.server_client`) load them; they run
 inside vLLM's worker, where ``vllm`` is importable (this module imports it lazily).
@@ -18,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from bapo_megatron.rollout.checksum import Checksum
+from bapo_megatron.rollout.vllm.loader_probe import probe_shard_map
 from bapo_megatron.rollout.weight_group import join_weight_group, leave_weight_group
 
 
@@ -153,6 +155,16 @@ class BapoWorkerExtension:
         return {
             "enable_chunked_prefill": bool(self.vllm_config.scheduler_config.enable_chunked_prefill)
         }
+
+    def bapo_probe_shard_map(self, request: str) -> dict[str, Any]:
+        """This worker's shard map as vLLM's own loaders give it
+        (:func:`~bapo_megatron.rollout.vllm.loader_probe.probe_shard_map`). ``request`` is JSON
+        with ``hf_shapes`` (HF tensor name -> shape); the report adds ``tp_rank``."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        fields = json.loads(request)
+        report = probe_shard_map(self.model_runner.get_model(), fields["hf_shapes"])
+        return {**report, "tp_rank": int(get_tensor_model_parallel_rank())}
 
     def bapo_load_weights(
         self, named_tensors: list[tuple[str, torch.Tensor]], checksum: bool = False
