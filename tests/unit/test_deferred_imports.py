@@ -33,6 +33,7 @@ CONSOLE_COMMAND_LINES = {
     "bapo-plot-runs": "bapo_megatron.repro.plots_cli",
     "bapo-sweep": "bapo_megatron.repro.sweep_cli",
     "bapo-plan-layout": "bapo_megatron.planning.cli",
+    "bapo-gpu-check": "bapo_megatron.device_check.run",
 }
 
 PACKAGE_FILES = {

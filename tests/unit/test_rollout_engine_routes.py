@@ -208,6 +208,7 @@ def test_vllm_is_started_with_routed_expert_capture(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=fake_llm))
     monkeypatch.setitem(sys.modules, "vllm.platforms", None)
+    monkeypatch.setitem(sys.modules, "vllm.envs", types.SimpleNamespace(disable_envs_cache=list))
     (tmp_path / "config.json").write_text(json.dumps(MOE.to_hf_config()))
     engine = VLLMEngine.from_pretrained(tmp_path, record_routes=True, full_vocab_logprobs=False)
     assert engine.record_routes and started[0]["enable_return_routed_experts"] is True
