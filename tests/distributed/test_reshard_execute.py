@@ -10,6 +10,9 @@ of 150 that divides neither side, small buckets so the plan has many).
   it, and no byte has moved;
 - a sender missing a tensor the plan reads: every rank raises the same error naming rank and
   tensor.
+
+In one process, a rank that is both the trainer and the engine (every message to itself) copies
+in place.
 """
 
 from __future__ import annotations
@@ -22,8 +25,6 @@ import pytest
 import torch
 
 from tests.helpers import gloo_launch
-
-pytestmark = pytest.mark.multiprocess
 
 GROUP_TIMEOUT_S = 30.0
 BUCKET_BYTES = 4096
@@ -112,6 +113,7 @@ def worker(args) -> None:
     gloo_launch.save_result(results, args.out)
 
 
+@pytest.mark.multiprocess
 def test_the_executor_fills_every_engine_worker_and_agrees_on_failures(tmp_path):
     from tests.unit.test_reshard_plan import vllm_expected
 
@@ -149,6 +151,34 @@ def test_the_executor_fills_every_engine_worker_and_agrees_on_failures(tmp_path)
         f"shard-to-shard transfer: rank 1: ValueError: no source tensor {name!r} "
         "(the plan's copies use it)"
     )
+
+
+def test_a_rank_that_sends_to_itself_copies_in_place(single_process):
+    import torch.distributed as dist
+
+    from bapo_megatron.models.vllm_shards import vllm_shard_map
+    from bapo_megatron.resharding.execute import execute_plan
+    from bapo_megatron.resharding.plan import plan_reshard
+    from tests.unit.test_reshard_plan import model_of, trainer_maps, vllm_expected
+
+    _, full, _, _, _ = case_setup("tp1_dp2")
+    model = model_of("qwen2", 1, False)
+    [trainer], _ = trainer_maps(model, 1, 1, 1, 1, 1)
+    engine = vllm_shard_map(model, 0, 1, 0)
+    plan = plan_reshard([trainer], [[engine]], element_bytes=8, bucket_bytes=BUCKET_BYTES)
+    targets = empty_targets(engine)
+    counts = execute_plan(
+        plan,
+        dist.group.WORLD,
+        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+        sources=local_tensors(trainer, full),
+        targets=targets,
+    )
+    assert (counts.sent_bytes, counts.received_bytes) == (0, 0)
+    want = vllm_expected(model, full, 0, 1)
+    assert sorted(targets) == sorted(want)
+    for name, tensor in want.items():
+        np.testing.assert_array_equal(targets[name].numpy(), tensor, err_msg=name)
 
 
 if __name__ == "__main__":
