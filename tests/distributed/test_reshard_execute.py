@@ -10,6 +10,9 @@ of 150 that divides neither side, small buckets so the plan has many).
   it, and no byte has moved;
 - a sender missing a tensor the plan reads: every rank raises the same error naming rank and
   tensor.
+- rank 0 dies in the middle of a transfer: the receiver it still owed a message, and every
+  other rank that does not finish, ends with an error naming the bucket, within the wait's
+  bound.
 
 In one process, a rank that is both the trainer and the engine (every message to itself) copies
 in place.
@@ -18,6 +21,7 @@ in place.
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 
 import numpy as np
@@ -30,6 +34,8 @@ GROUP_TIMEOUT_S = 30.0
 BUCKET_BYTES = 4096
 ENGINE_TP = 2
 # name -> (trainer TP, trainer DP, key/value heads, tied embeddings)
+DYING_BUCKET = 3  # rank 0 dies in the third bucket it takes part in
+DYING_WAIT_S = 10.0  # bounds a point-to-point wait after that
 CASES = {"tp2": (2, 1, 2, True), "tp1_dp2": (1, 2, 1, False)}
 
 
@@ -110,6 +116,29 @@ def worker(args) -> None:
     except ReshardError as error:
         results["missing"] = str(error)
     results["missing_name"] = missing
+
+    # Last: rank 0 dies in the middle of a transfer (after its results are written).
+    import bapo_megatron.resharding.execute as execute
+
+    plan, sources, targets = tensors_of("tp2")
+    if rank == 0:
+        exchange, calls = execute.exchange_bucket, []
+
+        def dying_exchange(*args, **kwargs):
+            calls.append(None)
+            if len(calls) == DYING_BUCKET:
+                gloo_launch.save_result(results, args_out)
+                os._exit(0)
+            return exchange(*args, **kwargs)
+
+        args_out = args.out
+        execute.exchange_bucket = dying_exchange
+    try:
+        short = datetime.timedelta(seconds=DYING_WAIT_S)
+        execute_plan(plan, group, timeout=short, sources=sources, targets=targets)
+        results["dies"] = "ran"
+    except ReshardError as error:
+        results["dies"] = str(error)
     gloo_launch.save_result(results, args.out)
 
 
@@ -151,6 +180,19 @@ def test_the_executor_fills_every_engine_worker_and_agrees_on_failures(tmp_path)
         f"shard-to-shard transfer: rank 1: ValueError: no source tensor {name!r} "
         "(the plan's copies use it)"
     )
+    # every receiver rank 0 still owed a message ends with an error naming the bucket; the
+    # others end either way (a send completes once its bytes are written out; a rank that fails
+    # leaves its peers too)
+    _, _, _, _, plan = case_setup("tp2")
+    dying = [i for i, b in enumerate(plan.buckets) if any(m.sender == 0 for m in b)][
+        DYING_BUCKET - 1
+    ]
+    owed = {m.receiver for b in plan.buckets[dying:] for m in b if m.sender == 0}
+    assert owed
+    for rank in (1, 2, 3):
+        outcome = results[rank]["dies"]
+        if rank in owed or outcome != "ran":
+            assert outcome.startswith(f"shard-to-shard transfer: rank {rank}: bucket "), outcome
 
 
 def test_a_rank_that_sends_to_itself_copies_in_place(single_process):
