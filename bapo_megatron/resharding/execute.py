@@ -54,7 +54,8 @@ def execute_plan(
     """Run ``plan`` as this process's rank of ``group`` (the ranks the plan names). ``sources``:
     the local tensors this rank sends from; ``targets``: those it receives into. A rank may be
     both or neither; every rank of ``group`` must call. ``timeout`` bounds each point-to-point
-    wait (the collectives are bounded by the group's own timeout): pass the group's."""
+    wait (the collectives are bounded by the group's own timeout): pass the group's. Under
+    NCCL the tensors are CUDA tensors on the rank's current device."""
     sources, targets = dict(sources or {}), dict(targets or {})
     rank = dist.get_rank(group)
     failure, like = None, None
