@@ -63,6 +63,10 @@ class RolloutConfig:
     ranks over their own process group, so only `process-group` applies to them."""
     engine_tensor_parallel_size: int = 1
     """Tensor parallelism inside an in-process vLLM/SGLang engine (GPUs it spans)."""
+    engine_eager: bool = False
+    """Run an in-process vLLM engine eagerly (vLLM's ``enforce_eager``: no ``torch.compile``, no
+    CUDA graphs): it starts tens of seconds sooner and generates more slowly. For short runs,
+    tests and debugging."""
     gpu_memory_utilization: float = 0.5
     """Memory share of an in-process engine, passed on as each engine defines it: vLLM's
     ``gpu_memory_utilization`` (its own budget, which must fit in what the actor leaves free) or

@@ -56,6 +56,7 @@ from bapo_megatron.rollout.vllm.worker_extension import (
     summed,
 )
 from tests.helpers import hf_models
+from tests.helpers.vllm_shard_checks import check_engine_shard_maps
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(
@@ -542,6 +543,15 @@ def vllm_family_suite(request, monkeypatch, tmp_path, vllm_engines):
 @needs_vllm
 def test_vllm_logprobs_match_a_teacher_forced_recompute(vllm_family_suite):
     suite.test_logprobs_match_a_teacher_forced_recompute(vllm_family_suite)
+
+
+@needs_vllm
+@pytest.mark.parametrize("tp", TENSOR_PARALLEL, ids=lambda tp: f"tp{tp}")
+@pytest.mark.parametrize("variant", sorted(VLLM_FAMILIES))
+def test_vllm_family_shard_maps_equal_what_vllms_loaders_do(vllm_family_engines, variant, tp):
+    """Each worker's shard map read off vLLM's own loaders equals the described one
+    (tests/helpers/vllm_shard_checks.py), on the family engines of the log-prob check."""
+    check_engine_shard_maps(vllm_family_engines(variant, tp), tp)
 
 
 @needs_vllm

@@ -48,6 +48,7 @@ RUN_TIMEOUT_S = 1800
 VLLM_TP2 = [
     "rollout.engine=vllm",
     "rollout.engine_tensor_parallel_size=2",
+    "rollout.engine_eager=true",
     "model.num_attention_heads=2",
     "model.num_query_groups=1",
     f"train.steps={STEPS}",

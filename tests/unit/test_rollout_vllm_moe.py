@@ -26,6 +26,7 @@ from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.vllm.engine import VLLMEngine
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 from tests.helpers import hf_models
+from tests.helpers.vllm_shard_checks import check_engine_shard_maps
 from tests.unit.test_rollout_vllm_server import ServerProcess
 
 pytestmark = pytest.mark.skipif(
@@ -100,6 +101,8 @@ def test_vllm_cpu_runs_qwen3_moe_and_a_refit_replaces_every_expert(tmp_path, lay
             samples = engine.generate(PROMPTS, PARAMS)
             assert all(s.versions == [version] * PARAMS.max_new_tokens for s in samples)
             check_against_transformers(samples, seed)
+        # the experts' shard maps read off vLLM's loaders equal the described ones
+        check_engine_shard_maps(engine, layout.get("tensor_parallel_size", 1))
     finally:
         engine.close()
 

@@ -38,6 +38,7 @@ def start_in_process(setup: EngineSetup) -> RolloutEngine:
         worker_gpus=engine_worker_gpus(setup.device, rollout.engine_tensor_parallel_size),
         **({"load_format": "dummy"} if setup.starts_without_weights else {}),
         gpu_memory_utilization=rollout.gpu_memory_utilization,
+        enforce_eager=rollout.engine_eager,
         max_model_len=setup.model.max_position_embeddings,
         enable_sleep_mode=True,
         record_routes=setup.record_routes,
