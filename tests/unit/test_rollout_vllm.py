@@ -497,6 +497,7 @@ def vllm_family_engines(tmp_path_factory):
     saved (seed 100: the tests load other weights), when a test first asks for it; each is kept
     for the module."""
     engines: dict[tuple[str, int], VLLMEngine] = {}
+    probes: dict[tuple[str, int], object] = {}
 
     def engine_for(variant: str, tensor_parallel_size: int) -> VLLMEngine:
         key = (variant, tensor_parallel_size)
@@ -506,8 +507,14 @@ def vllm_family_engines(tmp_path_factory):
             engines[key] = VLLMEngine.from_pretrained(
                 folder, enforce_eager=True, tensor_parallel_size=tensor_parallel_size
             )
+            # the shard-map probe runs once per engine start, before any in-place reload
+            try:
+                probes[key] = check_engine_shard_maps(engines[key], tensor_parallel_size)
+            except AssertionError as failure:
+                probes[key] = failure
         return engines[key]
 
+    engine_for.probes = probes
     yield engine_for
     for engine in engines.values():
         engine.close()
@@ -550,8 +557,13 @@ def test_vllm_logprobs_match_a_teacher_forced_recompute(vllm_family_suite):
 @pytest.mark.parametrize("variant", sorted(VLLM_FAMILIES))
 def test_vllm_family_shard_maps_equal_what_vllms_loaders_do(vllm_family_engines, variant, tp):
     """Each worker's shard map read off vLLM's own loaders equals the described one
-    (tests/helpers/vllm_shard_checks.py), on the family engines of the log-prob check."""
-    check_engine_shard_maps(vllm_family_engines(variant, tp), tp)
+    (tests/helpers/vllm_shard_checks.py), probed on the family engines of the log-prob check as
+    each started."""
+    vllm_family_engines(variant, tp)
+    outcome = vllm_family_engines.probes[(variant, tp)]
+    if isinstance(outcome, AssertionError):
+        raise outcome
+    assert len(outcome) == tp
 
 
 @needs_vllm

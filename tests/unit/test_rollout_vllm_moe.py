@@ -93,6 +93,9 @@ def test_vllm_cpu_runs_qwen3_moe_and_a_refit_replaces_every_expert(tmp_path, lay
     )
     try:
         assert engine.model_config.is_moe
+        # the experts' shard maps read off vLLM's loaders equal the described ones (probed once
+        # per engine start, before any in-place reload)
+        check_engine_shard_maps(engine, layout.get("tensor_parallel_size", 1))
         check_against_transformers(engine.generate(PROMPTS, PARAMS), seed=100)
         for version, seed in ((1, 0), (2, 1)):  # the first reload, then one more
             tensors = exported(tmp_path, seed)
@@ -101,8 +104,6 @@ def test_vllm_cpu_runs_qwen3_moe_and_a_refit_replaces_every_expert(tmp_path, lay
             samples = engine.generate(PROMPTS, PARAMS)
             assert all(s.versions == [version] * PARAMS.max_new_tokens for s in samples)
             check_against_transformers(samples, seed)
-        # the experts' shard maps read off vLLM's loaders equal the described ones
-        check_engine_shard_maps(engine, layout.get("tensor_parallel_size", 1))
     finally:
         engine.close()
 
