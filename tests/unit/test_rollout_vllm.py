@@ -714,34 +714,6 @@ def run_bounded(action, deadline_s: float = 600.0):
 
 
 @needs_vllm
-def test_a_tp2_worker_that_dies_is_named_and_the_engine_stops_serving(tmp_path, monkeypatch):
-    """SIGKILL one of two worker processes once every sample holds a token: the generation
-    call ends with an error naming that worker and its exit, the engine reports itself unhealthy
-    and refuses further calls with the same kind of error."""
-    monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
-    torch.manual_seed(0)
-    EmbeddedEngine(VLLM_MODEL).model.save_pretrained(tmp_path)
-    engine = VLLMEngine.from_pretrained(tmp_path, enforce_eager=True, tensor_parallel_size=2)
-    try:
-        engine.update_weights(suite.random_weights(12).items(), version=1)
-        worker = executor_of(engine.llm).workers[1].proc
-        kill = lambda: os.kill(worker.pid, signal.SIGKILL)  # noqa: E731
-        after_first_vllm_tokens(engine, len(suite.PROMPTS), kill)
-        params = SamplingParams(max_new_tokens=400)
-        outcome = run_bounded(lambda: engine.generate(suite.PROMPTS, params))
-        error = outcome.get("error")
-        assert isinstance(error, WorkerFailure), outcome
-        assert f"VllmWorker-1 (pid {worker.pid}, exit code -9)" in str(error)
-        assert "while generating" in str(error) and not engine.health()
-        again = run_bounded(
-            lambda: engine.update_weights(suite.random_weights(12).items(), version=2)
-        )
-        assert isinstance(again.get("error"), WorkerFailure), again
-    finally:
-        engine.close()
-
-
-@needs_vllm
 def test_a_tp2_engine_whose_worker_cannot_start_is_refused(tmp_path):
     """A worker extension that does not import makes both worker processes fail at start: the
     engine's start ends with an error that says so and where their tracebacks are."""
@@ -761,6 +733,28 @@ def test_a_tp2_engine_whose_worker_cannot_start_is_refused(tmp_path):
         "tensor_parallel_size=2: a worker process (VllmWorker-0, VllmWorker-1) failed to start"
         in str(error)
     )
+
+
+@needs_vllm
+def test_a_tp2_worker_that_dies_is_named_and_the_engine_stops_serving(vllm_engines, monkeypatch):
+    """SIGKILL one of two worker processes of the module's TP 2 engine once every sample holds a
+    token: the generation call ends with an error naming that worker and its exit, the engine
+    reports itself unhealthy and refuses further calls with the same kind of error. It ends that
+    engine: the module's last test to use it."""
+    monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
+    engine = vllm_engines(2)
+    engine.update_weights(suite.random_weights(12).items(), version=1)
+    worker = executor_of(engine.llm).workers[1].proc
+    kill = lambda: os.kill(worker.pid, signal.SIGKILL)  # noqa: E731
+    after_first_vllm_tokens(engine, len(suite.PROMPTS), kill)
+    params = SamplingParams(max_new_tokens=400)
+    outcome = run_bounded(lambda: engine.generate(suite.PROMPTS, params))
+    error = outcome.get("error")
+    assert isinstance(error, WorkerFailure), outcome
+    assert f"VllmWorker-1 (pid {worker.pid}, exit code -9)" in str(error)
+    assert "while generating" in str(error) and not engine.health()
+    again = run_bounded(lambda: engine.update_weights(suite.random_weights(12).items(), version=2))
+    assert isinstance(again.get("error"), WorkerFailure), again
 
 
 # ------------------------------------------------------------------ the server client (no vLLM)

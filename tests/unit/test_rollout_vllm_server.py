@@ -203,12 +203,6 @@ def server_processes(tmp_path_factory):
         server.stop()
 
 
-@pytest.fixture
-def server_process(server_processes):
-    """The module's one-worker server (the death tests kill it)."""
-    return server_processes[1]
-
-
 @pytest.fixture(params=TENSOR_PARALLEL, ids=lambda tp: f"tp{tp}")
 def server_suite(request, server_processes, monkeypatch):
     """The suite's ``make_engine`` on a live server of each size: loads the given weights as
@@ -280,29 +274,6 @@ def test_vllm_server_weight_updates_are_checked_and_memory_can_be_released(serve
     suite.test_weight_updates_are_checked_and_memory_can_be_released(server_suite)
 
 
-@pytest.mark.parametrize("victim", ["engine core", "server"])
-def test_a_vllm_server_that_dies_mid_run_is_named(server_process, monkeypatch, victim):
-    """Kill the server's EngineCore process (as vLLM's crash above did) or the whole server
-    between two calls: the next call raises EngineFailure naming the engine and its URL, and
-    health() answers False. (The guard's deadline bounds the call if the server hung instead.)"""
-    monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
-    client = server_process.live_client()
-    client.update_weights(suite.random_weights(3).items(), version=0)
-    url = client.base_url
-    guarded = GuardedEngine(client, name=f"rollout engine 'vllm-server' at {url}", timeout_s=300)
-    params = SamplingParams(max_new_tokens=3, seed=1)
-    assert all(len(s.token_ids) == 3 for s in guarded.generate(suite.PROMPTS, params))
-    process = server_process.engine_core() if victim == "engine core" else server_process.process
-    process.send_signal(signal.SIGKILL)
-    process.wait(timeout=60)
-    with pytest.raises(EngineFailure) as failure:
-        guarded.generate(suite.PROMPTS, params)
-    message = str(failure.value)
-    assert message.startswith(f"rollout engine 'vllm-server' at {url}: generate failed: ")
-    assert "gave no result within" not in message  # the engine's own error, not the deadline
-    assert not guarded.health()
-
-
 def under_weights(client: VLLMServerClient, weights: dict[str, torch.Tensor], version: int):
     """Generate and check every token's version and log-prob against a float64 recompute under
     ``weights``."""
@@ -339,3 +310,30 @@ def test_a_tp2_vllm_server_takes_weights_by_both_routes_into_both_workers(
             reports = by_group.weight_group.answer["results"]
             assert [report["checksum"] for report in reports] == [digest, digest]
         under_weights(client, new, version)
+
+
+@pytest.mark.parametrize(
+    ("victim", "size"), [("engine core", 1), ("server", 2)], ids=["engine-core-tp1", "server-tp2"]
+)
+def test_a_vllm_server_that_dies_mid_run_is_named(server_processes, monkeypatch, victim, size):
+    """Kill a server's EngineCore process (as vLLM's crash above did) or a whole server between
+    two calls: the next call raises EngineFailure naming the engine and its URL, and health()
+    answers False. (The guard's deadline bounds the call if the server hung instead.) Each kills a
+    server the tests before it are done with: the module's last tests."""
+    monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
+    server_process = server_processes[size]
+    client = server_process.live_client()
+    client.update_weights(suite.random_weights(3).items(), version=0)
+    url = client.base_url
+    guarded = GuardedEngine(client, name=f"rollout engine 'vllm-server' at {url}", timeout_s=300)
+    params = SamplingParams(max_new_tokens=3, seed=1)
+    assert all(len(s.token_ids) == 3 for s in guarded.generate(suite.PROMPTS, params))
+    process = server_process.engine_core() if victim == "engine core" else server_process.process
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    with pytest.raises(EngineFailure) as failure:
+        guarded.generate(suite.PROMPTS, params)
+    message = str(failure.value)
+    assert message.startswith(f"rollout engine 'vllm-server' at {url}: generate failed: ")
+    assert "gave no result within" not in message  # the engine's own error, not the deadline
+    assert not guarded.health()
