@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
+from bapo_megatron.rollout.vllm.tensor_parallel import worker_gpus
+
 GPU_ENGINES = ("vllm", "sglang")
 """Engine kinds that run on GPUs in the engine rank's process."""
 
@@ -23,18 +25,12 @@ GPU_ENGINES = ("vllm", "sglang")
 def engine_gpus(local_rank: int, tensor_parallel_size: int, visible: str | None) -> str:
     """The ``CUDA_VISIBLE_DEVICES`` value of an engine rank (see the module docstring):
     ``ValueError`` naming the setting when the node has too few visible devices for it."""
-    first = local_rank * tensor_parallel_size
-    wanted = range(first, first + tensor_parallel_size)
-    if visible is None or not visible.strip():
-        return ",".join(map(str, wanted))
-    devices = [d.strip() for d in visible.split(",") if d.strip()]
-    if wanted.stop > len(devices):
-        raise ValueError(
-            f"engine rank with LOCAL_RANK={local_rank} and rollout.engine_tensor_parallel_size="
-            f"{tensor_parallel_size} needs GPUs {first}..{wanted.stop - 1} of its node, but "
-            f"CUDA_VISIBLE_DEVICES={visible!r} shows {len(devices)}"
-        )
-    return ",".join(devices[i] for i in wanted)
+    return worker_gpus(
+        local_rank * tensor_parallel_size,
+        tensor_parallel_size,
+        visible,
+        f"engine rank with LOCAL_RANK={local_rank} and rollout.engine_tensor_parallel_size",
+    )
 
 
 def pin_engine_gpus(engine: str, tensor_parallel_size: int, env: MutableMapping[str, str]) -> None:

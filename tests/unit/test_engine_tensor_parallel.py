@@ -104,7 +104,7 @@ def test_workers_take_the_nodes_gpus_from_the_ranks_own():
     assert worker_gpus(0, 4, None, "f") == "0,1,2,3"
     assert worker_gpus(4, 4, None, "f") == "4,5,6,7"
     assert worker_gpus(1, 2, "3,5,6,7", "f") == "5,6"
-    with pytest.raises(ValueError, match=r"f=4: .* GPUs 6..9 .*shows 8"):
+    with pytest.raises(ValueError, match=r"f=4 needs GPUs 6..9 .*shows 8"):
         worker_gpus(6, 4, "0,1,2,3,4,5,6,7", "f")
     assert engine_worker_gpus("cpu", 4) is None and engine_worker_gpus("cuda:0", 1) is None
 

@@ -63,9 +63,8 @@ def worker_gpus(first: int, count: int, visible: str | None, field: str) -> str:
     devices = [device.strip() for device in visible.split(",") if device.strip()]
     if wanted.stop > len(devices):
         raise ValueError(
-            f"{field}={count}: the engine starting at GPU {first} needs GPUs "
-            f"{first}..{wanted.stop - 1} of its node, but CUDA_VISIBLE_DEVICES={visible!r} "
-            f"shows {len(devices)}"
+            f"{field}={count} needs GPUs {first}..{wanted.stop - 1} of its node, but "
+            f"CUDA_VISIBLE_DEVICES={visible!r} shows {len(devices)}"
         )
     return ",".join(devices[i] for i in wanted)
 
