@@ -11,8 +11,10 @@ EngineKind = Literal["embedded", "vllm", "vllm-server", "sglang", "sglang-server
 ENGINE_KINDS: tuple[str, ...] = ("embedded", "vllm", "vllm-server", "sglang", "sglang-server")
 Placement = Literal["colocated", "disaggregated"]
 PLACEMENTS: tuple[str, ...] = ("colocated", "disaggregated")
-WeightTransport = Literal["process-group", "same-host"]
-WEIGHT_TRANSPORTS: tuple[str, ...] = ("process-group", "same-host")
+WeightTransport = Literal["process-group", "same-host", "shard-to-shard"]
+WEIGHT_TRANSPORTS: tuple[str, ...] = ("process-group", "same-host", "shard-to-shard")
+SHARD_TO_SHARD_ENGINES: tuple[str, ...] = ("embedded", "vllm", "vllm-server")
+"""Engines that receive shard to shard (SGLang keeps the broadcast)."""
 InflightUpdate = Literal["continue", "resume"]
 INFLIGHT_UPDATES: tuple[str, ...] = ("continue", "resume")
 Quantization = Literal["fp8"]
@@ -59,8 +61,12 @@ class RolloutConfig:
     this project's worker extension); the server needs only to reach the trainer's host.
     `same-host`: the vLLM server reloads a safetensors folder its client writes under
     ``train.output_dir`` (same host or a shared filesystem), the SGLang server takes CUDA IPC
-    handles (same host). In-process engines take the tensors directly and disaggregated engine
-    ranks over their own process group, so only `process-group` applies to them."""
+    handles (same host). `shard-to-shard` (engines `embedded`, `vllm`, `vllm-server`, colocated):
+    each engine worker receives only its own shard, straight from the trainer ranks that hold it,
+    with no tensor gathered whole on a trainer rank (docs/weight-resharding.md); vLLM's workers,
+    in process or a server's, join a process group with every trainer rank. Otherwise
+    in-process engines take the tensors directly and disaggregated engine ranks over their own
+    process group, so only `process-group` applies to them."""
     engine_tensor_parallel_size: int = 1
     """Tensor parallelism inside an in-process vLLM/SGLang engine (GPUs it spans)."""
     engine_eager: bool = False
@@ -200,6 +206,12 @@ class RolloutConfig:
             raise ValueError(
                 f"{prefix}.weight_transport must be one of {list(WEIGHT_TRANSPORTS)}, "
                 f"got {self.weight_transport!r}"
+            )
+        if self.weight_transport == "shard-to-shard" and self.engine not in SHARD_TO_SHARD_ENGINES:
+            raise ValueError(
+                f"{prefix}.weight_transport=shard-to-shard applies to the engines "
+                f"{list(SHARD_TO_SHARD_ENGINES)}; {prefix}.engine={self.engine!r} takes whole "
+                f"tensors (set {prefix}.weight_transport=process-group)"
             )
         if self.weight_transport == "same-host" and not self.engine.endswith("-server"):
             raise ValueError(

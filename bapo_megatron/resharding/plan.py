@@ -5,11 +5,12 @@ A pure function of the gathered maps (:func:`plan_reshard`), so every rank compu
 and checks its :attr:`ReshardPlan.digest` before any byte moves. Each element an engine worker
 holds is sent to it once, from one trainer rank that holds it: the holders of a rectangle are the
 trainer's data-parallel replicas and, for a tensor every tensor-parallel rank keeps whole, those
-ranks too; each rectangle is taken from the holder that has sent the fewest bytes so far, so the
-load spreads over them. Elements an engine holds but no HF tensor has (vocabulary padding) are the
-plan's fills: the receiver zeroes them. A bucket holds at most ``bucket_bytes`` of what any one
-rank sends and of what any one rank receives; a rectangle larger than that is cut into rows (or,
-for a single row, columns) that fit.
+ranks too; each rectangle is taken from the receiver itself when it is a holder (an engine that
+lives in a trainer rank's process), else from the holder that has sent the fewest bytes so far,
+so the load spreads over them. Elements an engine holds but no HF tensor has (vocabulary
+padding) are the plan's fills: the receiver zeroes them. A bucket holds at most
+``bucket_bytes`` of what any one rank sends and of what any one rank receives; a rectangle
+larger than that is cut into rows (or, for a single row, columns) that fit.
 """
 
 from __future__ import annotations
@@ -69,12 +70,25 @@ class ReshardPlan:
     """SHA-256 of everything above: equal on two ranks if and only if their plans are."""
 
     def sent_bytes(self) -> dict[int, int]:
-        """Bytes each sender sends per update."""
+        """Bytes each sender sends per update (copies to itself excluded)."""
         return self._bytes_by(lambda message: message.sender)
 
     def received_bytes(self) -> dict[int, int]:
-        """Bytes each receiver receives per update."""
+        """Bytes each receiver receives per update (copies from itself excluded)."""
         return self._bytes_by(lambda message: message.receiver)
+
+    def targets_of(self, receiver: int) -> set[str]:
+        """Names of the local tensors ``receiver``'s copies and fills write."""
+        names = {
+            copy.target
+            for bucket in self.buckets
+            for message in bucket
+            if message.receiver == receiver
+            for copy in message.copies
+        }
+        return names | {
+            fill.local for rank, fills in self.fills if rank == receiver for fill in fills
+        }
 
     @property
     def message_count(self) -> int:
@@ -84,7 +98,8 @@ class ReshardPlan:
         total: dict[int, int] = defaultdict(int)
         for bucket in self.buckets:
             for message in bucket:
-                total[key(message)] += message.numel * self.element_bytes
+                if message.sender != message.receiver:  # a copy in place moves nothing
+                    total[key(message)] += message.numel * self.element_bytes
         return dict(sorted(total.items()))
 
 
@@ -164,14 +179,18 @@ def _fill_region(
     boxes: dict[tuple, list[tuple[int, Region]]],
     sent: dict[int, int],
 ) -> Iterator[tuple[int, int, Copy]]:
-    """``(sender, receiver, copy)`` of every piece of ``target``, each from the least-loaded
-    holder of the trainer rectangle it lies in."""
+    """``(sender, receiver, copy)`` of every piece of ``target``, each from the receiver itself
+    when it holds the trainer rectangle the piece lies in, else from its least-loaded holder."""
     covered = 0
     for holders in boxes.values():
         part = holders[0][1].within(target.row, target.col, target.rows, target.cols)
         if part is None:
             continue
-        rank, source = min(holders, key=lambda holder: (sent[holder[0]], holder[0]))
+        # a receiver that holds the rectangle itself (an engine in a trainer rank's process)
+        # copies it in place; otherwise the least-loaded holder sends
+        rank, source = min(
+            holders, key=lambda holder: (holder[0] != receiver, sent[holder[0]], holder[0])
+        )
         sent[rank] += part.numel
         covered += part.numel
         src = source.within(part.row, part.col, part.rows, part.cols)

@@ -13,11 +13,19 @@ from __future__ import annotations
 import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from bapo_megatron.resharding.plan import Copy, Message
+
+
+class BufferKind(NamedTuple):
+    """What a rank's message buffers are: the wire dtype, on the rank's device."""
+
+    dtype: torch.dtype
+    device: torch.device
 
 
 @dataclass
@@ -46,10 +54,10 @@ def target_view(targets: Mapping[str, torch.Tensor], copy: Copy) -> torch.Tensor
     return copy_view(flat, copy.target_offset, copy.rows, copy.cols, copy.target_stride)
 
 
-def pack(message: Message, sources: Mapping[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """One contiguous buffer (``like``'s dtype and device) holding ``message``'s copies in
-    order, each row by row."""
-    buffer = torch.empty(message.numel, dtype=like.dtype, device=like.device)
+def pack(message: Message, sources: Mapping[str, torch.Tensor], kind: BufferKind) -> torch.Tensor:
+    """One contiguous buffer (of ``kind``) holding ``message``'s copies in order, each row by
+    row (converted to the wire dtype)."""
+    buffer = torch.empty(message.numel, dtype=kind.dtype, device=kind.device)
     start = 0
     for copy in message.copies:
         buffer[start : start + copy.numel].view(copy.rows, copy.cols).copy_(
@@ -60,7 +68,8 @@ def pack(message: Message, sources: Mapping[str, torch.Tensor], like: torch.Tens
 
 
 def unpack(message: Message, buffer: torch.Tensor, targets: Mapping[str, torch.Tensor]) -> None:
-    """Write a received ``buffer`` (as :func:`pack` made it) into the receiver's tensors."""
+    """Write a received ``buffer`` (as :func:`pack` made it) into the receiver's tensors
+    (converted to their dtype)."""
     start = 0
     for copy in message.copies:
         target_view(targets, copy).copy_(
@@ -74,7 +83,7 @@ def exchange_bucket(
     rank: int,
     sources: Mapping[str, torch.Tensor],
     targets: Mapping[str, torch.Tensor],
-    like: torch.Tensor,
+    kind: BufferKind,
     group: dist.ProcessGroup,
     timeout: datetime.timedelta,
 ) -> BucketTraffic:
@@ -84,18 +93,18 @@ def exchange_bucket(
     traffic = BucketTraffic()
     ops: list[dist.P2POp] = []
     arriving: list[tuple[Message, torch.Tensor]] = []
-    element_bytes = like.element_size()
+    element_bytes = torch.empty((), dtype=kind.dtype).element_size()
     for message in bucket:
         if message.sender == rank and message.receiver == rank:
             for copy in message.copies:
                 target_view(targets, copy).copy_(source_view(sources, copy))
         elif message.sender == rank:
-            buffer = pack(message, sources, like)
+            buffer = pack(message, sources, kind)
             ops.append(dist.P2POp(dist.isend, buffer, group=group, group_peer=message.receiver))
             traffic.sent_bytes += buffer.numel() * element_bytes
             traffic.sent_messages += 1
         elif message.receiver == rank:
-            buffer = torch.empty(message.numel, dtype=like.dtype, device=like.device)
+            buffer = torch.empty(message.numel, dtype=kind.dtype, device=kind.device)
             ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=message.sender))
             arriving.append((message, buffer))
     if not ops:

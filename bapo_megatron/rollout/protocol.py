@@ -162,7 +162,8 @@ def check_ready(released: bool, version: int) -> None:
         )
     if version < 0:
         raise RuntimeError(
-            "generate before any update_weights(): the engine holds no policy weights yet"
+            "generate before a complete update_weights(): the engine holds no whole policy "
+            "weights (none loaded yet, or the last update failed part-way)"
         )
 
 

@@ -175,8 +175,8 @@ class ServerWeightGroup:
             "group_name": name,
             "backend": backend,
         }
-        joined = _in_background(self.join, request)
-        built = _in_background(
+        joined = in_background(self.join, request)
+        built = in_background(
             join_weight_group,
             master_address=address,
             master_port=store.port,
@@ -199,8 +199,8 @@ class ServerWeightGroup:
             "group_name": self.group_name,
             **fields,
         }
-        received = _in_background(self.receive, request)
-        sent = _in_background(self._broadcast, [t for _, t in tensors])
+        received = in_background(self.receive, request)
+        sent = in_background(self._broadcast, [t for _, t in tensors])
         self._wait(received, sent, f"sending {len(tensors)} tensors over {self.group_name}")
         self.answer = received.result()
         return sent.result()
@@ -243,7 +243,7 @@ def _backend_for(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
     raise ValueError(f"a weight update's tensors must all be on the CPU or all on CUDA: {devices}")
 
 
-def _in_background(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+def in_background(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
     """``function`` on a daemon thread: after a failure the other side of an operation may stay
     blocked until its timeout, and must not hold up the process's exit."""
     future: Future = Future()

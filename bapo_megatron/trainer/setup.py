@@ -46,6 +46,7 @@ from bapo_megatron.trainer.warmup import run_warmup
 from bapo_megatron.weights.convert import load_hf_weights
 from bapo_megatron.weights.hf_checkpoint import HFCheckpoint
 from bapo_megatron.weights.megatron_checkpoint import load_megatron_checkpoint
+from bapo_megatron.weights.shard_sync import ShardSync, push_shards
 from bapo_megatron.weights.sync import push_weights, push_weights_to_engines
 
 log = logging.getLogger("bapo_megatron.train")
@@ -82,6 +83,9 @@ class Run:
     """Asynchronous training's admission count and last pushed version (None: synchronous)."""
     summary: RunSummary | None = None
     """What the run's last console lines sum up (rewards, bounds, time, memory); None: none."""
+    shards: ShardSync | None = None
+    """The shard-to-shard sync's plan and group (``rollout.weight_transport: shard-to-shard``),
+    built on the first update."""
 
     @property
     def checkpoints(self) -> Path:
@@ -98,6 +102,8 @@ class Run:
         if self.rewards is not None:
             self.rewards.close()
         self.watchdog.close()
+        if self.shards is not None:
+            self.shards.close()
         if self.engines is not None and self.engines.local:
             self.engines.close()  # the stream server's thread and its server client
         if self.lock is not None:
@@ -121,9 +127,16 @@ def watched(name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
 
 def push_policy(run: Run, version: int) -> None:
     """The actor's weights into the engines as policy ``version`` (collective over the trainer
-    world): colocated engines through :func:`push_weights`, engine ranks of their own through
+    world): colocated engines through :func:`push_weights` (or :func:`push_shards`, shard to
+    shard), engine ranks of their own through
     :func:`push_weights_to_engines`."""
-    if run.engines is None or run.engines.local:
+    if run.cfg.rollout.weight_transport == "shard-to-shard":  # colocated engines only
+        if run.shards is None:
+            run.shards = ShardSync()
+        push_shards(
+            run.actor, run.engine, run.shards, version=version, bucket_bytes=run.bucket_bytes
+        )
+    elif run.engines is None or run.engines.local:
         engine = run.engine if run.engines is None else run.engines.stream
         push_weights(run.actor, engine, version=version, bucket_bytes=run.bucket_bytes)
     else:

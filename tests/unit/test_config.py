@@ -359,9 +359,15 @@ def test_a_merged_key_written_again_is_not_a_duplicate(tmp_path):
     [
         (
             ["rollout.weight_transport=folder"],
-            r"^rollout\.weight_transport: expected one of \['process-group', 'same-host'\], "
-            r"got 'folder'",
+            r"^rollout\.weight_transport: expected one of \['process-group', 'same-host', "
+            r"'shard-to-shard'\], got 'folder'",
         ),
+        (
+            ["rollout.engine=sglang", "rollout.weight_transport=shard-to-shard"],
+            r"^rollout\.weight_transport=shard-to-shard applies to the engines \['embedded', "
+            r"'vllm', 'vllm-server'\]; rollout\.engine='sglang' takes whole tensors",
+        ),
+
         (
             ["rollout.weight_transport=same-host"],
             r"^rollout\.weight_transport=same-host applies to server engines .*"

@@ -31,6 +31,10 @@ def test_bad_placement_settings_name_the_field(overrides, message):
     ("overrides", "message"),
     [
         (["rollout.release_memory_during_training=true"], "release_memory_during_training"),
+        (
+            ["rollout.weight_transport=shard-to-shard"],
+            r"rollout\.weight_transport=shard-to-shard sends into colocated engines",
+        ),
     ],
 )
 def test_what_a_disaggregated_run_cannot_do_is_refused(overrides, message):

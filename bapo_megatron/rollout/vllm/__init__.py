@@ -73,6 +73,10 @@ def connect_server(setup: EngineSetup) -> RolloutEngine:
         weights_dir=setup.work_dir / f"vllm_weights_dp{setup.dp_rank}",
         timeout=setup.http_timeout,
         api_key=api_key,
-        weight_transport=setup.rollout.weight_transport,
+        # shard to shard, the workers join the trainer's transfer group instead: the client's
+        # broadcast group stays unbuilt
+        weight_transport="process-group"
+        if setup.rollout.weight_transport == "shard-to-shard"
+        else setup.rollout.weight_transport,
         record_routes=setup.record_routes,
     )

@@ -40,6 +40,7 @@ from bapo_megatron.config import ModelConfig
 from bapo_megatron.config.checks import check_engine_heads
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.resubmission import EngineOutput, ResubmittingEngine, RoundRequest
+from bapo_megatron.rollout.vllm.shard_receiving import VllmShardReceiving, rpc_payload
 from bapo_megatron.rollout.vllm.tensor_parallel import (
     cpu_thread_binding,
     executor_backend,
@@ -143,7 +144,7 @@ def _finish(reason: str | None, where: str) -> str:
 # ------------------------------------------------------------------ the engine
 
 
-class VLLMEngine(ResubmittingEngine):
+class VLLMEngine(VllmShardReceiving, ResubmittingEngine):
     """A :class:`~bapo_megatron.rollout.protocol.RolloutEngine` on an in-process ``vllm.LLM``.
 
     Build it with :meth:`from_pretrained`. ``llm`` must have been started with
@@ -326,6 +327,12 @@ class VLLMEngine(ResubmittingEngine):
                 raise
             self._failed = True
             raise failure from error
+
+    def _worker_rpc(self, method: str, action: str, payload: dict[str, Any] | None) -> list[Any]:
+        return self._rpc(method, action, *rpc_payload(payload))
+
+    def _after_shards(self) -> None:
+        self.llm.reset_prefix_cache()
 
     def _rpc(self, method: str, action: str, *args: Any) -> Any:
         """``collective_rpc`` on every worker; a worker that ended is named."""

@@ -79,6 +79,7 @@ from bapo_megatron.rollout.vllm.engine import (
     check_seeded_sampling,
     check_truncation,
 )
+from bapo_megatron.rollout.vllm.shard_receiving import VllmShardReceiving
 from bapo_megatron.rollout.vllm.worker_extension import WORKER_EXTENSION
 from bapo_megatron.rollout.weight_group import ServerWeightGroup
 
@@ -196,7 +197,7 @@ def _token_id(text: Any, position: int, where: str) -> int:
     )
 
 
-class VLLMServerClient(ResubmittingEngine):
+class VLLMServerClient(VllmShardReceiving, ResubmittingEngine):
     """A :class:`~bapo_megatron.rollout.protocol.RolloutEngine` on a vLLM server (see the module
     docstring for how to start it). Build it with :meth:`connect`.
 
@@ -323,6 +324,15 @@ class VLLMServerClient(ResubmittingEngine):
             "timeout": self.timeout,
         }
         return self._call("POST", "/collective_rpc", body)
+
+    def _worker_rpc(self, method: str, action: str, payload: dict[str, Any] | None) -> list[Any]:
+        if payload is None:
+            body = {"method": method, "args": [], "timeout": self.timeout}
+            return _results(self._call("POST", "/collective_rpc", body), method)
+        return _results(self._worker_call(method, payload), method)
+
+    def _after_shards(self) -> None:
+        self._call("POST", "/reset_prefix_cache")
 
     # -------------------------------------------------------------- generation and control
 

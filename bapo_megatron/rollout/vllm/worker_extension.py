@@ -18,8 +18,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from bapo_megatron.resharding.execute import execute_plan, shared_plan
 from bapo_megatron.rollout.checksum import Checksum
 from bapo_megatron.rollout.vllm.loader_probe import probe_shard_map
+from bapo_megatron.rollout.vllm.shard_targets import VllmShardTargets, weights_checksum
 from bapo_megatron.rollout.weight_group import join_weight_group, leave_weight_group
 
 
@@ -164,7 +166,68 @@ class BapoWorkerExtension:
 
         fields = json.loads(request)
         report = probe_shard_map(self.model_runner.get_model(), fields["hf_shapes"])
-        return {**report, "tp_rank": int(get_tensor_model_parallel_rank())}
+        dtype = str(self.vllm_config.model_config.dtype).removeprefix("torch.")
+        return {**report, "tp_rank": int(get_tensor_model_parallel_rank()), "dtype": dtype}
+
+    def bapo_receive_shards(self, request: str) -> dict[str, Any]:
+        """Receive one shard-to-shard update over a weight group joined with
+        :meth:`bapo_join_weight_group`, written straight into the checkpoint-format parameters
+        (:class:`~bapo_megatron.rollout.vllm.shard_targets.VllmShardTargets`), then redo what
+        vLLM's reload leaves undone (:func:`reloaded`). ``request`` is JSON with ``group_name``,
+        ``digest`` (the plan's), ``plan_follows`` (group rank 0 broadcasts the plan first; else
+        the one kept from the last update is used), ``wire_dtype``, ``timeout_s`` and
+        ``checksum``. Returns the bytes received and, with ``checksum``, the SHA-256 of this
+        worker's parameters. A transfer that fails part-way leaves the worker marked incomplete
+        (:meth:`bapo_weights_complete`) until an update lands whole."""
+        fields = json.loads(request)
+        group, backend = self._bapo_group(fields["group_name"])
+        device = "cpu" if backend == "gloo" else self.device
+        if fields["plan_follows"]:
+            self._bapo_plan = shared_plan(None, group, device)
+        plan = getattr(self, "_bapo_plan", None)
+        if plan is None or plan.digest != fields["digest"]:
+            raise RuntimeError(
+                f"this worker holds no plan of digest {fields['digest'][:16]} (the trainer "
+                "sends a plan with the first update after it changes)"
+            )
+        model = self.model_runner.get_model()
+        check_cpu_experts_reloadable(model)
+        targets = VllmShardTargets(model, plan.targets_of(group.rank()))
+        self._bapo_incomplete = True
+        try:
+            counts = execute_plan(
+                plan,
+                group,
+                timeout=datetime.timedelta(seconds=float(fields["timeout_s"])),
+                targets=targets,
+                wire_dtype=getattr(torch, fields["wire_dtype"]),
+            )
+        except BaseException:
+            targets.abort()
+            raise
+        reloaded(model)
+        self._bapo_incomplete = False
+        return {
+            "received_bytes": counts.received_bytes,
+            "checksum": weights_checksum(model) if fields.get("checksum") else None,
+        }
+
+    def bapo_weights_checksum(self) -> str:
+        """SHA-256 of this worker's parameters (:func:`weights_checksum`)."""
+        return weights_checksum(self.model_runner.get_model())
+
+    def bapo_weights_complete(self) -> bool:
+        """False after a shard-to-shard update failed part-way, until one lands whole."""
+        return not getattr(self, "_bapo_incomplete", False)
+
+    def _bapo_group(self, name: str) -> tuple[Any, str]:
+        groups = getattr(self, "_bapo_weight_groups", {})
+        if name not in groups:
+            raise RuntimeError(
+                f"weight group {name!r} was not joined here (joined: {sorted(groups)}); call "
+                "bapo_join_weight_group first"
+            )
+        return groups[name]
 
     def bapo_load_weights(
         self, named_tensors: list[tuple[str, torch.Tensor]], checksum: bool = False
@@ -177,6 +240,7 @@ class BapoWorkerExtension:
         report = summed(named_tensors, checksum)
         self.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
         reloaded(self.model_runner.get_model())
+        self._bapo_incomplete = False
         return report
 
     def bapo_load_weights_from(self, request: str) -> dict[str, Any]:
@@ -191,6 +255,7 @@ class BapoWorkerExtension:
         report = summed(named, bool(fields.get("checksum")))
         self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
         reloaded(self.model_runner.get_model())
+        self._bapo_incomplete = False
         return report
 
     def bapo_join_weight_group(self, request: str) -> dict[str, Any]:
@@ -225,13 +290,7 @@ class BapoWorkerExtension:
         an update cut off part-way raises here and leaves the model on its previous weights.
         Returns :func:`summed`."""
         fields = json.loads(request)
-        groups = getattr(self, "_bapo_weight_groups", {})
-        if fields["group_name"] not in groups:
-            raise RuntimeError(
-                f"weight group {fields['group_name']!r} was not joined here (joined: "
-                f"{sorted(groups)}); call bapo_join_weight_group first"
-            )
-        group, backend = groups[fields["group_name"]]
+        group, backend = self._bapo_group(fields["group_name"])
         # gloo carries CPU tensors; NCCL the worker's own device's
         device = "cpu" if backend == "gloo" else self.device
         received = [
@@ -247,6 +306,7 @@ class BapoWorkerExtension:
         report = summed(received, bool(fields.get("checksum")))
         self.reload_weights(weights_iterator=iter(received), is_checkpoint_format=True)
         reloaded(self.model_runner.get_model())
+        self._bapo_incomplete = False
         return report
 
 

@@ -1,0 +1,47 @@
+"""The embedded engine's side of the shard-to-shard weight sync: it lives in a trainer rank's
+process, so that rank receives each region straight into the engine's parameters (no tensor is
+assembled first), in the same transfer that sends the rank's own shards.
+
+The engine holds every HF tensor whole, in its parameter of the same name or in a view of a
+fused parameter (transformers' fused experts); its map is read off those views.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bapo_megatron.models.experts import fused_expert_view
+from bapo_megatron.models.shard_map import Region, ShardMap
+
+
+def whole_tensor_map(
+    params: dict[str, torch.nn.Parameter], hf_shapes: dict[str, tuple[int, ...]], rank: int = 0
+) -> ShardMap:
+    """The map of a model that holds each tensor of ``hf_shapes`` whole in ``params`` (by name,
+    or as a view of a fused parameter); a tied ``lm_head.weight`` it does not have is skipped.
+    ``ValueError`` naming a tensor it cannot place."""
+    by_storage = {
+        param.untyped_storage().data_ptr(): (name, param) for name, param in params.items()
+    }
+    regions = []
+    used: dict[str, tuple[int, ...]] = {}
+    for hf, shape in hf_shapes.items():
+        view = fused_expert_view(hf, params)
+        if view is None:
+            view = params.get(hf)
+        if view is None:
+            if hf == "lm_head.weight":
+                continue
+            raise ValueError(f"the engine has no parameter for {hf!r}")
+        if tuple(view.shape) != tuple(shape):
+            raise ValueError(f"{hf!r}: the engine holds shape {tuple(view.shape)}, not {shape}")
+        name, base = by_storage[view.untyped_storage().data_ptr()]
+        if not base.is_contiguous() or (view.dim() == 2 and view.stride(1) != 1):
+            raise ValueError(f"{hf!r}: {name} is not laid out in rows")
+        offset = view.storage_offset() - base.storage_offset()
+        rows = shape[0]
+        cols = shape[1] if len(shape) == 2 else 1
+        stride = view.stride(0) if len(shape) == 2 else 1
+        regions.append(Region(hf, 0, 0, rows, cols, name, offset, stride))
+        used[name] = tuple(base.shape)
+    return ShardMap(rank, tuple(regions), (), tuple(sorted(used.items())))

@@ -1,0 +1,139 @@
+"""A vLLM worker's side of a shard-to-shard transfer (written for vLLM 0.32): the
+:class:`~bapo_megatron.resharding.execute.TargetTensors` the executor writes, layer by layer in
+the checkpoint format that vLLM's loaders fill.
+
+A layer is taken apart when the plan first writes one of its parameters, as vLLM's in-place
+reload does it (its processed "kernel" tensors set aside, the parameters restored to their
+checkpoint shapes and allocated), and put together once every parameter of it that the plan
+writes is complete: the quantization method's post-load processing runs and the processed
+values are copied into the kernel tensors, which go back in place (CUDA graphs keep pointing at
+them). So a worker holds at most the layers of one bucket twice. A bias, which vLLM never
+restores, is written in place.
+
+After a failed transfer :meth:`VllmShardTargets.abort` puts the set-aside tensors of the layers
+still open back; layers completed before the failure hold the new weights, so the worker is
+marked incomplete until a whole update lands (see the worker extension).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+class VllmShardTargets:
+    """The checkpoint-format parameters of ``model`` (a worker's model) that ``planned`` (the
+    plan's target names for this worker, ``module.parameter``) writes, in ``dtype``."""
+
+    def __init__(self, model: torch.nn.Module, planned: Iterable[str]) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        self.model, self.info_of = model, LAYERWISE_INFO
+        self.modules = dict(model.named_modules())
+        self.pending: dict[str, set[str]] = {}
+        for name in planned:
+            module, _, param = name.rpartition(".")
+            self.pending.setdefault(module, set()).add(param)
+        self.open_modules: dict[str, set[str]] = {}
+        self.completed = 0
+        first = next(model.parameters(), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+
+    def numel(self, name: str) -> int | None:
+        module_name, _, param = name.rpartition(".")
+        module = self.modules.get(module_name)
+        if module is None:
+            return None
+        recorded = self._recorded(module)
+        template = recorded.get(param, module._parameters.get(param))
+        if template is None:
+            return None
+        missing = sorted(set(recorded) - self.pending.get(module_name, set()))
+        if missing:
+            raise ValueError(
+                f"{module_name}: the plan writes {sorted(self.pending.get(module_name, ()))} "
+                f"but not {missing}, which vLLM restores before processing the layer"
+            )
+        return template.numel()
+
+    def open(self, name: str) -> torch.Tensor:
+        module_name, _, param = name.rpartition(".")
+        if module_name not in self.open_modules:
+            self._take_apart(module_name)
+        return getattr(self.modules[module_name], param).data
+
+    def written(self, names: list[str]) -> None:
+        for name in names:
+            module_name, _, param = name.rpartition(".")
+            remaining = self.open_modules[module_name]
+            remaining.discard(param)
+            if not remaining:
+                self._put_together(module_name)
+
+    def abort(self) -> None:
+        """Put back the set-aside tensors of every layer still open (they keep their previous
+        weights)."""
+        from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors
+
+        for module_name in list(self.open_modules):
+            module = self.modules[module_name]
+            info = self.info_of[module]
+            if info.kernel_tensors is not None:
+                _place_kernel_tensors(module, info)
+            info.reset()
+            del self.open_modules[module_name]
+
+    def _recorded(self, module: torch.nn.Module) -> dict[str, Any]:
+        info = self.info_of.get(module)
+        return info.restore_metadata[0] if info is not None else {}
+
+    def _take_apart(self, module_name: str) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import (
+            materialize_layer,
+            restore_layer_on_meta,
+        )
+        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+        module = self.modules[module_name]
+        info = get_layerwise_info(module)
+        info.kernel_tensors = get_layer_params_buffers(module)
+        info.kernel_non_persistent_buffers = set(module._non_persistent_buffers_set)
+        restore_layer_on_meta(module, info)
+        materialize_layer(module, info)
+        self.open_modules[module_name] = set(self.pending[module_name])
+
+    def _put_together(self, module_name: str) -> None:
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            _copy_and_restore_kernel_tensors,
+        )
+
+        module = self.modules[module_name]
+        info = self.info_of[module]
+        if hasattr(module, "_already_called_process_weights_after_loading"):
+            delattr(module, "_already_called_process_weights_after_loading")
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, QuantizeMethodBase):
+            method.process_weights_after_loading(module)
+            if hasattr(module, "update_param_tp_status"):
+                module.update_param_tp_status()
+        _copy_and_restore_kernel_tensors(module, info)
+        info.reset()
+        del self.open_modules[module_name]
+        self.completed += 1
+
+
+def weights_checksum(model: torch.nn.Module) -> str:
+    """SHA-256 of a worker's parameters (names in order, dtypes, shapes, bytes): equal on two
+    workers of the same rank exactly when their weights are."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        tensor = param.detach().contiguous().cpu()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()

@@ -1,0 +1,176 @@
+"""The worker of the shard-to-shard sync tests (tests/distributed/test_shard_sync.py with the
+embedded engine; tests/unit/test_rollout_vllm_shard_sync.py with vLLM), started by
+tests/helpers/gloo_launch.py in 4 processes. Light at import time (see
+tests/distributed/weights_layouts_worker.py).
+
+For every layout each rank converts the HF folder, and each replica's engine rank starts its
+engine. Three rounds, each with new weights (every trainer parameter moved by the same
+elementwise map, so replicas stay equal): ``push_shards`` syncs them and the engine ranks record
+what the engine holds, its greedy tokens and their log-probs; then today's broadcast path
+(``push_weights``) syncs the same weights and they record it again. Every rank records the
+gathers and whole-tensor placements counted during the shard-to-shard sync and what it moved.
+Then a rank that planned with another bucket size (every rank raises; the engine refuses to
+generate), and the next layout, with the same sync state (the plan is made again). The parent
+test makes the comparisons.
+"""
+
+from __future__ import annotations
+
+import sys
+
+DENSE_LAYOUTS = {  # name -> ParallelConfig fields
+    "tp2": {"tensor_model_parallel_size": 2},
+    "tp2pp2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+}
+MOE_LAYOUTS = {
+    "tp2-sp-ep2": {
+        "tensor_model_parallel_size": 2,
+        "sequence_parallel": True,
+        "expert_model_parallel_size": 2,
+    },
+}
+ROUNDS = 3
+BUCKET_BYTES = 24_000
+PROMPTS = [[3, 17, 42, 5], [9, 8, 7]]
+NEW_TOKENS = 5
+
+
+def moved(chunks, round_: int) -> None:
+    """Every parameter through the same elementwise map (replicas stay equal)."""
+    import torch
+
+    from bapo_megatron.models.name_maps import chunk_parameters
+
+    with torch.no_grad():
+        for chunk in chunks:
+            for _, param in chunk_parameters(chunk):
+                param.mul_(1.0 + 0.05 * round_).add_(0.01 * round_)
+
+
+class Counted:
+    """Counts calls of the tensor gathers and of the whole-tensor assembly while active."""
+
+    NAMES = ("gather", "all_gather", "all_gather_into_tensor", "all_gather_single")
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        import bapo_megatron.weights.transports as transports
+
+        self.calls = 0
+        self.saved = []
+        for module, name in [(dist, n) for n in self.NAMES if hasattr(dist, n)] + [
+            (transports, "place_shard")
+        ]:
+            original = getattr(module, name)
+            self.saved.append((module, name, original))
+            setattr(module, name, self._counting(original))
+
+    def _counting(self, original):
+        def call(*args, **kwargs):
+            tensors = [a for a in (*args, *kwargs.values()) if hasattr(a, "is_floating_point")]
+            if not tensors or any(t.is_floating_point() for t in tensors):
+                self.calls += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    def close(self) -> None:
+        for module, name, original in self.saved:
+            setattr(module, name, original)
+
+
+def engine_state(engine) -> dict:
+    """What an engine holds and generates: its parameters (embedded) or its workers' weight
+    checksums (vLLM), greedy tokens and their log-probs."""
+    from bapo_megatron.rollout.protocol import SamplingParams
+
+    params = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=NEW_TOKENS, seed=3)
+    samples = engine.generate(PROMPTS, params)
+    if hasattr(engine, "weights_checksums"):
+        held = engine.weights_checksums()
+    else:
+        held = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    return {
+        "held": held,
+        "tokens": [s.token_ids for s in samples],
+        "logprobs": [s.logprobs for s in samples],
+    }
+
+
+def main(argv: list[str]) -> None:
+    import types
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from bapo_megatron.config import ParallelConfig
+    from bapo_megatron.distributed.context import ParallelContext
+    from bapo_megatron.rollout.guard import EngineFailure
+    from bapo_megatron.trainer.replicas import holds_engine
+    from bapo_megatron.weights.convert import hf_to_megatron
+    from bapo_megatron.weights.shard_sync import ShardSync, push_shards
+    from bapo_megatron.weights.sync import push_weights
+    from tests.distributed import shard_sync_engines
+    from tests.helpers import gloo_launch
+
+    args = gloo_launch.worker_arguments(argv, workdir=str, engine=str, moe=int, url=str)
+    gloo_launch.join_group(args, timeout_s=120)
+    work = Path(args.workdir)
+    layouts = MOE_LAYOUTS if args.moe else DENSE_LAYOUTS
+    results: dict = {}
+    sync = ShardSync()  # kept across layouts: a new layout makes the plan again
+    for name, fields in layouts.items():
+        ctx = ParallelContext.initialize(ParallelConfig(**fields))
+        model, chunks = hf_to_megatron(work / "hf", work / f"ckpt-{name}", ctx)
+        actor = types.SimpleNamespace(context=ctx, chunks=chunks, model_config=model)
+        engine = shard_sync_engines.start(args, ctx) if holds_engine(ctx) else None
+        for round_ in range(1, ROUNDS + 1):
+            moved(chunks, round_)
+            counted = Counted()
+            try:
+                reports = push_shards(
+                    actor, engine, sync, version=round_, bucket_bytes=BUCKET_BYTES, checksum=True
+                )
+            finally:
+                counted.close()
+            result = results[name, round_] = {
+                "gathers": counted.calls,
+                "counts": sync.last,
+                "digest": sync.plan.digest,
+                "reports": reports,
+                "plan_bytes": (sync.plan.sent_bytes(), sync.plan.received_bytes()),
+            }
+            if engine is not None:
+                result["shards"] = engine_state(engine)
+            # the same weights through the broadcast path
+            push_weights(actor, engine, version=round_, bucket_bytes=BUCKET_BYTES)
+            if engine is not None:
+                result["broadcast"] = engine_state(engine)
+        # a rank that planned with another bucket size: every rank stops, and the engine does
+        # not generate until a whole update lands
+        odd = BUCKET_BYTES // 2 if ctx.rank == ctx.world_size - 1 else BUCKET_BYTES
+        try:
+            push_shards(actor, engine, ShardSync(), version=ROUNDS + 1, bucket_bytes=odd)
+            results[name, "mismatch"] = "ran"
+        except EngineFailure as error:
+            results[name, "mismatch"] = str(error)
+        if engine is not None:
+            try:
+                engine_state(engine)
+                results[name, "after-mismatch"] = "generated"
+            except RuntimeError as error:
+                results[name, "after-mismatch"] = str(error)
+        results[name, "layout"] = (ctx.tp_size, ctx.pp_size, ctx.ep_size, ctx.rank)
+        shard_sync_engines.stop(engine)
+        ctx.teardown()
+    sync.close()
+    gloo_launch.save_result(results, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    from bapo_megatron.commands.process_exit import skip_final_collection
+
+    skip_final_collection()
