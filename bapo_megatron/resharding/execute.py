@@ -16,6 +16,7 @@ may be one that engine workers joined from processes of another world.
 from __future__ import annotations
 
 import datetime
+import pickle
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -298,8 +299,6 @@ def shared_plan(
     """The plan group rank 0 holds, on every rank of ``group`` (collective; ``device``: where
     the group's tensors live, CUDA under NCCL): for members that cannot plan themselves (engine
     workers, which never see the trainer's maps)."""
-    import pickle
-
     options = dist.BroadcastOptions()
     options.rootRank = 0
     payload = pickle.dumps(plan) if group.rank() == 0 else b""

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import os
 import pickle
 import socket
 import uuid
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,12 +131,19 @@ def push_shards(
     except Exception as error:
         failure = error
         sync.workers_hold = None
+        if future is not None:  # the engine's call ends too before the engine is called again
+            _settled(future, sync.timeout)
     raise_if_any_rank_failed(
         failure,
         error_type=EngineFailure,
         where=f"stopped during the shard-to-shard weight update to version {version}",
     )
     return reports
+
+
+def _settled(future: Future, timeout: datetime.timedelta) -> None:
+    """Wait for ``future`` to end, whatever its outcome, at most ``timeout``."""
+    wait_futures([future], timeout=timeout.total_seconds())
 
 
 def trainer_map(actor: Actor) -> ShardMap:
@@ -243,16 +253,21 @@ def _build_group(engine: ShardReceiver | None, sync: ShardSync, context: Paralle
                 "timeout_s": sync.timeout.total_seconds(),
             },
         )
-    sync.group = join_weight_group(
-        master_address=address,
-        master_port=port,
-        rank=context.rank,
-        world_size=size,
-        group_name=name,
-        backend=backend,
-        timeout=sync.timeout,
-        store=store,
-    )
+    try:
+        sync.group = join_weight_group(
+            master_address=address,
+            master_port=port,
+            rank=context.rank,
+            world_size=size,
+            group_name=name,
+            backend=backend,
+            timeout=sync.timeout,
+            store=store,
+        )
+    except Exception:
+        if joined is not None:  # the engine's call ends too before the engine is called again
+            _settled(joined, sync.timeout)
+        raise
     sync.group_name, sync._store = name, store
     if joined is not None:
         joined.result(timeout=sync.timeout.total_seconds())
@@ -261,6 +276,4 @@ def _build_group(engine: ShardReceiver | None, sync: ShardSync, context: Paralle
 def _own_address() -> str:
     """Where the engine workers reach trainer rank 0's store: ``MASTER_ADDR`` when set (the
     launcher's), else this host's name."""
-    import os
-
     return os.environ.get("MASTER_ADDR") or socket.gethostname()

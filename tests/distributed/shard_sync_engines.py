@@ -4,14 +4,16 @@ started by the parent test)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 ENGINE_TP = 2
+KEY_ENV = "VLLM_TEST_KEY"
+"""Where a server's API key is given to the workers."""
 
 
-def start(args, ctx):
+def start(args, folder: Path):
     """The replica's engine on its engine rank, holding the HF folder's weights."""
-    folder = Path(args.workdir) / "hf"
     if args.engine == "embedded":
         from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 
@@ -28,10 +30,16 @@ def start(args, ctx):
         )
     if args.engine == "vllm-server":
         from bapo_megatron.config import ModelConfig
+        from bapo_megatron.rollout.http import ApiKey
         from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 
+        key = os.environ.get(KEY_ENV)
         return VLLMServerClient.connect(
-            args.url, ModelConfig.from_hf_config(folder), weight_transport="process-group"
+            args.url,
+            ModelConfig.from_hf_config(folder),
+            weight_transport="process-group",
+            api_key=None if key is None else ApiKey(key, KEY_ENV),
+            timeout=120,
         )
     raise ValueError(f"unknown engine {args.engine!r}")
 

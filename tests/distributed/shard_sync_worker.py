@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import sys
 
-DENSE_LAYOUTS = {  # name -> ParallelConfig fields
+LAYOUTS = {  # name -> ParallelConfig fields
     "tp2": {"tensor_model_parallel_size": 2},
     "tp2pp2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
-}
-MOE_LAYOUTS = {
+    "ep2": {"expert_model_parallel_size": 2},
     "tp2-sp-ep2": {
         "tensor_model_parallel_size": 2,
         "sequence_parallel": True,
@@ -98,6 +97,48 @@ def engine_state(engine) -> dict:
     }
 
 
+def killed_mid_sync(actor, engine, ctx) -> dict:
+    """SIGKILL the in-process vLLM's second worker when the engine rank starts its second bucket
+    of a shard-to-shard sync (after the worker is seen dead, the sync goes on): what each rank
+    raised, and on the engine rank what a generation then raises."""
+    import datetime
+    import os
+    import signal
+
+    import bapo_megatron.resharding.execute as execute
+    from bapo_megatron.rollout.guard import EngineFailure
+    from bapo_megatron.rollout.vllm.tensor_parallel import executor_of
+    from bapo_megatron.weights.shard_sync import ShardSync, push_shards
+
+    original, calls = execute.exchange_bucket, []
+    victim = executor_of(engine.llm).workers[1].proc if engine is not None else None
+
+    def exchange(*args, **kwargs):
+        calls.append(None)
+        if victim is not None and len(calls) == 2:
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join()  # dead before anything more is sent
+        return original(*args, **kwargs)
+
+    execute.exchange_bucket = exchange
+    outcome = {"pid": victim and victim.pid}
+    try:
+        sync = ShardSync(timeout=datetime.timedelta(seconds=30))
+        push_shards(actor, engine, sync, version=9, bucket_bytes=BUCKET_BYTES)
+        outcome["sync"] = "ran"
+    except EngineFailure as error:
+        outcome["sync"] = str(error)
+    finally:
+        execute.exchange_bucket = original
+    if engine is not None:
+        try:
+            engine_state(engine)
+            outcome["generate"] = "generated"
+        except RuntimeError as error:
+            outcome["generate"] = str(error)
+    return outcome
+
+
 def main(argv: list[str]) -> None:
     import types
     from pathlib import Path
@@ -114,17 +155,21 @@ def main(argv: list[str]) -> None:
     from tests.distributed import shard_sync_engines
     from tests.helpers import gloo_launch
 
-    args = gloo_launch.worker_arguments(argv, workdir=str, engine=str, moe=int, url=str)
+    args = gloo_launch.worker_arguments(
+        argv, workdir=str, engine=str, layouts=str, url=str, kill=int
+    )
     gloo_launch.join_group(args, timeout_s=120)
     work = Path(args.workdir)
-    layouts = MOE_LAYOUTS if args.moe else DENSE_LAYOUTS
+    layouts = {name: LAYOUTS[name] for name in args.layouts.split(",")}
     results: dict = {}
     sync = ShardSync()  # kept across layouts: a new layout makes the plan again
+    started = []
     for name, fields in layouts.items():
         ctx = ParallelContext.initialize(ParallelConfig(**fields))
-        model, chunks = hf_to_megatron(work / "hf", work / f"ckpt-{name}", ctx)
+        folder = work / ("hf-moe" if "ep2" in name else "hf")
+        model, chunks = hf_to_megatron(folder, work / f"ckpt-{name}", ctx)
         actor = types.SimpleNamespace(context=ctx, chunks=chunks, model_config=model)
-        engine = shard_sync_engines.start(args, ctx) if holds_engine(ctx) else None
+        engine = shard_sync_engines.start(args, folder) if holds_engine(ctx) else None
         for round_ in range(1, ROUNDS + 1):
             moved(chunks, round_)
             counted = Counted()
@@ -162,11 +207,16 @@ def main(argv: list[str]) -> None:
             except RuntimeError as error:
                 results[name, "after-mismatch"] = str(error)
         results[name, "layout"] = (ctx.tp_size, ctx.pp_size, ctx.ep_size, ctx.rank)
-        shard_sync_engines.stop(engine)
+        if args.kill and name == list(layouts)[-1]:
+            results["killed"] = killed_mid_sync(actor, engine, ctx)
+        started.append(engine)
         ctx.teardown()
     sync.close()
+    for engine in started:  # at the end: closing an in-process vLLM ends the default group
+        shard_sync_engines.stop(engine)
     gloo_launch.save_result(results, args.out)
-    dist.destroy_process_group()
+    if dist.is_initialized():  # an in-process vLLM that shut down took the default group along
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

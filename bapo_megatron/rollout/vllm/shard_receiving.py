@@ -62,6 +62,9 @@ class VllmShardReceiving:
             raise RuntimeError("update_weights after release_memory(): call resume_memory() first")
         self.version = -1  # until every worker has loaded the whole update
         reports = self._worker_rpc("bapo_receive_shards", "receiving shards", request)
+        failed = [f"worker {i}: {r['error']}" for i, r in enumerate(reports) if r.get("error")]
+        if failed:
+            raise RuntimeError(f"{self.engine_name}: " + "; ".join(failed))
         self._after_shards()
         self.version = int(version)
         return list(reports)

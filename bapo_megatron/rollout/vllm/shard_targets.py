@@ -17,6 +17,7 @@ marked incomplete until a whole update lands (see the worker extension).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -129,8 +130,6 @@ class VllmShardTargets:
 def weights_checksum(model: torch.nn.Module) -> str:
     """SHA-256 of a worker's parameters (names in order, dtypes, shapes, bytes): equal on two
     workers of the same rank exactly when their weights are."""
-    import hashlib
-
     digest = hashlib.sha256()
     for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
         tensor = param.detach().contiguous().cpu()

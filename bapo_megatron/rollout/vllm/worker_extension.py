@@ -177,8 +177,9 @@ class BapoWorkerExtension:
         ``digest`` (the plan's), ``plan_follows`` (group rank 0 broadcasts the plan first; else
         the one kept from the last update is used), ``wire_dtype``, ``timeout_s`` and
         ``checksum``. Returns the bytes received and, with ``checksum``, the SHA-256 of this
-        worker's parameters. A transfer that fails part-way leaves the worker marked incomplete
-        (:meth:`bapo_weights_complete`) until an update lands whole."""
+        worker's parameters, or ``{"error": ...}`` when the transfer failed. A transfer that
+        fails part-way leaves the worker marked incomplete (:meth:`bapo_weights_complete`) until
+        an update lands whole."""
         fields = json.loads(request)
         group, backend = self._bapo_group(fields["group_name"])
         device = "cpu" if backend == "gloo" else self.device
@@ -202,9 +203,11 @@ class BapoWorkerExtension:
                 targets=targets,
                 wire_dtype=getattr(torch, fields["wire_dtype"]),
             )
-        except BaseException:
+        except Exception as error:
             targets.abort()
-            raise
+            # reported, not raised: vLLM's executor stops reading answers at the first worker
+            # that raised, and the next call would read the others'
+            return {"error": f"{type(error).__name__}: {error}"}
         reloaded(model)
         self._bapo_incomplete = False
         return {
