@@ -21,7 +21,7 @@ import sys
 LAYOUTS = {  # name -> ParallelConfig fields
     "tp2": {"tensor_model_parallel_size": 2},
     "tp2pp2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
-    "ep2": {"expert_model_parallel_size": 2},
+    "pp2": {"pipeline_model_parallel_size": 2},
     "tp2-sp-ep2": {
         "tensor_model_parallel_size": 2,
         "sequence_parallel": True,

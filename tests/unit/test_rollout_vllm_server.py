@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,6 +31,8 @@ from bapo_megatron.rollout.http import ApiKey, ServerRefusedKey, answers_health,
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 from bapo_megatron.rollout.vllm.worker_extension import WORKER_EXTENSION
+from tests.distributed.shard_sync_engines import KEY_ENV
+from tests.distributed.test_shard_sync import check_results, launch
 from tests.unit.test_rollout_vllm import TENSOR_PARALLEL, VLLM_MODEL, long_seeded_continuations
 
 pytestmark = pytest.mark.skipif(
@@ -310,6 +313,25 @@ def test_a_tp2_vllm_server_takes_weights_by_both_routes_into_both_workers(
             reports = by_group.weight_group.answer["results"]
             assert [report["checksum"] for report in reports] == [digest, digest]
         under_weights(client, new, version)
+
+
+@pytest.mark.multiprocess
+def test_a_tp2_vllm_server_receives_shard_to_shard_from_trainer_pp2(
+    server_processes, monkeypatch, tmp_path
+):
+    """The TP 2 server's workers join a transfer group with a trainer at PP 2 (2 processes,
+    tests/distributed/shard_sync_worker.py, after the module's other updates reloaded the
+    server in place): three syncs with new weights, each equal to the broadcast path's on the
+    workers' checksums, greedy tokens and log-probs (the model's one key/value head goes to
+    both workers); a rank that planned with another bucket size stops every rank."""
+    server = server_processes[2]
+    server.live_client()
+    shutil.copytree(
+        server.folder, tmp_path / "hf", ignore=shutil.ignore_patterns("*.log", "updates")
+    )
+    monkeypatch.setenv(KEY_ENV, TP2_KEY)
+    results = launch(tmp_path, ["pp2"], world=2, engine="vllm-server", url=server.base_url)
+    check_results(results, ["pp2"])
 
 
 @pytest.mark.parametrize(

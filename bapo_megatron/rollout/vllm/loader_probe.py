@@ -103,6 +103,9 @@ def _standins(model: torch.nn.Module) -> Iterator[tuple[dict[str, torch.Tensor],
                 standin.__dict__ = template.__dict__.copy()
                 restore_layer_refs(standin, layer)
                 loader = getattr(standin, "weight_loader", default_weight_loader)
+                # an in-place reload leaves its deferring wrapper on the recorded parameters
+                while getattr(loader, "__name__", "") == "online_process_loader":
+                    loader = loader.__wrapped__
                 standin.weight_loader = _recording(loader, local, touched)
                 layer._parameters[name] = standin
                 standins[local] = standin

@@ -265,13 +265,15 @@ class BapoWorkerExtension:
         """Join the trainer's weight group (:mod:`bapo_megatron.rollout.weight_group`) as group
         rank ``rank_offset`` + this worker's rank. ``request`` is JSON (only strings cross a
         server's ``/collective_rpc``) with SGLang's ``/init_weights_update_group`` fields plus
-        ``timeout_s``, which bounds joining and every later receive. Groups joined earlier are
-        destroyed first: the trainer builds a new one only after the old one failed."""
+        ``timeout_s``, which bounds joining and every later receive. Groups of the same kind
+        joined earlier (the name without its last ``-`` part: the broadcast's, the
+        shard-to-shard transfer's) are destroyed first: the trainer builds a new one only after
+        the old one failed or its members changed."""
         fields = json.loads(request)
         groups = getattr(self, "_bapo_weight_groups", {})
-        for group, _ in groups.values():
-            leave_weight_group(group)
-        groups.clear()
+        kind = fields["group_name"].rsplit("-", 1)[0]
+        for name in [name for name in groups if name.rsplit("-", 1)[0] == kind]:
+            leave_weight_group(groups.pop(name)[0])
         group = join_weight_group(
             master_address=fields["master_address"],
             master_port=int(fields["master_port"]),
