@@ -130,8 +130,12 @@ def push_shards(
             reports = future.result(timeout=sync.timeout.total_seconds())
     except Exception as error:
         failure = error
+        # Closing the group ends the peers' waits at once (a gloo peer that is gone is seen
+        # only through its closed connection); the next update builds a new one. The engine's
+        # call then ends too before the engine is called again.
+        sync.close()
         sync.workers_hold = None
-        if future is not None:  # the engine's call ends too before the engine is called again
+        if future is not None:
             _settled(future, sync.timeout)
     raise_if_any_rank_failed(
         failure,

@@ -21,13 +21,21 @@ def start(args, folder: Path):
     if args.engine == "vllm":
         from bapo_megatron.rollout.vllm.engine import VLLMEngine
 
-        return VLLMEngine.from_pretrained(
+        engine = VLLMEngine.from_pretrained(
             folder,
             tensor_parallel_size=ENGINE_TP,
             max_model_len=64,
             enforce_eager=True,
             kv_cache_gib=1,
         )
+        load = engine._load_weights
+
+        def kept(tensors, **kwargs):  # the broadcast path's tensors, for a reference model
+            engine.last_loaded = {name: tensor.clone() for name, tensor in tensors}
+            return load(iter(engine.last_loaded.items()), **kwargs)
+
+        engine._load_weights = kept
+        return engine
     if args.engine == "vllm-server":
         from bapo_megatron.config import ModelConfig
         from bapo_megatron.rollout.http import ApiKey
@@ -47,3 +55,17 @@ def start(args, folder: Path):
 def stop(engine) -> None:
     if engine is not None and hasattr(engine, "close"):
         engine.close()
+
+
+def probed(engine) -> bool:
+    """An in-process vLLM's maps read off its loaders equal the described ones (raises if not,
+    tests/helpers/vllm_shard_checks.py), a padded vocabulary's rows being the last worker's
+    fills."""
+    from tests.helpers.vllm_shard_checks import check_engine_shard_maps
+
+    maps = check_engine_shard_maps(engine, ENGINE_TP)
+    if engine.model_config.vocab_size % 64:
+        assert maps[-1].fills
+        vocab = {"model.embed_tokens.weight", "lm_head.weight"}
+        assert {fill.local for fill in maps[-1].fills} <= vocab
+    return True

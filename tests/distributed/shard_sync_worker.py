@@ -17,15 +17,23 @@ test makes the comparisons.
 from __future__ import annotations
 
 import sys
+import time
 
 LAYOUTS = {  # name -> ParallelConfig fields
     "tp2": {"tensor_model_parallel_size": 2},
     "tp2pp2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+    "moe-tp2pp2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
     "pp2": {"pipeline_model_parallel_size": 2},
     "tp2-sp-ep2": {
         "tensor_model_parallel_size": 2,
         "sequence_parallel": True,
         "expert_model_parallel_size": 2,
+    },
+    "tp2-sp-ep2-pp2": {
+        "tensor_model_parallel_size": 2,
+        "sequence_parallel": True,
+        "expert_model_parallel_size": 2,
+        "pipeline_model_parallel_size": 2,
     },
 }
 ROUNDS = 3
@@ -161,15 +169,27 @@ def main(argv: list[str]) -> None:
     gloo_launch.join_group(args, timeout_s=120)
     work = Path(args.workdir)
     layouts = {name: LAYOUTS[name] for name in args.layouts.split(",")}
+    start = time.monotonic()
+
+    def log(what: str) -> None:  # in the rank's log, shown if the launch fails
+        print(f"{time.monotonic() - start:6.1f} s  {what}", flush=True)
+
     results: dict = {}
     sync = ShardSync()  # kept across layouts: a new layout makes the plan again
-    started = []
+    engines: dict = {}
     for name, fields in layouts.items():
         ctx = ParallelContext.initialize(ParallelConfig(**fields))
-        folder = work / ("hf-moe" if "ep2" in name else "hf")
+        folder = work / ("hf-moe" if "ep2" in name or name.startswith("moe") else "hf")
         model, chunks = hf_to_megatron(folder, work / f"ckpt-{name}", ctx)
         actor = types.SimpleNamespace(context=ctx, chunks=chunks, model_config=model)
-        engine = shard_sync_engines.start(args, folder) if holds_engine(ctx) else None
+        log(f"{name}: converted")
+        # one engine per model, kept across layouts
+        if holds_engine(ctx) and folder not in engines:
+            engines[folder] = shard_sync_engines.start(args, folder)
+            if args.engine == "vllm":
+                results["probed"] = shard_sync_engines.probed(engines[folder])
+        engine = engines.get(folder) if holds_engine(ctx) else None
+        log(f"{name}: engine started")
         for round_ in range(1, ROUNDS + 1):
             moved(chunks, round_)
             counted = Counted()
@@ -192,11 +212,14 @@ def main(argv: list[str]) -> None:
             push_weights(actor, engine, version=round_, bucket_bytes=BUCKET_BYTES)
             if engine is not None:
                 result["broadcast"] = engine_state(engine)
+                if round_ == ROUNDS and hasattr(engine, "last_loaded"):
+                    result["hf_tensors"] = engine.last_loaded
+        log(f"{name}: {ROUNDS} rounds synced")
         # a rank that planned with another bucket size: every rank stops, and the engine does
         # not generate until a whole update lands
         odd = BUCKET_BYTES // 2 if ctx.rank == ctx.world_size - 1 else BUCKET_BYTES
         try:
-            push_shards(actor, engine, ShardSync(), version=ROUNDS + 1, bucket_bytes=odd)
+            push_shards(actor, engine, sync, version=ROUNDS + 1, bucket_bytes=odd)
             results[name, "mismatch"] = "ran"
         except EngineFailure as error:
             results[name, "mismatch"] = str(error)
@@ -207,12 +230,13 @@ def main(argv: list[str]) -> None:
             except RuntimeError as error:
                 results[name, "after-mismatch"] = str(error)
         results[name, "layout"] = (ctx.tp_size, ctx.pp_size, ctx.ep_size, ctx.rank)
+        log(f"{name}: mismatch refused")
         if args.kill and name == list(layouts)[-1]:
             results["killed"] = killed_mid_sync(actor, engine, ctx)
-        started.append(engine)
+            log(f"{name}: killed mid-sync")
         ctx.teardown()
     sync.close()
-    for engine in started:  # at the end: closing an in-process vLLM ends the default group
+    for engine in engines.values():  # at the end: closing an in-process vLLM ends the default group
         shard_sync_engines.stop(engine)
     gloo_launch.save_result(results, args.out)
     if dist.is_initialized():  # an in-process vLLM that shut down took the default group along

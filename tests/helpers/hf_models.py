@@ -101,15 +101,16 @@ MOE_EXPERTS, MOE_TOPK, MOE_FFN = 4, 2, 32
 
 
 def build_hf_moe_model(
-    seed: int = 0, layers: int = 4, expert_ffn: int = MOE_FFN
+    seed: int = 0, layers: int = 4, expert_ffn: int = MOE_FFN, vocab: int = VOCAB
 ) -> torch.nn.Module:
     """A random transformers ``Qwen3MoeForCausalLM`` (untied, q/k norms, head size 32, layer 0
     dense, experts ``expert_ffn`` wide) in eval mode, float32; norms and routers drawn at random
-    so that a swapped tensor or expert changes the logits."""
+    so that a swapped tensor or expert changes the logits. ``vocab``: its vocabulary (the
+    tokenizer keeps ``VOCAB`` words)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=HIDDEN,
         intermediate_size=FFN,
         num_hidden_layers=layers,
@@ -141,11 +142,11 @@ def build_hf_moe_model(
 
 
 def save_hf_moe_folder(
-    folder: Path, seed: int = 0, layers: int = 4, expert_ffn: int = MOE_FFN
+    folder: Path, seed: int = 0, layers: int = 4, expert_ffn: int = MOE_FFN, vocab: int = VOCAB
 ) -> torch.nn.Module:
     """:func:`build_hf_moe_model` saved with a tokenizer to ``folder`` (per-expert tensor names
     on disk, as transformers writes them)."""
-    model = build_hf_moe_model(seed, layers, expert_ffn)
+    model = build_hf_moe_model(seed, layers, expert_ffn, vocab)
     model.save_pretrained(str(folder), safe_serialization=True, max_shard_size="40KB")
     save_tokenizer(folder)
     return model

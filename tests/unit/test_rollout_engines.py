@@ -190,7 +190,7 @@ def test_weight_updates_are_checked_and_memory_can_be_released(make_engine):
     with pytest.raises(RuntimeError, match="release_memory"):
         engine.generate(PROMPTS, params)
     engine.resume_memory()
-    with pytest.raises(RuntimeError, match="before any update_weights"):
+    with pytest.raises(RuntimeError, match="before a complete update_weights"):
         engine.generate(PROMPTS, params)
     engine.update_weights(weights.items(), version=7)
     after = engine.generate(PROMPTS, params)

@@ -423,7 +423,7 @@ def test_memory_and_health_over_http(server, engine):
         engine.update_weights([], version=1)
     engine.resume_memory()
     assert server.paths()[-1] == "/resume_memory_occupation"
-    with pytest.raises(RuntimeError, match="before any update_weights"):
+    with pytest.raises(RuntimeError, match="before a complete update_weights"):
         engine.generate([[1]], SamplingParams())
     engine.update_weights(suite.random_weights(2).items(), version=5)
     assert engine.health()

@@ -111,14 +111,19 @@ def repack_cpu_experts(model: Any) -> int:
 
 
 def summed(named_tensors: list[tuple[str, torch.Tensor]], checksum: bool) -> dict[str, Any]:
-    """What a worker reports of an update it loaded: how many tensors and, with ``checksum``,
-    the :class:`~bapo_megatron.rollout.checksum.Checksum` of what it received, in order (every
-    worker of a tensor-parallel engine receives the same tensors, so all must agree)."""
+    """What a worker reports of an update it loaded: how many tensors, their bytes and, with
+    ``checksum``, the :class:`~bapo_megatron.rollout.checksum.Checksum` of what it received, in
+    order (every worker of a tensor-parallel engine receives the same tensors, so all must
+    agree)."""
     total = Checksum() if checksum else None
     if total is not None:
         for name, tensor in named_tensors:
             total.add(name, tensor)
-    return {"loaded": len(named_tensors), "checksum": total.hexdigest() if total else None}
+    return {
+        "loaded": len(named_tensors),
+        "received_bytes": sum(t.numel() * t.element_size() for _, t in named_tensors),
+        "checksum": total.hexdigest() if total else None,
+    }
 
 
 def reloaded(model: Any) -> None:
