@@ -3,7 +3,8 @@ the example script does, against the same run in one process: the same rollouts 
 gets the same weights through the export) and the same updates up to float rounding. And the
 tensor-parallel run started by ``examples/launch/torchrun_multinode.sh`` with one rank killed
 after a checkpoint: torchrun restarts both ranks in place, they resume, and the run ends with
-the uninterrupted run's metrics."""
+the uninterrupted run's metrics. And the tensor-parallel run with the shard-to-shard weight sync:
+bitwise the broadcast run."""
 
 from __future__ import annotations
 
@@ -59,6 +60,35 @@ def two_process_run(tmp_path_factory, warm_start):
 def test_two_process_run_matches_one_process(two_process_run, colocated_three_steps, layout):
     records = two_process_run(layout)
     assert_same_run(records, colocated_three_steps, rollout_steps=3, updates=6)
+
+
+def test_the_shard_to_shard_sync_gives_the_broadcast_runs_results(
+    tmp_path, warm_start, two_process_run
+):
+    """The TP2 run with ``rollout.weight_transport=shard-to-shard``: rank 1 sends its shards
+    straight into rank 0's embedded engine, which then holds the weights the broadcast path
+    gives it, so the run is bitwise the broadcast run."""
+    output = tmp_path / "run"
+    result = subprocess.run(
+        [
+            "bash",
+            str(SCRIPT),
+            *FAST,
+            *warm_start[0],
+            *STEPS,
+            "rollout.weight_transport=shard-to-shard",
+            f"train.output_dir={output}",
+        ],
+        cwd=REPO_ROOT,
+        env={**subprocess_env(), "LAYOUT": "tp2"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert_same_run(
+        read_metrics(output), two_process_run("tp2"), rollout_steps=3, updates=6, bitwise=True
+    )
 
 
 def test_a_killed_rank_restarts_in_place_and_the_run_ends_as_uninterrupted(
