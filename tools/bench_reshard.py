@@ -301,5 +301,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bapo_megatron.commands.process_start import prepare_process
+
+    prepare_process()
     main(sys.argv[1:])

@@ -1,6 +1,6 @@
 """The engines of tests/distributed/shard_sync_worker.py, by ``--engine``: ``embedded`` (float32),
-``vllm`` (in process, tensor parallel 2) or ``vllm-server`` (a client of the server at ``--url``,
-started by the parent test)."""
+``vllm`` (in process, tensor parallel 2; ``vllm-tp1``: one worker, in the rank's process) or
+``vllm-server`` (a client of the server at ``--url``, started by the parent test)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ def start(args, folder: Path):
         from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 
         return EmbeddedEngine.from_pretrained(folder)
-    if args.engine == "vllm":
+    if args.engine in ("vllm", "vllm-tp1"):
         from bapo_megatron.rollout.vllm.engine import VLLMEngine
 
         engine = VLLMEngine.from_pretrained(
             folder,
-            tensor_parallel_size=ENGINE_TP,
+            tensor_parallel_size=1 if args.engine == "vllm-tp1" else ENGINE_TP,
             max_model_len=64,
             enforce_eager=True,
             kv_cache_gib=1,

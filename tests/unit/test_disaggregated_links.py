@@ -192,7 +192,7 @@ def test_nothing_generated_under_one_version_is_reused_under_the_next(served):
 
 def test_an_engine_error_reaches_the_trainer_named_and_the_engine_serves_on(served):
     client, engine = served
-    with pytest.raises(EngineFailure, match=r"engine rank 1: generate failed: .*before any"):
+    with pytest.raises(EngineFailure, match=r"engine rank 1: generate failed: .*before a complete"):
         client.generate(PROMPTS, PARAMS)  # no weights yet
     bad = {"model.no_such.weight": torch.zeros(2)}
     with pytest.raises(EngineFailure, match="no_such.*is not a parameter"):

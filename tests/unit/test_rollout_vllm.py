@@ -567,6 +567,14 @@ def test_vllm_family_shard_maps_equal_what_vllms_loaders_do(vllm_family_engines,
 
 
 @needs_vllm
+@pytest.mark.parametrize("tp", TENSOR_PARALLEL, ids=lambda tp: f"tp{tp}")
+def test_vllm_qwen2_shard_maps_equal_what_vllms_loaders_do(vllm_engines, tp):
+    """The same on the module's Qwen2 engines (q/k/v bias, tied, one key/value head that both
+    workers of TP 2 hold), probed whenever this runs: after in-place reloads too."""
+    assert len(check_engine_shard_maps(vllm_engines(tp), tp)) == tp
+
+
+@needs_vllm
 def test_vllm_stop_tokens_seed_and_n(vllm_suite):
     suite.test_stop_tokens_seed_and_n(vllm_suite)
 

@@ -155,7 +155,7 @@ def test_resume_recomputes_the_prefix_under_the_new_weights():
 
 def test_an_engine_error_stops_the_trainer_naming_the_engine(streamed):
     streamed.client.submit(0, PROMPTS, PARAMS)  # no weights loaded yet: the engine refuses
-    with pytest.raises(EngineFailure, match=rf"{NAME} failed: .*before any"):
+    with pytest.raises(EngineFailure, match=rf"{NAME} failed: .*before a complete"):
         streamed.client.take(0)
 
 
