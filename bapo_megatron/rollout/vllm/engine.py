@@ -45,6 +45,7 @@ from bapo_megatron.rollout.vllm.tensor_parallel import (
     cpu_thread_binding,
     executor_backend,
     failed_workers_error,
+    process_world_size,
     start_failure,
     visible_to_workers,
 )
@@ -198,7 +199,8 @@ class VLLMEngine(VllmShardReceiving, ResubmittingEngine):
         mixture-of-experts model) ``enable_return_routed_experts``; ``quantization``
         (``rollout.quantization``: `fp8`) is vLLM's own, refused on a CPU vLLM (no FP8 kernels).
         ``tensor_parallel_size`` > 1 starts that many worker processes (vLLM's multiprocess
-        executor; on CPU with thread binding that starts on any host, see
+        executor; also the one worker of size 1 beside a ``torch.distributed`` world of several
+        ranks; on CPU with thread binding that starts on any host, see
         :mod:`~bapo_megatron.rollout.vllm.tensor_parallel`), on the GPUs ``worker_gpus``
         (``CUDA_VISIBLE_DEVICES`` of the workers; None: those this process sees). Other keyword
         arguments go to ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``)."""
@@ -226,7 +228,9 @@ class VLLMEngine(VllmShardReceiving, ResubmittingEngine):
             "dtype": dtype,
             "skip_tokenizer_init": True,
             "tensor_parallel_size": tensor_parallel_size,
-            "distributed_executor_backend": executor_backend(tensor_parallel_size),
+            "distributed_executor_backend": executor_backend(
+                tensor_parallel_size, process_world_size()
+            ),
             "worker_extension_cls": WORKER_EXTENSION,
             "logprobs_mode": "processed_logprobs",
         }

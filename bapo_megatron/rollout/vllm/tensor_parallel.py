@@ -16,14 +16,24 @@ from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from typing import Any
 
+import torch.distributed as dist
+
 THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 """vLLM's CPU thread binding. Its default, ``auto``, binds worker ``i`` to the ``i``-th NUMA node
 and refuses to start N workers on a host with fewer than N nodes."""
 
 
-def executor_backend(tensor_parallel_size: int) -> str:
-    """vLLM's ``distributed_executor_backend`` for an in-process engine of that size."""
-    return "uni" if tensor_parallel_size == 1 else "mp"
+def process_world_size() -> int:
+    """Ranks of this process's ``torch.distributed`` world (1 when it has none)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def executor_backend(tensor_parallel_size: int, world_size: int = 1) -> str:
+    """vLLM's ``distributed_executor_backend`` for an in-process engine of that size, started in
+    a process whose ``torch.distributed`` world has ``world_size`` ranks: ``uni`` (the worker
+    in this process) only at size 1 in a world of one. A worker in this process builds vLLM's
+    groups over the world it finds, collectives the trainer's other ranks never join."""
+    return "uni" if tensor_parallel_size == 1 and world_size == 1 else "mp"
 
 
 def numa_nodes() -> int:
