@@ -7,10 +7,11 @@ Qwen2-style model (default about 0.49 GB in float32: hidden 1024, 8 layers, 16 h
 groups, MLP 2816, vocabulary 32000, tied) with random weights, starts the engine on the replica's
 first rank (vLLM on dummy weights), syncs once by each path to warm up, then ``--repeats`` times
 by each path in turn, with barriers around each sync (the time is the slowest rank's). It counts
-the bytes each engine worker received where it received them (vLLM's workers report them;
-the embedded engine's rank counts what the shard-to-shard transfer brought it, and takes the
-whole model by the broadcast path), the tensor gathers and whole-tensor assemblies during the
-shard-to-shard syncs (none expected), and the largest bucket any worker receives.
+the bytes each engine worker received where it received them (vLLM's workers report them for
+both paths; the embedded engine's rank counts what the shard-to-shard transfer brought it from
+other ranks, and its broadcast bytes, brought by the export's gathers, are not counted), the
+tensor gathers and whole-tensor assemblies during the shard-to-shard syncs (none expected), and
+the largest bucket any worker receives from other ranks.
 
 The last printed line is one JSON object: per case the median times and bytes, and, for the
 first vLLM case, ``bytes_ratio`` (shard-to-shard / broadcast bytes received per engine worker)
@@ -185,13 +186,14 @@ def rank_main(args: argparse.Namespace) -> None:
                 )
             elif kind == "vllm":
                 per_worker = [r["received_bytes"] for r in engine.broadcast_reports[-1]]
-            else:  # the embedded engine loads every tensor whole
-                per_worker = [sum(p.numel() * p.element_size() for p in engine.model.parameters())]
+            else:  # the export's gathers bring it the other ranks' shards: not counted
+                continue
             received[path].append(max(per_worker))
     if args.rank == 0:
         plan = sync.plan
         biggest = max(
-            sum(m.numel for m in bucket_ if m.receiver == receiver) * plan.element_bytes
+            sum(m.numel for m in bucket_ if m.receiver == receiver != m.sender)
+            * plan.element_bytes
             for bucket_ in plan.buckets
             for receiver in {m.receiver for m in bucket_}
         )
@@ -199,7 +201,8 @@ def rank_main(args: argparse.Namespace) -> None:
             "seconds": {path: statistics.median(values) for path, values in times.items()},
             "all_seconds": times,
             "received_bytes_per_engine_worker": {
-                path: statistics.median(values) for path, values in received.items()
+                path: statistics.median(values) if values else None
+                for path, values in received.items()
             },
             "gathers_during_shard_to_shard": gathers[0],
             "largest_bucket_received_bytes": biggest,
@@ -208,7 +211,6 @@ def rank_main(args: argparse.Namespace) -> None:
         }
         Path(args.out).write_text(json.dumps(result))
     if engine is not None and hasattr(engine, "close"):
-        dist.barrier()
         engine.close()
 
 
@@ -216,6 +218,14 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def log_tails(work: Path, case: str) -> str:
+    """The end of every rank's log of ``case`` (the folder goes when the benchmark ends)."""
+    return "\n".join(
+        f"----- {log.name}\n{log.read_text(errors='replace')[-2500:]}"
+        for log in sorted(work.glob(f"{case.replace(':', '-')}-rank*.log"))
+    )
 
 
 def run_case(argv: list[str], case: str, args: argparse.Namespace, work: Path) -> dict:
@@ -256,7 +266,7 @@ def run_case(argv: list[str], case: str, args: argparse.Namespace, work: Path) -
     try:
         while any(p.poll() is None for p in procs):
             if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                raise RuntimeError(f"{case}: a rank failed or timed out; logs in {work}")
+                raise RuntimeError(f"{case}: a rank failed or timed out\n{log_tails(work, case)}")
             time.sleep(0.5)
     finally:
         for p in procs:
@@ -265,7 +275,7 @@ def run_case(argv: list[str], case: str, args: argparse.Namespace, work: Path) -
         for log in logs:
             log.close()
     if any(p.returncode != 0 for p in procs):
-        raise RuntimeError(f"{case}: a rank failed; logs in {work}")
+        raise RuntimeError(f"{case}: a rank failed\n{log_tails(work, case)}")
     return json.loads(out.read_text())
 
 
@@ -281,11 +291,14 @@ def main(argv: list[str]) -> None:
                 case = f"{layout}:{kind}"
                 result = results[case] = run_case(argv, case, args, Path(folder))
                 seconds, received = result["seconds"], result["received_bytes_per_engine_worker"]
+                mib = {
+                    path: "n/a" if value is None else f"{value / 2**20:.1f} MiB"
+                    for path, value in received.items()
+                }
                 print(
                     f"{case:20s} sync {seconds['shard_to_shard']:.3f} s shard-to-shard, "
-                    f"{seconds['broadcast']:.3f} s broadcast; per engine worker "
-                    f"{received['shard_to_shard'] / 2**20:.1f} MiB vs "
-                    f"{received['broadcast'] / 2**20:.1f} MiB; gathers "
+                    f"{seconds['broadcast']:.3f} s broadcast; received per engine worker "
+                    f"{mib['shard_to_shard']} vs {mib['broadcast']}; gathers "
                     f"{result['gathers_during_shard_to_shard']}",
                     flush=True,
                 )
