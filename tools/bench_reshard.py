@@ -10,8 +10,10 @@ by each path in turn, with barriers around each sync (the time is the slowest ra
 the bytes each engine worker received where it received them (vLLM's workers report them for
 both paths; the embedded engine's rank counts what the shard-to-shard transfer brought it from
 other ranks, and its broadcast bytes, brought by the export's gathers, are not counted), the
-tensor gathers and whole-tensor assemblies during the shard-to-shard syncs (none expected), and
-the largest bucket any worker receives from other ranks.
+tensor gathers and whole-tensor assemblies during the shard-to-shard syncs (none expected), the
+largest bucket any worker receives from other ranks, and how far each vLLM worker's resident
+memory rises during a sync above where it was before (Linux: the peak resident set, reset
+through ``/proc/<pid>/clear_refs`` before each sync).
 
 The last printed line is one JSON object: per case the median times and bytes, and, for the
 first vLLM case, ``bytes_ratio`` (shard-to-shard / broadcast bytes received per engine worker)
@@ -108,6 +110,32 @@ def start_engine(kind: str, model, work: Path, dtype: str):
     return engine
 
 
+def worker_pids(engine) -> list[int]:
+    """The pids of an in-process vLLM's worker processes."""
+    from bapo_megatron.rollout.vllm.tensor_parallel import executor_of
+
+    return [handle.proc.pid for handle in executor_of(engine.llm).workers]
+
+
+def _status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/{pid}/status")
+
+
+def peak_reset(pid: int) -> int:
+    """Reset the process's peak resident set (Linux: ``5`` into ``clear_refs``); its resident
+    bytes now."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return _status_kib(pid, "VmRSS") * 1024
+
+
+def peak(pid: int) -> int:
+    """The process's peak resident bytes since the last :func:`peak_reset`."""
+    return _status_kib(pid, "VmHWM") * 1024
+
+
 def rank_main(args: argparse.Namespace) -> None:
     import types
 
@@ -170,12 +198,17 @@ def rank_main(args: argparse.Namespace) -> None:
 
     times = {"shard_to_shard": [], "broadcast": []}
     received = {"shard_to_shard": [], "broadcast": []}
+    peaks = {"shard_to_shard": [], "broadcast": []}
+    workers = worker_pids(engine) if kind == "vllm" and engine is not None else []
     for repeat in range(args.repeats + 1):  # the first of each: warm-up (and the plan)
         for path, action in (("shard_to_shard", shards), ("broadcast", broadcast)):
+            resident = [peak_reset(pid) for pid in workers]
             took, reports = timed(action, 2 * repeat + (path == "broadcast"))
             if repeat == 0:
                 continue
             times[path].append(took)
+            if workers:  # how far each worker's resident memory rose above where it started
+                peaks[path].append(max(peak(pid) - rss for pid, rss in zip(workers, resident)))
             if engine is None:
                 continue
             if path == "shard_to_shard":
@@ -192,8 +225,7 @@ def rank_main(args: argparse.Namespace) -> None:
     if args.rank == 0:
         plan = sync.plan
         biggest = max(
-            sum(m.numel for m in bucket_ if m.receiver == receiver != m.sender)
-            * plan.element_bytes
+            sum(m.numel for m in bucket_ if m.receiver == receiver != m.sender) * plan.element_bytes
             for bucket_ in plan.buckets
             for receiver in {m.receiver for m in bucket_}
         )
@@ -205,6 +237,10 @@ def rank_main(args: argparse.Namespace) -> None:
                 for path, values in received.items()
             },
             "gathers_during_shard_to_shard": gathers[0],
+            "worker_peak_rise_bytes": {
+                path: statistics.median(values) if values else None
+                for path, values in peaks.items()
+            },
             "largest_bucket_received_bytes": biggest,
             "buckets": len(plan.buckets),
             "messages": plan.message_count,
@@ -295,10 +331,15 @@ def main(argv: list[str]) -> None:
                     path: "n/a" if value is None else f"{value / 2**20:.1f} MiB"
                     for path, value in received.items()
                 }
+                rise = {
+                    path: "n/a" if value is None else f"{value / 2**20:.1f} MiB"
+                    for path, value in result["worker_peak_rise_bytes"].items()
+                }
                 print(
                     f"{case:20s} sync {seconds['shard_to_shard']:.3f} s shard-to-shard, "
                     f"{seconds['broadcast']:.3f} s broadcast; received per engine worker "
-                    f"{mib['shard_to_shard']} vs {mib['broadcast']}; gathers "
+                    f"{mib['shard_to_shard']} vs {mib['broadcast']}; worker memory peak "
+                    f"rise {rise['shard_to_shard']} vs {rise['broadcast']}; gathers "
                     f"{result['gathers_during_shard_to_shard']}",
                     flush=True,
                 )

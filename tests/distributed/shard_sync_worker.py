@@ -20,6 +20,7 @@ import sys
 import time
 
 LAYOUTS = {  # name -> ParallelConfig fields
+    "tp1": {},
     "tp2": {"tensor_model_parallel_size": 2},
     "tp2pp2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
     "moe-tp2pp2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
@@ -189,7 +190,7 @@ def main(argv: list[str]) -> None:
         # one engine per model and kind, kept across layouts
         if holds_engine(ctx) and (folder, kind) not in engines:
             engines[folder, kind] = shard_sync_engines.start(kind, args.url, folder)
-            if kind.startswith("vllm"):
+            if kind in ("vllm", "vllm-tp1"):  # in process: the probe check reads its workers
                 results["probed", kind] = shard_sync_engines.probed(engines[folder, kind], kind)
         engine = engines.get((folder, kind)) if holds_engine(ctx) else None
         log(f"{name}: engine started")
