@@ -62,6 +62,9 @@ class TargetTensors(Protocol):
     def written(self, names: list[str]) -> None:
         """Every element of ``names`` has been written."""
 
+    def abort(self) -> None:
+        """The transfer failed: put back what can be put back."""
+
 
 class ResidentTargets:
     """:class:`TargetTensors` over tensors that already exist."""
@@ -81,6 +84,9 @@ class ResidentTargets:
         return self.tensors[name]
 
     def written(self, names: list[str]) -> None:
+        pass
+
+    def abort(self) -> None:
         pass
 
 

@@ -6,8 +6,9 @@ Two kinds of receivers:
 - workers of their own (vLLM in process or as a server, :mod:`.vllm.shard_receiving`): they
   join the trainer's transfer group as ranks after the trainer's and receive there, each into
   its own checkpoint-format parameters;
-- the engine in the trainer rank's own process (the embedded engine): that trainer rank
-  receives, into the engine's parameters, in the same call that sends its own shards.
+- the engine in the trainer rank's own process (the embedded engine, vLLM whose one worker runs
+  in the process): that trainer rank receives, into the engine's parameters, in the same call
+  that sends its own shards.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ class ShardReceiver(Protocol):
         ``plan_follows``, ``wire_dtype``, ``timeout_s``, ``checksum``); returns each worker's
         report (``received_bytes``, ``checksum``) once every worker has loaded it."""
 
-    def shard_targets(self) -> TargetTensors:
-        """In process: the tensors the plan writes (its map's local names)."""
+    def shard_targets(self, planned: set[str]) -> TargetTensors:
+        """In process: the tensors the plan writes (``planned``: their names, its map's local
+        names); the engine holds no whole weights until :meth:`shards_received`."""
 
     def shards_received(self, *, version: int, checksum: bool) -> str | None:
         """In process: every region has been written; the weights are policy ``version``.

@@ -95,7 +95,7 @@ def push_shards(
     ``checksum``, each worker's checksum of its weights)."""
     context = actor.context
     failure = reports = None
-    future = None
+    future = targets = None
     try:
         _plan_if_changed(actor, engine, sync, bucket_bytes)
         if any(layout is not None and not layout.in_process for layout in sync.layouts):
@@ -116,12 +116,14 @@ def push_shards(
                 shared_plan(sync.plan, sync.group, context.device)
                 sync.workers_hold = sync.plan.digest
         in_process = engine is not None and sync.layouts[context.rank].in_process
+        if in_process:
+            targets = engine.shard_targets(sync.plan.targets_of(context.rank))
         sync.last = execute_plan(
             sync.plan,
             sync.group or dist.group.WORLD,
             timeout=sync.timeout,
             sources=_sources(actor),
-            targets=engine.shard_targets() if in_process else None,
+            targets=targets,
             wire_dtype=getattr(torch, _wire_dtype(sync)),
         )
         if in_process:
@@ -135,6 +137,8 @@ def push_shards(
         # call then ends too before the engine is called again.
         sync.close()
         sync.workers_hold = None
+        if targets is not None:
+            targets.abort()
         if future is not None:
             _settled(future, sync.timeout)
     raise_if_any_rank_failed(

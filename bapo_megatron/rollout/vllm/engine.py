@@ -44,6 +44,7 @@ from bapo_megatron.rollout.vllm.shard_receiving import VllmShardReceiving, rpc_p
 from bapo_megatron.rollout.vllm.tensor_parallel import (
     cpu_thread_binding,
     executor_backend,
+    executor_of,
     failed_workers_error,
     process_world_size,
     start_failure,
@@ -174,6 +175,8 @@ class VLLMEngine(VllmShardReceiving, ResubmittingEngine):
         self._on_cpu = _on_cpu()
         self._chunked_prefill = chunked_prefill(llm)
         self._failed = False  # a worker process ended: the engine cannot serve again
+        # vLLM's single-process executor: the one worker lives in this process
+        self._worker_in_process = hasattr(executor_of(llm), "driver_worker")
 
     @classmethod
     def from_pretrained(

@@ -1,5 +1,7 @@
 """The shard-to-shard receiving side of the vLLM engines (in process and server), whose workers
-join the trainer's transfer group (:class:`~bapo_megatron.rollout.shard_receiver.ShardReceiver`).
+join the trainer's transfer group (:class:`~bapo_megatron.rollout.shard_receiver.ShardReceiver`),
+or, when the engine's one worker lives in the trainer rank's process (vLLM's single-process
+executor), are written by that rank directly, as the embedded engine is.
 
 The worker maps are read off vLLM's own loaders once
 (:mod:`~bapo_megatron.rollout.vllm.loader_probe`), before the first update that reloads
@@ -16,6 +18,8 @@ from typing import Any
 from bapo_megatron.models.shard_probe import mark_replicated
 from bapo_megatron.rollout.shard_receiver import ShardLayout
 from bapo_megatron.rollout.vllm.loader_probe import shard_map_from_probe
+from bapo_megatron.rollout.vllm.shard_targets import VllmShardTargets, weights_checksum
+from bapo_megatron.rollout.vllm.worker_extension import check_cpu_experts_reloadable, reloaded
 
 
 class VllmShardReceiving:
@@ -25,6 +29,10 @@ class VllmShardReceiving:
     results in worker order."""
 
     _layout: ShardLayout | None = None
+    _worker_in_process = False
+    """The engine's one worker lives in this process (vLLM's single-process executor): the
+    trainer rank receives into it, in the world group, as for the embedded engine."""
+    _targets: VllmShardTargets | None = None
 
     def _worker_rpc(self, method: str, action: str, payload: dict[str, Any]) -> list[Any]:
         raise NotImplementedError
@@ -49,7 +57,7 @@ class VllmShardReceiving:
             self._layout = ShardLayout(
                 tuple(mark_replicated(maps, hf_shapes)),
                 dtypes.pop(),
-                in_process=False,
+                in_process=self._worker_in_process,
                 instance=uuid.uuid4().hex,
             )
         return self._layout
@@ -72,11 +80,23 @@ class VllmShardReceiving:
     def _after_shards(self) -> None:
         """What follows an update (no KV computed under the old weights is reused)."""
 
-    def shard_targets(self):
-        raise TypeError(f"{self.engine_name}: workers receive in their own processes")
+    def shard_targets(self, planned: set[str]) -> VllmShardTargets:
+        if not self._worker_in_process:
+            raise TypeError(f"{self.engine_name}: workers receive in their own processes")
+        if self._released:
+            raise RuntimeError("update_weights after release_memory(): call resume_memory() first")
+        model = self._worker_rpc("bapo_model", "taking the model", None)[0]
+        check_cpu_experts_reloadable(model)
+        self.version = -1  # until every region has been written
+        self._targets = VllmShardTargets(model, planned)
+        return self._targets
 
     def shards_received(self, *, version: int, checksum: bool) -> str | None:
-        raise TypeError(f"{self.engine_name}: workers receive in their own processes")
+        model, self._targets = self._targets.model, None
+        reloaded(model)
+        self._after_shards()
+        self.version = int(version)
+        return weights_checksum(model) if checksum else None
 
     def weights_checksums(self) -> list[str]:
         """Each worker's SHA-256 of its parameters, in worker order (equal for two engines of

@@ -220,6 +220,11 @@ class BapoWorkerExtension:
             "checksum": weights_checksum(model) if fields.get("checksum") else None,
         }
 
+    def bapo_model(self) -> Any:
+        """The worker's model: by reference only where the worker lives in the caller's process
+        (the single-process executor), which receives shard to shard into it."""
+        return self.model_runner.get_model()
+
     def bapo_weights_checksum(self) -> str:
         """SHA-256 of this worker's parameters (:func:`weights_checksum`)."""
         return weights_checksum(self.model_runner.get_model())
