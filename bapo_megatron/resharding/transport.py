@@ -88,8 +88,10 @@ def exchange_bucket(
     timeout: datetime.timedelta,
 ) -> BucketTraffic:
     """Send and receive ``rank``'s messages of one bucket in one batched point-to-point call and
-    write what arrives; returns what moved. Every wait is bounded by ``timeout``. The buffers are
-    dropped on return, so at most one bucket of them is alive."""
+    write what arrives; returns what moved. Every wait is bounded by ``timeout``. A message that
+    is one contiguous run on its side of the wire travels from or into the local tensor itself
+    (:func:`in_place`); the other buffers are dropped on return, so at most one bucket of them
+    is alive."""
     traffic = BucketTraffic()
     ops: list[dist.P2POp] = []
     arriving: list[tuple[Message, torch.Tensor]] = []
@@ -99,14 +101,20 @@ def exchange_bucket(
             for copy in message.copies:
                 target_view(targets, copy).copy_(source_view(sources, copy))
         elif message.sender == rank:
-            buffer = pack(message, sources, kind)
+            buffer = in_place(message, sources, kind, "source")
+            if buffer is None:
+                buffer = pack(message, sources, kind)
             ops.append(dist.P2POp(dist.isend, buffer, group=group, group_peer=message.receiver))
             traffic.sent_bytes += buffer.numel() * element_bytes
             traffic.sent_messages += 1
         elif message.receiver == rank:
-            buffer = torch.empty(message.numel, dtype=kind.dtype, device=kind.device)
+            buffer = in_place(message, targets, kind, "target")
+            if buffer is None:
+                buffer = torch.empty(message.numel, dtype=kind.dtype, device=kind.device)
+                arriving.append((message, buffer))
             ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=message.sender))
-            arriving.append((message, buffer))
+            traffic.received_bytes += buffer.numel() * element_bytes
+            traffic.received_messages += 1
     if not ops:
         return traffic
     for work in dist.batch_isend_irecv(ops):
@@ -114,6 +122,26 @@ def exchange_bucket(
             raise TimeoutError(f"a point-to-point transfer did not end within {timeout}")
     for message, buffer in arriving:
         unpack(message, buffer, targets)
-        traffic.received_bytes += buffer.numel() * element_bytes
-        traffic.received_messages += 1
     return traffic
+
+
+def in_place(
+    message: Message, tensors: Mapping[str, torch.Tensor], kind: BufferKind, side: str
+) -> torch.Tensor | None:
+    """The message's elements as one contiguous slice of the local tensor, when the message is
+    one copy whose runs follow each other there and the tensor already has the wire dtype: sent
+    from, or received into, directly (no buffer, no copy). None otherwise."""
+    if len(message.copies) != 1:
+        return None
+    copy = message.copies[0]
+    name, offset, stride = (
+        (copy.source, copy.source_offset, copy.source_stride)
+        if side == "source"
+        else (copy.target, copy.target_offset, copy.target_stride)
+    )
+    tensor = tensors[name]
+    if tensor.dtype != kind.dtype or tensor.device != kind.device:
+        return None
+    if copy.rows > 1 and stride != copy.cols:
+        return None
+    return tensor.view(-1)[offset : offset + copy.numel]
