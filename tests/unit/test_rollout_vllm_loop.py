@@ -1,7 +1,8 @@
 """The training loop with vLLM spread over two worker processes (the optional vLLM tier): the main
 job's configuration with ``rollout.engine=vllm`` and ``rollout.engine_tensor_parallel_size=2``,
-colocated (the engine in the trainer's process, its workers beside it) and disaggregated (a
-trainer rank and an engine rank whose vLLM spans two workers). vLLM starts from the model
+colocated (the engine in the trainer's process, its workers beside it, the weights sent shard
+to shard: ``rollout.weight_transport=shard-to-shard``) and disaggregated (a trainer rank and an
+engine rank whose vLLM spans two workers, the stage broadcast). vLLM starts from the model
 section's config on dummy weights; the first weight sync gives it the warmed-up actor's.
 
 Each run must learn as the embedded engine's does (tests/e2e/test_learning.py: the first rollout
@@ -83,9 +84,11 @@ def check_learned(output_dir) -> None:
     assert len(updates) == 4 * STEPS and moved, "BAPO's bounds never left where they start"
 
 
-def test_the_colocated_loop_learns_with_vllm_over_two_workers(tmp_path):
+def test_the_colocated_loop_learns_with_vllm_over_two_workers_shard_to_shard(tmp_path):
+    """Colocated, every sync shard to shard: both workers join the trainer's transfer group and
+    each receives its own shard."""
     run = subprocess.run(
-        command(tmp_path / "run"),
+        command(tmp_path / "run", "rollout.weight_transport=shard-to-shard"),
         cwd=REPO_ROOT,
         env=subprocess_env(),
         capture_output=True,
