@@ -11,8 +11,8 @@ them). So a worker holds at most the layers of one bucket twice. A bias, which v
 restores, is written in place.
 
 After a failed transfer :meth:`VllmShardTargets.abort` puts the set-aside tensors of the layers
-still open back; layers completed before the failure hold the new weights, so the worker is
-marked incomplete until a whole update lands (see the worker extension).
+still open back; layers completed before the failure hold the new weights, so the engine refuses
+to generate until a whole update lands (its version stays -1: the receiving side of the engine).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ class VllmShardTargets:
             module, _, param = name.rpartition(".")
             self.pending.setdefault(module, set()).add(param)
         self.open_modules: dict[str, set[str]] = {}
-        self.completed = 0
         first = next(model.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
 
@@ -124,7 +123,6 @@ class VllmShardTargets:
         _copy_and_restore_kernel_tensors(module, info)
         info.reset()
         del self.open_modules[module_name]
-        self.completed += 1
 
 
 def weights_checksum(model: torch.nn.Module) -> str:

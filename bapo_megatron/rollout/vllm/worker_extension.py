@@ -182,9 +182,9 @@ class BapoWorkerExtension:
         ``digest`` (the plan's), ``plan_follows`` (group rank 0 broadcasts the plan first; else
         the one kept from the last update is used), ``wire_dtype``, ``timeout_s`` and
         ``checksum``. Returns the bytes received and, with ``checksum``, the SHA-256 of this
-        worker's parameters, or ``{"error": ...}`` when the transfer failed. A transfer that
-        fails part-way leaves the worker marked incomplete (:meth:`bapo_weights_complete`) until
-        an update lands whole."""
+        worker's parameters, or ``{"error": ...}`` when the transfer failed (layers completed
+        before it hold the new weights: the engine refuses to generate until an update lands
+        whole)."""
         fields = json.loads(request)
         group, backend = self._bapo_group(fields["group_name"])
         device = "cpu" if backend == "gloo" else self.device
@@ -199,7 +199,6 @@ class BapoWorkerExtension:
         model = self.model_runner.get_model()
         check_cpu_experts_reloadable(model)
         targets = VllmShardTargets(model, plan.targets_of(group.rank()))
-        self._bapo_incomplete = True
         try:
             counts = execute_plan(
                 plan,
@@ -214,7 +213,6 @@ class BapoWorkerExtension:
             # that raised, and the next call would read the others'
             return {"error": f"{type(error).__name__}: {error}"}
         reloaded(model)
-        self._bapo_incomplete = False
         return {
             "received_bytes": counts.received_bytes,
             "checksum": weights_checksum(model) if fields.get("checksum") else None,
@@ -228,10 +226,6 @@ class BapoWorkerExtension:
     def bapo_weights_checksum(self) -> str:
         """SHA-256 of this worker's parameters (:func:`weights_checksum`)."""
         return weights_checksum(self.model_runner.get_model())
-
-    def bapo_weights_complete(self) -> bool:
-        """False after a shard-to-shard update failed part-way, until one lands whole."""
-        return not getattr(self, "_bapo_incomplete", False)
 
     def _bapo_group(self, name: str) -> tuple[Any, str]:
         groups = getattr(self, "_bapo_weight_groups", {})
@@ -253,7 +247,6 @@ class BapoWorkerExtension:
         report = summed(named_tensors, checksum)
         self.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
         reloaded(self.model_runner.get_model())
-        self._bapo_incomplete = False
         return report
 
     def bapo_load_weights_from(self, request: str) -> dict[str, Any]:
@@ -268,7 +261,6 @@ class BapoWorkerExtension:
         report = summed(named, bool(fields.get("checksum")))
         self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
         reloaded(self.model_runner.get_model())
-        self._bapo_incomplete = False
         return report
 
     def bapo_join_weight_group(self, request: str) -> dict[str, Any]:
@@ -321,7 +313,6 @@ class BapoWorkerExtension:
         report = summed(received, bool(fields.get("checksum")))
         self.reload_weights(weights_iterator=iter(received), is_checkpoint_format=True)
         reloaded(self.model_runner.get_model())
-        self._bapo_incomplete = False
         return report
 
 
