@@ -233,12 +233,6 @@ def _check_placement(cfg: Config) -> None:
             "actor; with rollout.placement=disaggregated the engine has its own ranks (set it "
             "to false)"
         )
-    if rollout.weight_transport == "shard-to-shard":
-        raise ValueError(
-            "rollout.weight_transport=shard-to-shard sends into colocated engines; with "
-            "rollout.placement=disaggregated each stage broadcasts to the engine ranks (set "
-            "rollout.weight_transport=process-group)"
-        )
 
 
 def _check_quantization(cfg: Config) -> None:

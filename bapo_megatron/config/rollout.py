@@ -61,12 +61,13 @@ class RolloutConfig:
     this project's worker extension); the server needs only to reach the trainer's host.
     `same-host`: the vLLM server reloads a safetensors folder its client writes under
     ``train.output_dir`` (same host or a shared filesystem), the SGLang server takes CUDA IPC
-    handles (same host). `shard-to-shard` (engines `embedded`, `vllm`, `vllm-server`, colocated):
-    each engine worker receives only its own shard, straight from the trainer ranks that hold it,
-    with no tensor gathered whole on a trainer rank (docs/weight-resharding.md); vLLM's workers,
-    in process or a server's, join a process group with every trainer rank. Otherwise
-    in-process engines take the tensors directly and disaggregated engine ranks over their own
-    process group, so only `process-group` applies to them."""
+    handles (same host). `shard-to-shard` (engines `embedded`, `vllm`, `vllm-server`; colocated
+    or disaggregated): each engine worker receives only its own shard, straight from the trainer
+    ranks that hold it, with no tensor gathered whole on a trainer rank
+    (docs/weight-resharding.md); vLLM's workers, in process or a server's, and engine ranks of
+    their own join a process group with every trainer rank. Otherwise in-process engines take the
+    tensors directly and disaggregated engine ranks over their own process group, so only
+    `process-group` applies to them."""
     engine_tensor_parallel_size: int = 1
     """Tensor parallelism inside an in-process vLLM/SGLang engine (GPUs it spans)."""
     engine_eager: bool = False

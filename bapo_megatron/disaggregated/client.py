@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from bapo_megatron.disaggregated.shard_requests import RemoteShardReceiving
 from bapo_megatron.distributed.messages import GroupMessenger
 from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams
 from bapo_megatron.weights.broadcast import StageBroadcast
@@ -28,12 +29,14 @@ TRAINER, ENGINE = 0, 1
 """Group ranks of the two ends of a request link."""
 
 
-class RemoteEngine:
+class RemoteEngine(RemoteShardReceiving):
     """An engine replica on another rank, reached over ``link``.
 
     ``weights`` is the stage-0 weight broadcast on data-parallel replica 0's first rank (it
     sends its stage's tensors there after the update request); None on other replicas, whose
-    update requests carry no tensors (their engines take the broadcast of replica 0).
+    update requests carry no tensors (their engines take the broadcast of replica 0), and
+    everywhere when the weights go shard to shard (the requests of
+    :class:`~bapo_megatron.disaggregated.shard_requests.RemoteShardReceiving`).
     ``abort``, ``pause``, ``resume``, ``release_memory`` and ``resume_memory`` are logged no-ops:
     the engine rank is busy with one request at a time and has its memory to itself."""
 
@@ -129,6 +132,9 @@ class RemoteEngine:
             log.warning("could not stop the engine rank: %s", error)
 
     # -------------------------------------------------------------- requests
+
+    def _shard_call(self, request: tuple, timeout: datetime.timedelta | None) -> Any:
+        return self._call(request, timeout)
 
     def _call(self, request: tuple, timeout: datetime.timedelta | None) -> Any:
         self.link.send(request, ENGINE)

@@ -1,6 +1,7 @@
 """What an engine rank of a disaggregated run does from start to end: build its engine replica
 (any in-process kind of :mod:`bapo_megatron.rollout.registry`), tell its trainer replica
-whether that worked, join the weight broadcasts and serve until the trainer stops it."""
+whether that worked, join the weight broadcasts (none when the weights come shard to shard:
+the trainer asks for them over the request link) and serve until the trainer stops it."""
 
 from __future__ import annotations
 
@@ -54,10 +55,12 @@ def run_engine_rank(cfg: Config, role: Role) -> None:
     requests.send(None if failure is None else describe_failure(failure), TRAINER)
     if failure is not None:
         raise failure
-    stages = [
-        stage_broadcast(role, cfg.parallel, stage)
-        for stage in range(cfg.parallel.pipeline_model_parallel_size)
-    ]
+    stages = []
+    if cfg.rollout.weight_transport != "shard-to-shard":
+        stages = [
+            stage_broadcast(role, cfg.parallel, stage)
+            for stage in range(cfg.parallel.pipeline_model_parallel_size)
+        ]
     if cfg.algorithm.max_staleness:
         results = result_link(role, cfg.parallel, index)
         server = StreamServer(

@@ -50,8 +50,9 @@ class EngineLink:
 
 def connect_engines(cfg: Config, context: ParallelContext, role: Role) -> EngineLink:
     """Join the request link (replica's first rank) and the weight broadcasts (replica 0's
-    export ranks); collective over the trainer world. An engine rank that could not build its
-    engine stops every trainer rank with :class:`EngineFailure` naming it."""
+    export ranks; none when the weights go shard to shard); collective over the trainer world.
+    An engine rank that could not build its engine stops every trainer rank with
+    :class:`EngineFailure` naming it."""
     first = context.tp_rank == 0 and context.pp_rank == 0 and context.cp_rank == 0
     link = request_link(role, cfg.parallel, context.dp_rank) if first else None
     failure = None
@@ -63,6 +64,7 @@ def connect_engines(cfg: Config, context: ParallelContext, role: Role) -> Engine
         failure, where="stopped while connecting the engine ranks", error_type=EngineFailure
     )
     sends = context.dp_rank == 0 and context.tp_rank == 0 and context.cp_rank == 0
+    sends = sends and cfg.rollout.weight_transport != "shard-to-shard"
     weights = stage_broadcast(role, cfg.parallel, context.pp_rank) if sends else None
     engine = stream = None
     timeout = cfg.rollout.timeout_s

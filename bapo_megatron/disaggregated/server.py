@@ -1,9 +1,11 @@
 """The engine rank's serving loop: requests from its trainer replica, answered one at a time.
 
 Requests (from :class:`~bapo_megatron.disaggregated.client.RemoteEngine`): ``generate``,
-``continue``, ``health``, ``update_weights`` and ``stop``. An engine call that fails is answered
-with the error (the trainer stops naming this engine); a link that fails (the trainer went away,
-or a deadline passed) ends the loop with :class:`~bapo_megatron.distributed.messages.PeerLost`.
+``continue``, ``health``, ``update_weights``, the shard-to-shard sync's
+(:mod:`~bapo_megatron.disaggregated.shard_requests`) and ``stop``. An engine call that fails is
+answered with the error (the trainer stops naming this engine); a link that fails (the trainer
+went away, or a deadline passed) ends the loop with
+:class:`~bapo_megatron.distributed.messages.PeerLost`.
 
 Weight updates are all or nothing: the tensors of every pipeline stage are received completely
 (each stage's end header counted) before any is loaded, so a broadcast cut off part-way leaves
@@ -20,9 +22,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from bapo_megatron.disaggregated.shard_requests import SHARD_REQUESTS, answer_shard_request
 from bapo_megatron.distributed.collectives import describe_failure
 from bapo_megatron.distributed.messages import GroupMessenger
 from bapo_megatron.rollout.protocol import RolloutEngine
+from bapo_megatron.rollout.shard_member import EngineRankReceiver
 from bapo_megatron.weights.broadcast import IncompleteStage, StageBroadcast
 
 log = logging.getLogger(__name__)
@@ -44,21 +48,28 @@ def serve(
     idle_limit: datetime.timedelta = IDLE_LIMIT,
 ) -> int:
     """Answer ``requests`` with ``engine`` until ``stop``; returns the number of requests
-    answered. ``stages`` are the weight broadcasts of the trainer's pipeline stages, in order."""
+    answered. ``stages`` are the weight broadcasts of the trainer's pipeline stages, in order
+    (none when the weights come shard to shard)."""
     answered = 0
-    while True:
-        request = requests.recv(TRAINER, timeout=idle_limit)
-        kind = request[0]
-        if kind == "stop":
-            log.info("engine rank stopped by its trainer after %d requests", answered)
-            return answered
-        if kind == "update_weights":
-            _, version, checksum = request
-            reply = _update(engine, stages, version=version, checksum=checksum)
-        else:
-            reply = _answer(engine, request)
-        requests.send(reply, TRAINER)
-        answered += 1
+    receiver = EngineRankReceiver(engine)
+    try:
+        while True:
+            request = requests.recv(TRAINER, timeout=idle_limit)
+            kind = request[0]
+            if kind == "stop":
+                log.info("engine rank stopped by its trainer after %d requests", answered)
+                return answered
+            if kind == "update_weights":
+                _, version, checksum = request
+                reply = _update(engine, stages, version=version, checksum=checksum)
+            elif kind in SHARD_REQUESTS:
+                reply = answer_shard_request(receiver, request)
+            else:
+                reply = _answer(engine, request)
+            requests.send(reply, TRAINER)
+            answered += 1
+    finally:
+        receiver.close()
 
 
 def _answer(engine: RolloutEngine, request: tuple) -> tuple[str, Any]:

@@ -24,6 +24,7 @@ import torch
 
 from bapo_megatron.disaggregated.client import ENGINE
 from bapo_megatron.disaggregated.server import IDLE_LIMIT
+from bapo_megatron.disaggregated.shard_requests import RemoteShardReceiving
 from bapo_megatron.disaggregated.stream_server import ItemStats
 from bapo_megatron.distributed.messages import GroupMessenger, PeerLost
 from bapo_megatron.rollout.guard import EngineFailure
@@ -33,11 +34,14 @@ from bapo_megatron.weights.broadcast import StageBroadcast
 log = logging.getLogger(__name__)
 
 
-class StreamingEngine:
+class StreamingEngine(RemoteShardReceiving):
     """An engine replica on another rank that generates admitted rollout items continuously.
 
     ``weights``: the stage-0 weight broadcast on data-parallel replica 0's first rank (None on
-    other replicas, whose engines take replica 0's broadcast); ``timeout``: how long
+    other replicas, whose engines take replica 0's broadcast, and everywhere when the weights go
+    shard to shard: the requests of
+    :class:`~bapo_megatron.disaggregated.shard_requests.RemoteShardReceiving`, answered on the
+    result link at the engine's next boundary); ``timeout``: how long
     :meth:`take` waits for an item (``rollout.timeout_s``); ``name`` names the engine in errors."""
 
     def __init__(
@@ -55,6 +59,9 @@ class StreamingEngine:
         self.version = -1
         """The newest version sent (the engine loads it before its next item starts)."""
         self._arrived: queue.Queue[tuple] = queue.Queue()
+        self._shard_answers: queue.Queue[tuple] = queue.Queue()
+        self._failure: str | None = None
+        """Why the engine can answer nothing more (its error, its rank gone)."""
         self._ready: dict[int, tuple[list[RolloutSample], ItemStats]] = {}
         self._submitted: set[int] = set()
         self._closing = threading.Event()
@@ -123,6 +130,25 @@ class StreamingEngine:
             )
         self.version = int(version)
 
+    def _shard_call(self, request: tuple, timeout: datetime.timedelta | None) -> Any:
+        """Send a shard request; its answer arrives on the result link (the receiving thread
+        hands it over), once the engine reached a boundary."""
+        if self._failure is None:
+            self.requests.send(request, ENGINE)
+            wait_s = (timeout or self.timeout).total_seconds()
+            try:
+                answer = self._shard_answers.get(timeout=wait_s)
+            except queue.Empty:
+                raise EngineFailure(
+                    f"{self.name}: no answer to {request[0]!r} within {wait_s:g} s"
+                ) from None
+        if self._failure is not None:
+            raise EngineFailure(f"{self.name}: {self._failure}")
+        _, status, value = answer
+        if status != "ok":
+            raise EngineFailure(f"{self.name} refused {request[0]!r}: {value}")
+        return value
+
     def close(self, wait_s: float = 60.0) -> None:
         """Tell the engine rank to stop (once) and wait up to ``wait_s`` for its last message;
         a rank already gone is not an error."""
@@ -145,8 +171,20 @@ class StreamingEngine:
                 message: Any = self.results.recv(ENGINE, timeout=IDLE_LIMIT)
             except PeerLost as error:
                 if not self._closing.is_set():
-                    self._arrived.put(("lost", str(error)))
+                    self._failed(("lost", str(error)))
                 return
             if message[0] == "stopped":
                 return
-            self._arrived.put(message)
+            if message[0] == "shards":
+                self._shard_answers.put(message)
+            elif message[0] == "error":
+                self._failed(message)
+            else:
+                self._arrived.put(message)
+
+    def _failed(self, message: tuple) -> None:
+        """The engine failed (``("error", why)``) or its rank went away (``("lost", why)``):
+        :meth:`take` raises it, and so does a shard request waiting for its answer."""
+        self._failure = message[1] if message[0] == "lost" else f"failed: {message[1]}"
+        self._arrived.put(message)
+        self._shard_answers.put(message)

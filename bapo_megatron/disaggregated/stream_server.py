@@ -7,13 +7,17 @@ Two threads, each the only user of its groups, so no gloo group is ever driven f
 - the control thread receives on the request link: ``work`` (a rollout item: one rollout step's
   prompts of this replica, queued), ``update_weights`` (every pipeline stage received completely
   from the stage broadcasts, then staged as the newest complete version; with
-  ``inflight_update=resume`` the engine is paused so that generation stops at the next token)
-  and ``stop``;
+  ``inflight_update=resume`` the engine is paused so that generation stops at the next token),
+  the shard-to-shard sync's requests (:mod:`~bapo_megatron.disaggregated.shard_requests`: queued
+  for the generating thread, the engine paused likewise) and ``stop``;
 - the generating thread (the caller of :meth:`StreamServer.serve`) loads a staged version
   before it starts an item and, while one runs, between two tokens (``continue``: the embedded
   engine's ``token_boundary``) or after pausing the samples, which are then resumed from their
   prefix (``resume``); it answers each finished item on the result link with its samples and
-  :class:`ItemStats`.
+  :class:`ItemStats`. At the same boundaries (or at once when idle) it runs the queued shard
+  requests and answers each on the result link: a shard-to-shard update is written straight
+  into the engine's weights, so it lands at a boundary while the trainer waits for it, and no
+  staged copy is kept.
 
 The trainer admits an item only after the weight updates it must be generated with were sent,
 and the control thread stages an update before it queues any later item, so an item never
@@ -37,9 +41,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from bapo_megatron.disaggregated.server import IDLE_LIMIT, TRAINER, receive_version
+from bapo_megatron.disaggregated.shard_requests import SHARD_REQUESTS, answer_shard_request
 from bapo_megatron.distributed.collectives import describe_failure
 from bapo_megatron.distributed.messages import GroupMessenger
 from bapo_megatron.rollout.protocol import RolloutEngine, RolloutSample, SamplingParams
+from bapo_megatron.rollout.shard_member import EngineRankReceiver
 from bapo_megatron.weights.broadcast import StageBroadcast
 
 log = logging.getLogger(__name__)
@@ -65,7 +71,8 @@ class ItemStats:
     tokens: int = 0
     """Tokens it generated."""
     loads: int = 0
-    """Weight versions loaded while it ran (or just before it started)."""
+    """Weight versions loaded while it ran or while it waited to start (staged ones loaded, or
+    shard-to-shard updates received)."""
     load_s: float = 0.0
     """Seconds those loads took."""
 
@@ -96,6 +103,8 @@ class StreamServer:
         self.stages, self.inflight_update, self.idle_limit = stages, inflight_update, idle_limit
         self._changed = threading.Condition()
         self._work: deque[WorkItem] = deque()
+        self._shard_requests: deque[tuple] = deque()
+        self.receiver = EngineRankReceiver(engine)
         self._staged: tuple[int, list[tuple[str, Any]]] | None = None
         self._refused: str | None = None
         self._stopped = False
@@ -123,6 +132,7 @@ class StreamServer:
             if self._lost is None:
                 self._answer_error(describe_failure(error))
         control.join(self.idle_limit.total_seconds())
+        self.receiver.close()
         if self._lost is not None:
             raise self._lost
         # the last message: it ends the trainer's receiving thread
@@ -134,16 +144,23 @@ class StreamServer:
         """The next admitted item (None once stopped), with the newest staged weights loaded
         before it starts; the wait counts as idle time."""
         waited = time.perf_counter()
-        with self._changed:
-            self._changed.wait_for(lambda: self._work or self._stopped or self._refused)
-            if self._refused is not None:
-                refused, self._refused = self._refused, None
-                raise RuntimeError(refused)
-            if self._stopped:
-                return None
-            item = self._work.popleft()
-        self._stats = ItemStats(idle_s=time.perf_counter() - waited)
-        self._load_staged()
+        self._stats = ItemStats()
+        while True:
+            with self._changed:
+                self._changed.wait_for(
+                    lambda: self._work or self._stopped or self._refused or self._shard_requests
+                )
+                if self._refused is not None:
+                    refused, self._refused = self._refused, None
+                    raise RuntimeError(refused)
+                if self._stopped:
+                    return None
+                item = self._work.popleft() if self._work else None
+            if item is not None:
+                break
+            self._answer_shard_requests()
+        self._stats.idle_s = time.perf_counter() - waited
+        self._at_boundary()
         self.engine.resume()  # a pause meant for the previous item must not cut this one
         return item
 
@@ -154,7 +171,7 @@ class StreamServer:
         while any(s.resumable for s in samples) and not self._stop_requested():
             # `resume`: paused for a weight update; load it and go on from each prefix
             rounds += 1
-            self._load_staged()
+            self._at_boundary()
             self.engine.resume()
             seed = None if item.params.seed is None else item.params.seed + rounds
             self.engine.continue_generation(samples, dataclasses.replace(item.params, seed=seed))
@@ -166,8 +183,27 @@ class StreamServer:
         """`continue`: the engine calls this before each token."""
         if self._stop_requested():
             self.engine.abort()
-        elif self._staged is not None:
-            self._load_staged()
+        elif self._staged is not None or self._shard_requests:
+            self._at_boundary()
+
+    def _at_boundary(self) -> None:
+        """Between two items, two tokens or two rounds of resumed samples: what the trainer
+        sent meanwhile takes effect."""
+        self._answer_shard_requests()
+        self._load_staged()
+
+    def _answer_shard_requests(self) -> None:
+        while True:
+            with self._changed:
+                if not self._shard_requests:
+                    return
+                request = self._shard_requests.popleft()
+            started = time.perf_counter()
+            status, value = answer_shard_request(self.receiver, request)
+            if request[0] == "receive_shards" and status == "ok":
+                self._stats.loads += 1
+                self._stats.load_s += time.perf_counter() - started
+            self.results.send(("shards", status, value), TRAINER)
 
     def _load_staged(self) -> None:
         with self._changed:
@@ -215,6 +251,12 @@ class StreamServer:
                         self._changed.notify_all()
                 elif kind == "update_weights":
                     self._stage(int(request[1]))
+                elif kind in SHARD_REQUESTS:
+                    with self._changed:
+                        self._shard_requests.append(request)
+                        self._changed.notify_all()
+                    if self.inflight_update == "resume":
+                        self.engine.pause()
                 else:
                     with self._changed:
                         self._refused = f"unknown request {kind!r}"

@@ -18,7 +18,9 @@ T = TypeVar("T")
 
 
 def _world(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
+    if group is not None:  # a group joined beside the default one, or without any
+        return group.size()
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def describe_failure(failure: BaseException) -> str:

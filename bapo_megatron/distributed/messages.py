@@ -54,18 +54,18 @@ class GroupMessenger:
     def send(self, obj: Any, dst: int) -> None:
         """Send the pickled ``obj`` to group rank ``dst``."""
         frame, rest = _frames(obj)
-        self._wait(self.group.send([frame], dst, 0), dst, "sending to")
+        self._wait(lambda: self.group.send([frame], dst, 0), dst, "sending to")
         if rest is not None:
-            self._wait(self.group.send([rest], dst, 0), dst, "sending to")
+            self._wait(lambda: self.group.send([rest], dst, 0), dst, "sending to")
 
     def recv(self, src: int, *, timeout: datetime.timedelta | None = None) -> Any:
         """The next object group rank ``src`` sends, waiting at most ``timeout`` (default: the
         messenger's) for it to begin."""
         frame = torch.empty(FRAME_BYTES, dtype=torch.uint8)
-        self._wait(self.group.recv([frame], src, 0), src, "waiting for", timeout)
+        self._wait(lambda: self.group.recv([frame], src, 0), src, "waiting for", timeout)
 
         def receive_rest(rest: torch.Tensor) -> None:
-            self._wait(self.group.recv([rest], src, 0), src, "receiving from")
+            self._wait(lambda: self.group.recv([rest], src, 0), src, "receiving from")
 
         return _unframe(frame, receive_rest)
 
@@ -89,20 +89,22 @@ class GroupMessenger:
         options.rootRank = root
         options.timeout = self.timeout
         peer = root if self.rank != root else None
-        self._wait(self.group.broadcast([tensor], options), peer, "broadcasting with")
+        self._wait(lambda: self.group.broadcast([tensor], options), peer, "broadcasting with")
 
     # -------------------------------------------------------------- errors
 
     def _wait(
         self,
-        work: dist.Work,
+        start: Callable[[], dist.Work],
         peer: int | None,
         doing: str,
         timeout: datetime.timedelta | None = None,
     ) -> None:
+        """Start an operation and wait for it; a connection found closed when it starts (a
+        peer gone) is reported as one lost while waiting."""
         timeout = timeout or self.timeout
         try:
-            work.wait(timeout)
+            start().wait(timeout)
         except RuntimeError as error:
             who = (
                 self.names[peer]

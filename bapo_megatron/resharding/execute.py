@@ -18,9 +18,9 @@ from __future__ import annotations
 import datetime
 import pickle
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -322,3 +322,43 @@ def shared_plan(
     if not isinstance(received, ReshardPlan):
         raise ReshardError(f"{WHERE}: group rank 0 sent {type(received).__name__}, not a plan")
     return received
+
+
+class ReceivingMember:
+    """A member of a transfer group that does not plan (an engine's worker, an engine rank of
+    its own): it keeps the plan group rank 0 last broadcast and receives its part of each
+    transfer with it."""
+
+    def __init__(self) -> None:
+        self.plan: ReshardPlan | None = None
+
+    def receive(
+        self,
+        group: dist.ProcessGroup,
+        request: Mapping[str, Any],
+        open_targets: Callable[[set[str]], TargetTensors],
+        device: torch.device | str = "cpu",
+    ) -> TransferCounts:
+        """One transfer. ``request``: ``plan_follows`` (group rank 0 broadcasts the plan
+        first), ``wire_dtype`` and ``timeout_s``; ``open_targets`` gives the tensors of the
+        plan's names for this rank. A plan that is not the senders' fails on every rank at the
+        digest check; the targets are aborted on any failure."""
+        if request["plan_follows"]:
+            self.plan = shared_plan(None, group, device)
+        if self.plan is None:
+            raise ReshardError(
+                f"{WHERE}: group rank {group.rank()} holds no plan (the trainer sends one with "
+                "the first update after it changes)"
+            )
+        targets = open_targets(self.plan.targets_of(group.rank()))
+        try:
+            return execute_plan(
+                self.plan,
+                group,
+                timeout=datetime.timedelta(seconds=float(request["timeout_s"])),
+                targets=targets,
+                wire_dtype=getattr(torch, request["wire_dtype"]),
+            )
+        except BaseException:
+            targets.abort()
+            raise

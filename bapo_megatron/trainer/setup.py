@@ -127,14 +127,17 @@ def watched(name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
 
 def push_policy(run: Run, version: int) -> None:
     """The actor's weights into the engines as policy ``version`` (collective over the trainer
-    world): colocated engines through :func:`push_weights` (or :func:`push_shards`, shard to
-    shard), engine ranks of their own through
-    :func:`push_weights_to_engines`."""
-    if run.cfg.rollout.weight_transport == "shard-to-shard":  # colocated engines only
+    world): colocated engines through :func:`push_weights`, engine ranks of their own through
+    :func:`push_weights_to_engines`, any of them through :func:`push_shards` when the weights go
+    shard to shard."""
+    if run.cfg.rollout.weight_transport == "shard-to-shard":
         if run.shards is None:
             run.shards = ShardSync()
+        receiver = run.engine
+        if receiver is None and run.engines is not None:
+            receiver = run.engines.stream
         push_shards(
-            run.actor, run.engine, run.shards, version=version, bucket_bytes=run.bucket_bytes
+            run.actor, receiver, run.shards, version=version, bucket_bytes=run.bucket_bytes
         )
     elif run.engines is None or run.engines.local:
         engine = run.engine if run.engines is None else run.engines.stream

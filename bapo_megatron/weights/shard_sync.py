@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from bapo_megatron.actor.actor import Actor
-from bapo_megatron.distributed.collectives import raise_if_any_rank_failed
+from bapo_megatron.distributed.collectives import describe_failure, raise_if_any_rank_failed
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.models.name_maps import chunk_parameters, name_map_for
 from bapo_megatron.models.shard_map import ShardMap
@@ -72,6 +72,8 @@ class ShardSync:
     """Digest of the plan the engine workers hold."""
     last: TransferCounts | None = None
     """What this rank moved in the last update."""
+    sent_bytes: int = 0
+    """Bytes this rank has sent to other processes over every update so far."""
     _store: Any = None
 
     def close(self) -> None:
@@ -126,6 +128,7 @@ def push_shards(
             targets=targets,
             wire_dtype=getattr(torch, _wire_dtype(sync)),
         )
+        sync.sent_bytes += sync.last.sent_bytes
         if in_process:
             reports = [engine.shards_received(version=version, checksum=checksum)]
         elif future is not None:
@@ -141,6 +144,11 @@ def push_shards(
             targets.abort()
         if future is not None:
             _settled(future, sync.timeout)
+            if future.done() and future.exception() is not None and future.exception() != error:
+                # what the engine's side saw names it (a peer gone, its own error)
+                failure = RuntimeError(
+                    f"{error}; the engine: {describe_failure(future.exception())}"
+                )
     raise_if_any_rank_failed(
         failure,
         error_type=EngineFailure,

@@ -56,10 +56,14 @@ def assert_each_step_trained_once(records: list[dict], steps: int) -> None:
         assert record["rollout/finished_groups"] + record["async/dropped_groups"] == PROMPTS
 
 
-@pytest.mark.parametrize("eta", [1, 4])  # eta 2: the two-replica and SIGKILL runs below
-def test_no_trained_token_is_older_than_eta(tmp_path, warm_start, eta):
+@pytest.mark.parametrize(  # eta 2: the two-replica and SIGKILL runs below
+    ("eta", "transport"), [(1, "process-group"), (4, "process-group"), (1, "shard-to-shard")]
+)
+def test_no_trained_token_is_older_than_eta(tmp_path, warm_start, eta, transport):
+    # shard to shard, each update is written into the engine between two of its tokens
     steps = 5
-    records = run(tmp_path, warm_start, f"train.steps={steps}", *asynchronous(eta))
+    transported = f"rollout.weight_transport={transport}"
+    records = run(tmp_path, warm_start, f"train.steps={steps}", *asynchronous(eta, transported))
     updates = [r for r in records if "staleness/max" in r]
     assert len(updates) == steps
     for update in updates:  # from the per-token versions of every update's batch
@@ -72,6 +76,8 @@ def test_no_trained_token_is_older_than_eta(tmp_path, warm_start, eta):
     assert all(r["async/dropped_groups"] == 0 for r in rollouts)  # admission kept within eta
     assert all(r["async/weight_update_bytes"] > 0 for r in rollouts)
     assert [r["policy_version"] for r in rollouts] == list(range(1, steps + 1))
+    if transport == "shard-to-shard":  # each update written into the engine counts as a load
+        assert sum(r["async/engine_weight_loads"] for r in rollouts) >= 1
 
 
 def test_weights_reach_the_engines_every_sync_interval_versions(tmp_path):
@@ -97,16 +103,19 @@ def test_weights_reach_the_engines_every_sync_interval_versions(tmp_path):
     assert all(r["async/dropped_groups"] == 0 for r in rollouts)
 
 
+@pytest.mark.parametrize("transport", ["process-group", "shard-to-shard"])
 def test_two_replicas_each_with_its_engine_rank_resuming_samples_from_their_prefix(
-    tmp_path, warm_start
+    tmp_path, warm_start, transport
 ):
     # data-parallel trainer of 2 ranks, engine ranks 2 and 3; an update in flight pauses the
-    # samples and resumes them from their prefix under the new weights
+    # samples and resumes them from their prefix under the new weights. Shard to shard, both
+    # trainer ranks send into both engine ranks once these reach a boundary.
     overrides = [
         "train.steps=4",
         "rollout.engine_ranks=2",
         "rollout.inflight_update=resume",
         "rollout.prompts_per_step=8",
+        f"rollout.weight_transport={transport}",
     ]
     ranks = start_ranks(training_command(tmp_path, *warm_start[0], *asynchronous(2), *overrides), 4)
     outputs = finish(ranks, 900)
@@ -119,6 +128,7 @@ def test_two_replicas_each_with_its_engine_rank_resuming_samples_from_their_pref
         assert record["rollout/finished_groups"] + record["async/dropped_groups"] == 8
     assert rollouts[0]["async/queued_items"] == 3  # per replica: this step's and 2 ahead
     assert max(r["staleness/max"] for r in records if "staleness/max" in r) <= 2
+    assert all(r["async/weight_update_bytes"] > 0 for r in rollouts)
 
 
 def test_sigkill_resumes_with_every_step_trained_once(tmp_path, warm_start):
@@ -169,21 +179,28 @@ HELD = [
 ]
 
 
-def held_in_first_step(tmp_path: Path, warm_start, eta: int) -> tuple[list, Path]:
+def held_in_first_step(
+    tmp_path: Path, warm_start, eta: int, *more: str
+) -> tuple[list, Path]:
     """A disaggregated run (synchronous at eta 0) whose trainer is certainly inside its first
     rollout step (its rewards wait until the returned file is removed), its engine rank
     serving."""
     hang = tmp_path / "hang"
     hang.touch()
-    command = training_command(tmp_path, *warm_start[0], "train.steps=4", *HELD, *asynchronous(eta))
+    overrides = ["train.steps=4", *HELD, *asynchronous(eta, *more)]
+    command = training_command(tmp_path, *warm_start[0], *overrides)
     ranks = start_ranks(command, 2, {HANG_FILE: str(hang)})
     wait_for_file(tmp_path / "hang.reached", ranks)
     return ranks, hang
 
 
+@pytest.mark.parametrize("transport", ["process-group", "shard-to-shard"])
 @pytest.mark.parametrize("eta", [0, 1])
-def test_killed_engine_rank_stops_the_trainer_naming_it(tmp_path, warm_start, eta):
-    ranks, hang = held_in_first_step(tmp_path, warm_start, eta)
+def test_killed_engine_rank_stops_the_trainer_naming_it(tmp_path, warm_start, eta, transport):
+    # the trainer meets the dead engine rank when it next pushes weights (shard to shard: in the
+    # transfer group and on the request link) or asks for rollouts
+    more = f"rollout.weight_transport={transport}"
+    ranks, hang = held_in_first_step(tmp_path, warm_start, eta, more)
     ranks[1].send_signal(signal.SIGKILL)
     ranks[1].wait(60)
     hang.unlink()  # the trainer goes on, and meets the dead engine rank

@@ -25,8 +25,13 @@ pytestmark = [
 DISAGGREGATED = ["rollout.placement=disaggregated", "rollout.engine_ranks=1"]
 STEPS = ["train.steps=3"]  # as the one-process run (conftest.colocated_three_steps)
 LAYOUTS = {
-    "tp2": "parallel.tensor_model_parallel_size=2",
-    "pp2": "parallel.pipeline_model_parallel_size=2",
+    "tp2": ["parallel.tensor_model_parallel_size=2"],
+    "pp2": ["parallel.pipeline_model_parallel_size=2"],
+    # each stage's rank sends its own layers' shards straight to the engine rank
+    "pp2-shard-to-shard": [
+        "parallel.pipeline_model_parallel_size=2",
+        "rollout.weight_transport=shard-to-shard",
+    ],
 }
 
 
@@ -62,7 +67,7 @@ def test_parallel_trainer_with_an_engine_rank_matches_the_one_process_run(
         tmp_path,
         *warm_start[0],
         *STEPS,
-        LAYOUTS[layout],
+        *LAYOUTS[layout],
         *DISAGGREGATED,
         "logging.logprob_diff_interval=1",
     )

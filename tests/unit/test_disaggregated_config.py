@@ -31,10 +31,6 @@ def test_bad_placement_settings_name_the_field(overrides, message):
     ("overrides", "message"),
     [
         (["rollout.release_memory_during_training=true"], "release_memory_during_training"),
-        (
-            ["rollout.weight_transport=shard-to-shard"],
-            r"rollout\.weight_transport=shard-to-shard sends into colocated engines",
-        ),
     ],
 )
 def test_what_a_disaggregated_run_cannot_do_is_refused(overrides, message):
@@ -60,6 +56,9 @@ def test_servers_are_engines_without_ranks():
 def test_a_disaggregated_config_trains():
     load_config(None, [*TRAINABLE, *SPLIT]).check_training()
     load_config(None, [*TRAINABLE, *SPLIT, "algorithm.max_staleness=2"]).check_training()
+    shards = "rollout.weight_transport=shard-to-shard"
+    load_config(None, [*TRAINABLE, *SPLIT, shards]).check_training()
+    load_config(None, [*TRAINABLE, *SPLIT, shards, "algorithm.max_staleness=2"]).check_training()
 
 
 ASYNC = [*SPLIT, "algorithm.max_staleness=1"]

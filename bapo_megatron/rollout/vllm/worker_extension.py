@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from bapo_megatron.resharding.execute import execute_plan, shared_plan
+from bapo_megatron.resharding.execute import ReceivingMember
 from bapo_megatron.rollout.checksum import Checksum
 from bapo_megatron.rollout.vllm.loader_probe import probe_shard_map
 from bapo_megatron.rollout.vllm.shard_targets import VllmShardTargets, weights_checksum
@@ -187,28 +187,18 @@ class BapoWorkerExtension:
         whole)."""
         fields = json.loads(request)
         group, backend = self._bapo_group(fields["group_name"])
-        device = "cpu" if backend == "gloo" else self.device
-        if fields["plan_follows"]:
-            self._bapo_plan = shared_plan(None, group, device)
-        plan = getattr(self, "_bapo_plan", None)
-        if plan is None or plan.digest != fields["digest"]:
-            raise RuntimeError(
-                f"this worker holds no plan of digest {fields['digest'][:16]} (the trainer "
-                "sends a plan with the first update after it changes)"
-            )
         model = self.model_runner.get_model()
         check_cpu_experts_reloadable(model)
-        targets = VllmShardTargets(model, plan.targets_of(group.rank()))
+        if not hasattr(self, "_bapo_member"):
+            self._bapo_member = ReceivingMember()
         try:
-            counts = execute_plan(
-                plan,
+            counts = self._bapo_member.receive(
                 group,
-                timeout=datetime.timedelta(seconds=float(fields["timeout_s"])),
-                targets=targets,
-                wire_dtype=getattr(torch, fields["wire_dtype"]),
+                fields,
+                lambda planned: VllmShardTargets(model, planned),
+                "cpu" if backend == "gloo" else self.device,
             )
         except Exception as error:
-            targets.abort()
             # reported, not raised: vLLM's executor stops reading answers at the first worker
             # that raised, and the next call would read the others'
             return {"error": f"{type(error).__name__}: {error}"}
