@@ -1,8 +1,10 @@
 """The training loop with vLLM spread over two worker processes (the optional vLLM tier): the main
 job's configuration with ``rollout.engine=vllm`` and ``rollout.engine_tensor_parallel_size=2``,
-colocated (the engine in the trainer's process, its workers beside it, the weights sent shard
-to shard: ``rollout.weight_transport=shard-to-shard``) and disaggregated (a trainer rank and an
-engine rank whose vLLM spans two workers, the stage broadcast). vLLM starts from the model
+colocated (the engine in the trainer's process, its workers beside it) and disaggregated (a
+trainer rank and an engine rank whose vLLM spans two workers), the weights sent shard to shard
+in both (``rollout.weight_transport=shard-to-shard``: in the disaggregated run the engine rank
+answers the sync's requests over its request link and its workers join the trainer's transfer
+group). vLLM starts from the model
 section's config on dummy weights; the first weight sync gives it the warmed-up actor's.
 
 Each run must learn as the embedded engine's does (tests/e2e/test_learning.py: the first rollout
@@ -100,10 +102,13 @@ def test_the_colocated_loop_learns_with_vllm_over_two_workers_shard_to_shard(tmp
 
 
 def test_the_disaggregated_loop_learns_with_an_engine_rank_spanning_two_workers(tmp_path):
-    ranks = start_ranks(
-        command(tmp_path / "run", "rollout.placement=disaggregated", "rollout.engine_ranks=1"),
-        world_size=2,
-    )
+    """Disaggregated, every sync shard to shard into the engine rank's two workers."""
+    overrides = [
+        "rollout.placement=disaggregated",
+        "rollout.engine_ranks=1",
+        "rollout.weight_transport=shard-to-shard",
+    ]
+    ranks = start_ranks(command(tmp_path / "run", *overrides), world_size=2)
     try:
         outputs = [rank.communicate(timeout=RUN_TIMEOUT_S)[0] for rank in ranks]
     finally:
