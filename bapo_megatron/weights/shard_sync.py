@@ -96,7 +96,7 @@ def push_shards(
     rank that holds it, else None). Returns, on engine ranks, the workers' reports (with
     ``checksum``, each worker's checksum of its weights)."""
     context = actor.context
-    failure = reports = None
+    failure = reports = engine_side = None
     future = targets = None
     try:
         _plan_if_changed(actor, engine, sync, bucket_bytes)
@@ -144,14 +144,18 @@ def push_shards(
             targets.abort()
         if future is not None:
             _settled(future, sync.timeout)
-            if future.done() and future.exception() is not None and future.exception() != error:
-                # what the engine's side saw names it (a peer gone, its own error)
-                failure = RuntimeError(
-                    f"{error}; the engine: {describe_failure(future.exception())}"
-                )
+            if future.done() and future.exception() not in (None, error):
+                engine_side = future.exception()  # what the engine's side saw names it
+
+    def described(error: BaseException) -> str:
+        if engine_side is None:
+            return describe_failure(error)
+        return f"{describe_failure(error)}; the engine: {describe_failure(engine_side)}"
+
     raise_if_any_rank_failed(
         failure,
         error_type=EngineFailure,
+        describe=described,
         where=f"stopped during the shard-to-shard weight update to version {version}",
     )
     return reports

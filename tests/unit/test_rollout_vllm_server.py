@@ -1,6 +1,7 @@
 """The vLLM server client against a real vLLM OpenAI-compatible server (the optional vLLM tier,
-see requirements-vllm.txt): the rollout conformance suite, long seeded continuations, and a
-server whose engine dies mid-run. Skipped where vLLM is not installed.
+see requirements-vllm.txt): the rollout conformance suite, long seeded continuations, weights
+by every route (a trainer cut off part-way through an update included), and a server whose
+engine dies mid-run. Skipped where vLLM is not installed.
 
 One server serves the module. A test that finds it dead (the death tests kill it, and a crash
 of vLLM would too) gets a new one, started after the old one's log is shown, so one dead
@@ -332,6 +333,57 @@ def test_a_tp2_vllm_server_receives_shard_to_shard_from_trainer_pp2(
     monkeypatch.setenv(KEY_ENV, TP2_KEY)
     results = launch(tmp_path, ["pp2"], world=2, engine="vllm-server", url=server.base_url)
     check_results(results, ["pp2"])
+
+
+CUT_SENDER = """
+import os, sys
+import torch
+import tests.unit.test_rollout_engines as suite
+from tests.unit.test_rollout_vllm import VLLM_MODEL
+from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
+from bapo_megatron.rollout.weight_group import ServerWeightGroup
+
+def first_then_die(self, tensors):
+    options = torch.distributed.BroadcastOptions()
+    options.rootRank = 0
+    self.group.broadcast([tensors[0]], options).wait()
+    os._exit(17)  # the trainer dies part-way through the update
+
+suite.MODEL = VLLM_MODEL
+ServerWeightGroup._broadcast = first_then_die
+client = VLLMServerClient.connect(
+    sys.argv[1], VLLM_MODEL, weight_transport="process-group", timeout=120
+)
+client.update_weights(suite.random_weights(9).items(), version=9)
+"""
+
+
+def test_a_cut_update_leaves_the_vllm_server_on_its_previous_weights(server_processes, monkeypatch):
+    """A trainer that dies part-way through a process-group update leaves the server on its
+    previous weights, and the next client's update builds a group anew."""
+    monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
+    server = server_processes[1]
+    server.live_client()
+    client = server.connect(server.base_url, weight_transport="process-group")
+    held = suite.random_weights(5)
+    client.update_weights(held.items(), version=1)
+    cut = subprocess.run(
+        [sys.executable, "-c", CUT_SENDER, server.base_url],
+        cwd=Path(__file__).resolve().parents[2],
+        env=dict(
+            os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), OMP_NUM_THREADS="1"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert cut.returncode == 17, cut.stderr[-3000:]
+    under_weights(client, held, 1)
+    # the cut sender's group replaced this client's on the server: the next update builds anew
+    fresh = server.connect(server.base_url, weight_transport="process-group")
+    new = suite.random_weights(6)
+    fresh.update_weights(new.items(), version=2)
+    under_weights(fresh, new, 2)
 
 
 @pytest.mark.parametrize(
