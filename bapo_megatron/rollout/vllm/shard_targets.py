@@ -10,6 +10,13 @@ values are copied into the kernel tensors, which go back in place (CUDA graphs k
 them). So a worker holds at most the layers of one bucket twice. A bias, which vLLM never
 restores, is written in place.
 
+A layer whose post-load processing leaves its checkpoint-format parameters as they are (its live
+parameters have the recorded shapes and dtypes, and it has no quantization method, or vLLM's
+unquantized linear or embedding method on CUDA, where their processing does nothing) is written
+in place instead (:func:`writes_in_place`): no copy of it is made. On CPU vLLM packs every
+linear and embedding weight for its GEMM after loading, so only layers without a method (the
+norms) qualify there.
+
 After a failed transfer :meth:`VllmShardTargets.abort` puts the set-aside tensors of the layers
 still open back; layers completed before the failure hold the new weights, so the engine refuses
 to generate until a whole update lands (its version stays -1: the receiving side of the engine).
@@ -23,6 +30,33 @@ from typing import Any
 
 import torch
 
+IN_PLACE_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+"""vLLM 0.32's quantization methods whose ``process_weights_after_loading`` does nothing on CUDA
+(on CPU both pack the weight for the GEMM)."""
+
+
+def writes_in_place(
+    module: torch.nn.Module, recorded: dict[str, Any], written: Iterable[str], *, cuda: bool
+) -> bool:
+    """Whether ``module``'s parameters ``written`` can be written where they live: each has the
+    shape and dtype vLLM recorded for its checkpoint format (``recorded``; a parameter it did
+    not record is one it never restores) and is contiguous, and the module's post-load
+    processing leaves them as they are (no quantization method, or one of
+    :data:`IN_PLACE_METHODS` on CUDA)."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    for name in written:
+        live = module._parameters.get(name)
+        if live is None or not live.is_contiguous():
+            return False
+        meta = recorded.get(name)
+        if meta is not None and (tuple(meta.shape), meta.dtype) != (tuple(live.shape), live.dtype):
+            return False
+    method = getattr(module, "quant_method", None)
+    if not isinstance(method, QuantizeMethodBase):
+        return True
+    return cuda and type(method).__name__ in IN_PLACE_METHODS
+
 
 class VllmShardTargets:
     """The checkpoint-format parameters of ``model`` (a worker's model) that ``planned`` (the
@@ -30,8 +64,12 @@ class VllmShardTargets:
 
     def __init__(self, model: torch.nn.Module, planned: Iterable[str]) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.platforms import current_platform
 
         self.model, self.info_of = model, LAYERWISE_INFO
+        self.cuda = bool(current_platform.is_cuda())
+        self.in_place: set[str] = set()
+        """Modules written where they live (:func:`writes_in_place`), decided when opened."""
         self.modules = dict(model.named_modules())
         self.pending: dict[str, set[str]] = {}
         for name in planned:
@@ -50,8 +88,9 @@ class VllmShardTargets:
         template = recorded.get(param, module._parameters.get(param))
         if template is None:
             return None
-        missing = sorted(set(recorded) - self.pending.get(module_name, set()))
-        if missing:
+        written = self.pending.get(module_name, set())
+        missing = sorted(set(recorded) - written)
+        if missing and not writes_in_place(module, recorded, written, cuda=self.cuda):
             raise ValueError(
                 f"{module_name}: the plan writes {sorted(self.pending.get(module_name, ()))} "
                 f"but not {missing}, which vLLM restores before processing the layer"
@@ -61,7 +100,12 @@ class VllmShardTargets:
     def open(self, name: str) -> torch.Tensor:
         module_name, _, param = name.rpartition(".")
         if module_name not in self.open_modules:
-            self._take_apart(module_name)
+            module, written = self.modules[module_name], self.pending[module_name]
+            if writes_in_place(module, self._recorded(module), written, cuda=self.cuda):
+                self.in_place.add(module_name)
+                self.open_modules[module_name] = set(written)
+            else:
+                self._take_apart(module_name)
         return getattr(self.modules[module_name], param).data
 
     def written(self, names: list[str]) -> None:
@@ -69,15 +113,20 @@ class VllmShardTargets:
             module_name, _, param = name.rpartition(".")
             remaining = self.open_modules[module_name]
             remaining.discard(param)
-            if not remaining:
+            if not remaining and module_name in self.in_place:
+                del self.open_modules[module_name]
+            elif not remaining:
                 self._put_together(module_name)
 
     def abort(self) -> None:
         """Put back the set-aside tensors of every layer still open (they keep their previous
-        weights)."""
+        weights; one written in place holds part of the new ones)."""
         from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors
 
         for module_name in list(self.open_modules):
+            if module_name in self.in_place:
+                del self.open_modules[module_name]
+                continue
             module = self.modules[module_name]
             info = self.info_of[module]
             if info.kernel_tensors is not None:
