@@ -132,7 +132,8 @@ def push_policy(run: Run, version: int) -> None:
     shard to shard."""
     if run.cfg.rollout.weight_transport == "shard-to-shard":
         if run.shards is None:
-            run.shards = ShardSync()
+            deadline = datetime.timedelta(seconds=run.cfg.parallel.collective_timeout_s)
+            run.shards = ShardSync(timeout=deadline)
         receiver = run.engine
         if receiver is None and run.engines is not None:
             receiver = run.engines.stream

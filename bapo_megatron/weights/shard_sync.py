@@ -59,7 +59,8 @@ class ShardSync:
     """What the shard-to-shard sync keeps between updates on one trainer rank."""
 
     timeout: datetime.timedelta = datetime.timedelta(minutes=10)
-    """Bounds joining the group and each wait of a transfer."""
+    """Bounds joining the group and each wait of a transfer (a training run passes
+    ``parallel.collective_timeout_s``)."""
     plan: ReshardPlan | None = None
     key: str = ""
     """This rank's map, its engine's layout and the bucket size the plan was made for."""
