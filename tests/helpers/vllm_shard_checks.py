@@ -82,10 +82,10 @@ def check_engine_shard_maps(engine, tensor_parallel_size: int) -> list[ShardMap]
     return maps
 
 
-def in_place_modules(engine, *, cuda: bool) -> set[str]:
+def in_place_modules(engine) -> set[str]:
     """The modules of an in-process TP 1 engine's model (the worker in this process) that a
     shard-to-shard transfer writes where they live
-    (:func:`~bapo_megatron.rollout.vllm.shard_targets.writes_in_place`), judged for CUDA or not."""
+    (:func:`~bapo_megatron.rollout.vllm.shard_targets.writes_in_place`)."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
     from bapo_megatron.rollout.vllm.shard_targets import writes_in_place
@@ -96,6 +96,6 @@ def in_place_modules(engine, *, cuda: bool) -> set[str]:
         params = [n for n, param in module._parameters.items() if param is not None]
         info = LAYERWISE_INFO.get(module)
         recorded = info.restore_metadata[0] if info is not None else {}
-        if params and writes_in_place(module, recorded, params, cuda=cuda):
+        if params and writes_in_place(module, recorded, params):
             chosen.add(name)
     return chosen

@@ -570,23 +570,25 @@ def test_vllm_family_shard_maps_equal_what_vllms_loaders_do(vllm_family_engines,
 def test_vllm_layers_written_in_place_are_those_whose_processing_keeps_them(
     vllm_family_engines, tmp_path
 ):
-    """Shard to shard, a layer is written where it lives when vLLM's post-load processing keeps
-    its checkpoint-format parameters: on CPU only the norms (vLLM packs every linear and
-    embedding weight for its GEMM); on CUDA also the linear and embedding layers, whose
-    unquantized processing does nothing there, as long as their live weights keep the recorded
-    shapes. The others are taken apart and put together."""
+    """Shard to shard, a layer is written where it lives, then processed again, when vLLM's
+    post-load processing keeps its checkpoint-format parameters where they are: the norms (no
+    processing), and the embedding and output layers (vLLM's CPU build packs a copy beside the
+    weight; on CUDA their processing does nothing). vLLM's CPU packing drops a linear layer's
+    weight, so linear layers are taken apart and put together."""
     engine = vllm_family_engines("qwen3-untied", 1)
     hf_models.save_hf_folder(tmp_path, "qwen3-untied", seed=3, **VLLM_FAMILIES["qwen3-untied"])
     weights = hf_models.read_hf_tensors(tmp_path)
     engine.update_weights(weights.items(), version=1)  # judged after an in-place reload
-    on_cpu, on_cuda = (in_place_modules(engine, cuda=cuda) for cuda in (False, True))
-    norms = {n for n in on_cpu if n.rpartition(".")[2] in {"input_layernorm", "q_norm", "norm"}}
-    assert on_cpu and all(n.endswith("norm") for n in on_cpu), on_cpu
-    assert "model.layers.0.self_attn.k_norm" in on_cpu and norms
-    # judged for CUDA, the embedding and output layers (whose CPU packing keeps the weight
-    # beside) go in place too; this CPU engine's linear layers do not, as their packing removed
-    # the weight in the recorded shape
-    assert on_cuda - on_cpu == {"model.embed_tokens", "lm_head"}
+    in_place = in_place_modules(engine)
+    norms = {name for name in in_place if name.endswith("norm")}
+    assert in_place - norms == {"model.embed_tokens", "lm_head"}
+    assert {
+        "model.norm",
+        "model.layers.0.self_attn.k_norm",
+        "model.layers.1.input_layernorm",
+    } <= norms
+    layer = "model.layers.0"
+    assert not in_place & {f"{layer}.self_attn.qkv_proj", f"{layer}.mlp.gate_up_proj"}
 
 
 @needs_vllm

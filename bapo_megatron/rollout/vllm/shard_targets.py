@@ -10,12 +10,12 @@ values are copied into the kernel tensors, which go back in place (CUDA graphs k
 them). So a worker holds at most the layers of one bucket twice. A bias, which vLLM never
 restores, is written in place.
 
-A layer whose post-load processing leaves its checkpoint-format parameters as they are (its live
-parameters have the recorded shapes and dtypes, and it has no quantization method, or vLLM's
-unquantized linear or embedding method on CUDA, where their processing does nothing) is written
-in place instead (:func:`writes_in_place`): no copy of it is made. On CPU vLLM packs every
-linear and embedding weight for its GEMM after loading, so only layers without a method (the
-norms) qualify there.
+A layer whose post-load processing keeps its checkpoint-format parameters where they are (its
+live parameters have the recorded shapes and dtypes, and it has no quantization method, or
+vLLM's unquantized linear or embedding method) is written in place instead
+(:func:`writes_in_place`), then processed again: no copy of its parameters is made. On CUDA
+that processing does nothing; on CPU the embedding and output layers get a new packed copy for
+the GEMM, while linear layers, whose packing drops the weight, are taken apart.
 
 After a failed transfer :meth:`VllmShardTargets.abort` puts the set-aside tensors of the layers
 still open back; layers completed before the failure hold the new weights, so the engine refuses
@@ -31,18 +31,19 @@ from typing import Any
 import torch
 
 IN_PLACE_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
-"""vLLM 0.32's quantization methods whose ``process_weights_after_loading`` does nothing on CUDA
-(on CPU both pack the weight for the GEMM)."""
+"""vLLM 0.32's quantization methods whose ``process_weights_after_loading`` derives what it needs
+from the weight without changing it, when it keeps the weight: nothing on CUDA; on CPU a packed
+copy for the GEMM, beside the weight (embedding, output layer) or in its place (linear: the
+weight left empty, so the shape check refuses it)."""
 
 
 def writes_in_place(
-    module: torch.nn.Module, recorded: dict[str, Any], written: Iterable[str], *, cuda: bool
+    module: torch.nn.Module, recorded: dict[str, Any], written: Iterable[str]
 ) -> bool:
-    """Whether ``module``'s parameters ``written`` can be written where they live: each has the
-    shape and dtype vLLM recorded for its checkpoint format (``recorded``; a parameter it did
-    not record is one it never restores) and is contiguous, and the module's post-load
-    processing leaves them as they are (no quantization method, or one of
-    :data:`IN_PLACE_METHODS` on CUDA)."""
+    """Whether ``module``'s parameters ``written`` can be written where they live and the module
+    then processed again: each has the shape and dtype vLLM recorded for its checkpoint format
+    (``recorded``; a parameter it did not record is one it never restores) and is contiguous,
+    and the module has no quantization method or one of :data:`IN_PLACE_METHODS`."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
     for name in written:
@@ -53,9 +54,7 @@ def writes_in_place(
         if meta is not None and (tuple(meta.shape), meta.dtype) != (tuple(live.shape), live.dtype):
             return False
     method = getattr(module, "quant_method", None)
-    if not isinstance(method, QuantizeMethodBase):
-        return True
-    return cuda and type(method).__name__ in IN_PLACE_METHODS
+    return not isinstance(method, QuantizeMethodBase) or type(method).__name__ in IN_PLACE_METHODS
 
 
 class VllmShardTargets:
@@ -64,10 +63,8 @@ class VllmShardTargets:
 
     def __init__(self, model: torch.nn.Module, planned: Iterable[str]) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-        from vllm.platforms import current_platform
 
         self.model, self.info_of = model, LAYERWISE_INFO
-        self.cuda = bool(current_platform.is_cuda())
         self.in_place: set[str] = set()
         """Modules written where they live (:func:`writes_in_place`), decided when opened."""
         self.modules = dict(model.named_modules())
@@ -90,7 +87,7 @@ class VllmShardTargets:
             return None
         written = self.pending.get(module_name, set())
         missing = sorted(set(recorded) - written)
-        if missing and not writes_in_place(module, recorded, written, cuda=self.cuda):
+        if missing and not writes_in_place(module, recorded, written):
             raise ValueError(
                 f"{module_name}: the plan writes {sorted(self.pending.get(module_name, ()))} "
                 f"but not {missing}, which vLLM restores before processing the layer"
@@ -101,7 +98,7 @@ class VllmShardTargets:
         module_name, _, param = name.rpartition(".")
         if module_name not in self.open_modules:
             module, written = self.modules[module_name], self.pending[module_name]
-            if writes_in_place(module, self._recorded(module), written, cuda=self.cuda):
+            if writes_in_place(module, self._recorded(module), written):
                 self.in_place.add(module_name)
                 self.open_modules[module_name] = set(written)
             else:
@@ -114,6 +111,7 @@ class VllmShardTargets:
             remaining = self.open_modules[module_name]
             remaining.discard(param)
             if not remaining and module_name in self.in_place:
+                process_again(self.modules[module_name])
                 del self.open_modules[module_name]
             elif not remaining:
                 self._put_together(module_name)
@@ -155,23 +153,29 @@ class VllmShardTargets:
         self.open_modules[module_name] = set(self.pending[module_name])
 
     def _put_together(self, module_name: str) -> None:
-        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
         from vllm.model_executor.model_loader.reload.layerwise import (
             _copy_and_restore_kernel_tensors,
         )
 
         module = self.modules[module_name]
         info = self.info_of[module]
-        if hasattr(module, "_already_called_process_weights_after_loading"):
-            delattr(module, "_already_called_process_weights_after_loading")
-        method = getattr(module, "quant_method", None)
-        if isinstance(method, QuantizeMethodBase):
-            method.process_weights_after_loading(module)
-            if hasattr(module, "update_param_tp_status"):
-                module.update_param_tp_status()
+        process_again(module)
         _copy_and_restore_kernel_tensors(module, info)
         info.reset()
         del self.open_modules[module_name]
+
+
+def process_again(module: torch.nn.Module) -> None:
+    """Run the module's post-load processing (its quantization method's) on what was written."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    if hasattr(module, "_already_called_process_weights_after_loading"):
+        delattr(module, "_already_called_process_weights_after_loading")
+    method = getattr(module, "quant_method", None)
+    if isinstance(method, QuantizeMethodBase):
+        method.process_weights_after_loading(module)
+        if hasattr(module, "update_param_tp_status"):
+            module.update_param_tp_status()
 
 
 def weights_checksum(model: torch.nn.Module) -> str:
