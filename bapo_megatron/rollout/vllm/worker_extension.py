@@ -21,11 +21,7 @@ from safetensors.torch import load_file
 from bapo_megatron.resharding.execute import ReceivingMember
 from bapo_megatron.rollout.checksum import Checksum
 from bapo_megatron.rollout.vllm.loader_probe import probe_shard_map
-from bapo_megatron.rollout.vllm.shard_targets import (
-    VllmShardTargets,
-    process_again,
-    weights_checksum,
-)
+from bapo_megatron.rollout.vllm.shard_targets import VllmShardTargets, weights_checksum
 from bapo_megatron.rollout.weight_group import join_weight_group, leave_weight_group
 
 
@@ -62,7 +58,7 @@ def retie_output_layer(model: Any) -> bool:
         return False
     head, embedding = model.lm_head, model.model.embed_tokens
     head.weight = embedding.weight
-    process_again(head)
+    head.quant_method.process_weights_after_loading(head)
     return True
 
 
