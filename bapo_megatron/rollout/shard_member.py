@@ -4,9 +4,9 @@ trainer's shard-to-shard sync sees it: always workers of their own.
 
 An engine whose workers are processes of their own (vLLM's multiprocess executor, a server) is
 passed through. An engine that receives in its own process (the embedded engine, vLLM's
-single-process worker) would, beside a trainer rank, be written by that rank; here the process
-itself joins the transfer group, as the engine's one worker, and receives into the engine's
-tensors.
+single-process worker) is written by the trainer rank that holds it when colocated; on an
+engine rank, that rank's process joins the transfer group itself, as the engine's one worker,
+and receives into the engine's tensors.
 """
 
 from __future__ import annotations
