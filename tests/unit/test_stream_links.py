@@ -140,10 +140,16 @@ def test_resume_recomputes_the_prefix_under_the_new_weights():
         samples, _ = client.take(0)
     finally:
         streamed.close()
-    # what a fresh engine holding version 2 continues from the version-1 prefix, seed + 1
+    assert_resumed_under_version_2(samples, prefix_tokens=3)
+
+
+def assert_resumed_under_version_2(samples, prefix_tokens: int) -> None:
+    """``samples`` are what a fresh engine holding version 2 continues (seed + 1) from the
+    version-1 samples cut after ``prefix_tokens`` tokens."""
     prefix = local_samples(random_weights(1), PROMPTS, PARAMS)
     for sample in prefix:
-        del sample.token_ids[3:], sample.logprobs[3:], sample.versions[3:]
+        del sample.token_ids[prefix_tokens:], sample.logprobs[prefix_tokens:]
+        del sample.versions[prefix_tokens:]
         sample.finish_reason = "paused"
     fresh = EmbeddedEngine(MODEL)
     fresh.update_weights(random_weights(2).items(), version=2)

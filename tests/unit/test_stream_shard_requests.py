@@ -7,7 +7,6 @@ landed; generation is held at a chosen token until the request is queued, never 
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 import pytest
@@ -19,7 +18,13 @@ from bapo_megatron.rollout.guard import EngineFailure
 from bapo_megatron.rollout.shard_receiver import ShardLayout
 from tests.unit.test_disaggregated_links import TIMEOUT, messengers
 from tests.unit.test_rollout_engines import MODEL, PROMPTS, random_weights
-from tests.unit.test_stream_links import NAME, PARAMS, WAIT_S, local_samples
+from tests.unit.test_stream_links import (
+    NAME,
+    PARAMS,
+    WAIT_S,
+    assert_resumed_under_version_2,
+    local_samples,
+)
 
 LAYOUT = ShardLayout((), "float32", in_process=False, instance="stand-in")
 
@@ -159,16 +164,7 @@ def test_resume_pauses_and_the_update_lands_before_the_samples_resume():
     # the held pass still samples under version 1 (the pause takes effect after it): a fresh
     # version-2 engine continues the version-1 prefix of 3 tokens with seed + 1
     assert streamed.receiver.received_at == [0, 3]
-    prefix = local_samples(random_weights(1), PROMPTS, PARAMS)
-    for sample in prefix:
-        del sample.token_ids[3:], sample.logprobs[3:], sample.versions[3:]
-        sample.finish_reason = "paused"
-    fresh = EmbeddedEngine(MODEL)
-    fresh.update_weights(random_weights(2).items(), version=2)
-    fresh.continue_generation(prefix, dataclasses.replace(PARAMS, seed=PARAMS.seed + 1))
-    assert [(s.token_ids, s.logprobs, s.versions) for s in samples] == [
-        (s.token_ids, s.logprobs, s.versions) for s in prefix
-    ]
+    assert_resumed_under_version_2(samples, prefix_tokens=3)
 
 
 def test_a_request_after_the_engine_failed_raises_its_failure(continuing):
