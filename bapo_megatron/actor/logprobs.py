@@ -2,7 +2,9 @@
 
 Token-aligned: column t holds log pi(token_t | tokens_<t) and the entropy of that distribution,
 both of softmax(logits / temperature) (the distribution the rollout engine sampled from).
-Column 0 has no predecessor and holds 0.
+Column 0 has no predecessor and holds 0. The forward-only passes return 0 off the response too:
+the last stage computes logits only at the positions that predict a response token
+(:mod:`bapo_megatron.actor.response_logits`).
 """
 
 from __future__ import annotations
@@ -21,30 +23,43 @@ from bapo_megatron.actor.microbatches import (
 )
 from bapo_megatron.actor.packing import unpack_tokens
 from bapo_megatron.actor.pipeline_schedule import last_stage_rank, run_schedule
+from bapo_megatron.actor.response_logits import StageLogits, scatter_rows
 from bapo_megatron.actor.routing_replay import RoutingReplay
 from bapo_megatron.algo.vocab_parallel import token_logprobs_and_entropy
 from bapo_megatron.distributed.context import ParallelContext
 
 
 def token_logprobs(
-    logits: torch.Tensor,
+    logits: StageLogits,
     tokens: torch.Tensor,
     context: ParallelContext,
     *,
     temperature: float,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token-aligned ``[b, s]`` log-probs (and entropy) from this rank's logits ``[b, s, V/TP]``
-    (position t predicts token t + 1). Differentiable; collectives over the TP group only."""
+    """Token-aligned ``[b, s]`` log-probs (and entropy) from this rank's logits (position t
+    predicts token t + 1; at every position, or at ``logits.rows`` with 0 elsewhere).
+    Differentiable; collectives over the TP group only."""
+    values, rows = logits.values, logits.rows
+    if rows is None:
+        targets, predictors = tokens[:, 1:], values[:, :-1]
+    else:  # the tokens the kept rows predict, in the same sequence-first order
+        targets, predictors = tokens.t().reshape(-1)[rows + tokens.shape[0]][None], values
     logprobs, entropy = token_logprobs_and_entropy(
-        logits[:, :-1],
-        tokens[:, 1:].to(logits.device),
-        vocab_start=context.tp_rank * logits.shape[-1],
+        predictors,
+        targets.to(values.device),
+        vocab_start=context.tp_rank * values.shape[-1],
         group=context.tp_group,
         temperature=temperature,
         with_entropy=with_entropy,
     )
-    return _shift_right(logprobs), (_shift_right(entropy) if with_entropy else None)
+    if rows is None:
+        return _shift_right(logprobs), (_shift_right(entropy) if with_entropy else None)
+    shape = tuple(tokens.shape)
+    return (
+        scatter_rows(logprobs[0], rows.to(values.device), shape),
+        scatter_rows(entropy[0], rows.to(values.device), shape) if with_entropy else None,
+    )
 
 
 def _shift_right(values: torch.Tensor) -> torch.Tensor:
@@ -68,7 +83,7 @@ def compute_logprobs(
     and broadcasts). Used to recompute old log-probs and to check rollout engines. With
     ``routing`` (a mixture-of-experts actor's) and ``batch.routes``, the routers replay them.
     ``batching``: padded or packed micro-batches (:class:`~bapo_megatron.actor.microbatches.
-    Batching.for_logprobs`); packed, the columns after a sequence's last response token hold 0.
+    Batching.for_logprobs`); every column that is not a response token holds 0.
     ``fp8_multiple``: the length multiple FP8 layers need (1 without FP8)."""
     if routing is not None and batch.routes is not None:
         with routing.replaying():
@@ -139,13 +154,15 @@ def _forward_pass(
         batch, groups, batching, multiples, count, agreed_row_length(groups, context, longest)
     )
 
-    def per_microbatch(microbatch: PolicyBatch, logits: torch.Tensor):
+    def per_microbatch(microbatch: PolicyBatch, logits: StageLogits):
         logprobs, entropy = token_logprobs(
             logits, microbatch.tokens, context, temperature=temperature, with_entropy=with_entropy
         )
-        outputs = {"logprobs": logprobs.float()}
+        # 0 off the response, whether or not this layout computed those positions
+        mask = microbatch.response_mask.to(logprobs.device)
+        outputs = {"logprobs": torch.where(mask, logprobs, 0.0).float()}
         if with_entropy:
-            outputs["entropy"] = entropy.float()
+            outputs["entropy"] = torch.where(mask, entropy, 0.0).float()
         return logprobs.sum(), outputs
 
     outputs = run_schedule(

@@ -1,10 +1,12 @@
 """Run a per-micro-batch function on the last stage's logits through Megatron's pipeline
 schedule (no pipelining, 1F1B, or interleaved, as ``get_forward_backward_func`` picks).
 
-The function gets a micro-batch and its vocabulary-parallel logits ``[b, s, V/TP]`` and returns
-``(loss, outputs)``: the loss to backpropagate (ignored in forward-only runs) and a dict of
-tensors kept for the caller. Only last-stage ranks call it; they get the dicts back in
-micro-batch order, every other rank gets an empty list.
+The function gets a micro-batch and its vocabulary-parallel logits (a
+:class:`~bapo_megatron.actor.response_logits.StageLogits`: only at the positions that predict a
+response token, unless ``every_position``) and returns ``(loss, outputs)``: the loss to
+backpropagate (ignored in forward-only runs) and a dict of tensors kept for the caller. Only
+last-stage ranks call it; they get the dicts back in micro-batch order, every other rank gets an
+empty list.
 """
 
 from __future__ import annotations
@@ -17,9 +19,15 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from bapo_megatron.actor.batch import PolicyBatch
+from bapo_megatron.actor.response_logits import (
+    StageLogits,
+    can_select_rows,
+    output_rows,
+    predicting_rows,
+)
 from bapo_megatron.distributed.context import ParallelContext
 
-MicrobatchFn = Callable[[PolicyBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+MicrobatchFn = Callable[[PolicyBatch, StageLogits], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def run_schedule(
@@ -30,6 +38,7 @@ def run_schedule(
     *,
     forward_only: bool,
     before_forward: Callable[[PolicyBatch, torch.nn.Module], None] | None = None,
+    every_position: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Forward (and, unless ``forward_only``, backward) every micro-batch through the pipeline.
 
@@ -47,8 +56,8 @@ def run_schedule(
     batch_size, seq_length = microbatches[0].tokens.shape
     position_ids = torch.arange(seq_length, device=context.device).expand(batch_size, seq_length)
 
-    def loss_func(microbatch: PolicyBatch, logits: torch.Tensor):
-        loss, outputs = fn(microbatch, logits)
+    def loss_func(microbatch: PolicyBatch, rows: torch.Tensor | None, logits: torch.Tensor):
+        loss, outputs = fn(microbatch, StageLogits(logits, rows))
         # Megatron adds the middle value to a token count it passes to finalize_model_grads;
         # the loss is normalized already, so the count is unused (zero).
         return loss, torch.zeros((), dtype=torch.int), outputs
@@ -58,17 +67,22 @@ def run_schedule(
         tokens = microbatch.tokens.to(context.device)
         if before_forward is not None:
             before_forward(microbatch, model)
+        rows = None
+        if not every_position and can_select_rows(model):
+            rows = predicting_rows(microbatch.response_mask).to(context.device)
+            rows = rows if rows.numel() else None  # a filler micro-batch: nothing to cut
         segments = microbatch.segments
-        if segments is None:
-            output = model(tokens, position_ids, None)
-        else:  # a packed row: positions restart at each sequence, attention stays inside it
-            output = model(
-                tokens,
-                segments.position_ids().to(context.device),
-                None,
-                packed_seq_params=segments.packed_seq_params(context.device),
-            )
-        return output, functools.partial(loss_func, microbatch)
+        with output_rows(model, rows):
+            if segments is None:
+                output = model(tokens, position_ids, None)
+            else:  # a packed row: positions restart at each sequence, attention stays inside
+                output = model(
+                    tokens,
+                    segments.position_ids().to(context.device),
+                    None,
+                    packed_seq_params=segments.packed_seq_params(context.device),
+                )
+        return output, functools.partial(loss_func, microbatch, rows)
 
     # The interleaved schedule takes one iterator per model chunk, each over all micro-batches.
     iterators = [iter(microbatches) for _ in chunks]

@@ -53,6 +53,7 @@ from bapo_megatron.actor.microbatches import (
 )
 from bapo_megatron.actor.optimizer import optimizer_step
 from bapo_megatron.actor.pipeline_schedule import last_stage_rank, run_schedule
+from bapo_megatron.actor.response_logits import StageLogits
 from bapo_megatron.actor.routing_replay import validate_routes
 from bapo_megatron.algo.bound_search import BoundDecision, choose_bounds
 from bapo_megatron.algo.policy_loss import bapo_loss, loss_normalizer, search_statistics
@@ -120,7 +121,7 @@ def train_step(
                 )
         # else one micro-batch: its loss searches on the step's statistics (decision None)
 
-    def per_microbatch(microbatch: PolicyBatch, logits: torch.Tensor):
+    def per_microbatch(microbatch: PolicyBatch, logits: StageLogits):
         logprobs, entropy = token_logprobs(
             logits, microbatch.tokens, context, temperature=temperature, with_entropy=True
         )
@@ -264,7 +265,7 @@ def _decide_for_step(
     context = actor.context
     temperature = actor.actor_config.temperature
 
-    def per_microbatch(microbatch: PolicyBatch, logits: torch.Tensor):
+    def per_microbatch(microbatch: PolicyBatch, logits: StageLogits):
         logprobs, _ = token_logprobs(
             logits, microbatch.tokens, context, temperature=temperature, with_entropy=False
         )

@@ -75,9 +75,10 @@ def main(argv: list[str]) -> None:
         outputs = run_schedule(
             chunks,
             [batch] * ctx.pp_size,
-            lambda mb, logits: (logits.sum() * 0, {"logits": logits.detach()}),
+            lambda mb, logits: (logits.values.sum() * 0, {"logits": logits.values.detach()}),
             ctx,
             forward_only=True,
+            every_position=True,
         )
         if not ctx.is_last_stage():
             return None
