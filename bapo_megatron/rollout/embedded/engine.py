@@ -173,6 +173,7 @@ class EmbeddedEngine:
                 position_ids=positions,
                 past_key_values=cache,
                 use_cache=True,
+                logits_to_keep=1,  # the prefill's other positions predict nothing sampled
             )
             cache = out.past_key_values
             if self.routes is not None:
