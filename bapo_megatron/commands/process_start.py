@@ -8,9 +8,18 @@ call (``bapo_megatron/megatron_patches/``: ``import_warnings``, ``deferred_wandb
 of ``import bapo_megatron``: the console scripts and ``python -m bapo_megatron.train``
 (:mod:`bapo_megatron.commands.console`) and the tools in ``tools/`` call :func:`prepare_process`
 first, and a program that uses the package as a library keeps its own imports as they are.
+
+It also lets torch's OpenMP threads sleep when they wait (``OMP_WAIT_POLICY=PASSIVE``, unless
+set): GNU OpenMP's default spins at every barrier, so when another process holds one of the
+cores, the spinning thread takes the time slice its partner needs, once per parallel region.
+On 2 cores with other work running, a greedy decode of SmolLM2-135M took 89-100 s spinning and
+12 s sleeping (docs/benchmarks.md).
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 from bapo_megatron.megatron_patches.deferred_jit_compile import defer_jit_compile
 from bapo_megatron.megatron_patches.deferred_wandb import defer_wandb_import
@@ -19,8 +28,11 @@ from bapo_megatron.megatron_patches.import_warnings import quiet_missing_acceler
 
 def prepare_process() -> None:
     """Silence Megatron-Core's missing-accelerator warnings and defer its imports of wandb and
-    TorchDynamo. Call before anything imports megatron; where megatron or wandb is imported
-    already, that part does nothing. Idempotent."""
+    TorchDynamo, and make OpenMP threads sleep at barriers. Call before anything imports
+    megatron; where megatron, wandb or torch is imported already, that part does nothing.
+    Idempotent."""
+    if "torch" not in sys.modules:  # libgomp reads its settings once, when torch loads it
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     quiet_missing_accelerator_warnings()
     defer_wandb_import()
     defer_jit_compile()

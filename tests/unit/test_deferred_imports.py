@@ -34,6 +34,8 @@ CONSOLE_COMMAND_LINES = {
     "bapo-sweep": "bapo_megatron.repro.sweep_cli",
     "bapo-plan-layout": "bapo_megatron.planning.cli",
     "bapo-gpu-check": "bapo_megatron.device_check.run",
+    "bapo-gguf-to-hf": "bapo_megatron.weights.gguf_to_hf",
+    "bapo-make-arithmetic": "bapo_megatron.data.arithmetic_task",
 }
 
 PACKAGE_FILES = {
@@ -217,3 +219,24 @@ def test_compile_on_first_call_compiles_once_at_the_first_call():
     assert torch.equal(decorated(bias, y), bias_gelu(bias, y))
     assert torch.equal(decorated(bias, y=y), bias_gelu(bias, y))
     assert made == [bias_gelu], "compiled more than once, or another function"
+
+
+@pytest.mark.parametrize("preset", [None, "ACTIVE"])
+def test_openmp_threads_sleep_at_barriers_unless_the_user_chose(tmp_path, preset):
+    """The policy reaches the OpenMP runtime torch loads (read back from the process's own
+    environment as libgomp sees it), and a policy set beforehand is kept."""
+    run_python(
+        f"""
+        import os
+        if {preset!r} is not None:
+            os.environ["OMP_WAIT_POLICY"] = {preset!r}
+        from bapo_megatron.commands import process_start
+        process_start.prepare_process()
+        import ctypes, torch
+        libc = ctypes.CDLL(None)
+        libc.getenv.restype = ctypes.c_char_p
+        seen = libc.getenv(b"OMP_WAIT_POLICY")
+        assert seen == ({preset!r} or "PASSIVE").encode(), seen
+        """,
+        tmp_path,
+    )
