@@ -25,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from bapo_megatron.config import ModelConfig
+from bapo_megatron.files.atomic import new_file_mode
 from bapo_megatron.models.name_maps import NameMap, name_map_for
 
 CONFIG_FILE = "config.json"
@@ -260,6 +261,7 @@ def write_shard(path: Path, tensors: Mapping[str, torch.Tensor]) -> int:
     save_file(
         {name: t.contiguous() for name, t in tensors.items()}, str(path), metadata={"format": "pt"}
     )
+    path.chmod(new_file_mode())  # safetensors writes through a private (0o600) temporary file
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
