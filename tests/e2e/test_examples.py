@@ -124,7 +124,7 @@ ASYNC_RECIPE_PARAMS = [
     for name, colocated in sorted(ASYNC_RECIPES.items())
 ]
 
-CPU_RECIPES = ("tiny_cpu/train.yaml", "tiny_cpu_moe/train.yaml")
+CPU_RECIPES = ("tiny_cpu/train.yaml", "tiny_cpu_moe/train.yaml", "smollm2-135m-cpu/train.yaml")
 NOT_TRAINING = ("loss.yaml",)  # the loss demo's config: a loss section only
 
 H100_WITH_TE = Accelerator(transformer_engine=True, cuda=True, fp8_gpu=True)
