@@ -240,10 +240,10 @@ def main(argv: list[str]) -> None:
             log(f"{name}: killed mid-sync")
         ctx.teardown()
     sync.close()
-    for engine in engines.values():  # at the end: closing an in-process vLLM ends the default group
+    for engine in engines.values():  # the world they found stays (rollout/vllm/borrowed_world.py)
         shard_sync_engines.stop(engine)
     gloo_launch.save_result(results, args.out)
-    if dist.is_initialized():  # an in-process vLLM that shut down took the default group along
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -592,6 +592,30 @@ def test_vllm_layers_written_in_place_are_those_whose_processing_keeps_them(
 
 
 @needs_vllm
+def test_vllm_updates_of_a_tied_model_log_no_warning(vllm_family_engines, tmp_path):
+    """vLLM's in-place reload warned on every update "ParallelLMHead: Failed to load weights"
+    (the tied output layer, which a tied checkpoint does not hold) and "RotaryEmbedding: ..."
+    (its non-persistent cache), until the worker told it which tensors never come
+    (bapo_megatron/rollout/vllm/reload_expectations.py). Its loggers, read in this process (the
+    one worker of TP 1 lives here), must log no warning during an update; the log-prob check on
+    the same family (test_vllm_logprobs_match_a_teacher_forced_recompute) checks the weights."""
+    engine = vllm_family_engines("llama32-tied", 1)
+    hf_models.save_hf_folder(tmp_path, "llama32-tied", seed=5, **VLLM_FAMILIES["llama32-tied"])
+    weights = hf_models.read_hf_tensors(tmp_path)
+    assert "lm_head.weight" not in weights  # what a tied checkpoint, and the trainer, send
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload")
+    reload_logger.addHandler(handler)
+    try:
+        engine.update_weights(weights.items(), version=1)
+    finally:
+        reload_logger.removeHandler(handler)
+    assert [record.getMessage() for record in records] == []
+
+
+@needs_vllm
 @pytest.mark.parametrize("tp", TENSOR_PARALLEL, ids=lambda tp: f"tp{tp}")
 def test_vllm_qwen2_shard_maps_equal_what_vllms_loaders_do(vllm_engines, tp):
     """The same on the module's Qwen2 engines (q/k/v bias, tied, one key/value head that both

@@ -13,6 +13,12 @@ TP 2: 0.43 -> 0.77), move BAPO's bounds, and report behaviour log-probs that the
 recompute matches to float32 rounding at every step (measured: at most 2e-5). The model has 2
 heads of 32 (vLLM's CPU attention refuses heads of 16) sharing one key/value head, which vLLM
 replicates on both workers. Skipped where vLLM is not installed.
+
+Two shorter runs check that a colocated vLLM run says nothing alarming: one training step of a
+tied model with vLLM in the trainer's process prints no traceback (vLLM's exit-time shutdown
+used to destroy groups the trainer had already destroyed) and no "Failed to load weights" (the
+in-place reload of a tied model); and an engine closed while the trainer's world lives leaves
+that world to the trainer (bapo_megatron/rollout/vllm/borrowed_world.py).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import sys
 import pytest
 
 from bapo_megatron.trainer.run_summary import bounds_moved
+from tests.helpers import hf_models
 from tests.helpers.train_runs import (
     REPO_ROOT,
     TINY_CONFIG,
@@ -118,3 +125,88 @@ def test_the_disaggregated_loop_learns_with_an_engine_rank_spanning_two_workers(
                 rank.communicate()
     assert [rank.returncode for rank in ranks] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     check_learned(tmp_path / "run")
+
+
+QUIET_RUN = [
+    "rollout.engine=vllm",
+    "rollout.engine_eager=true",
+    "model.num_attention_heads=2",
+    "model.num_query_groups=1",
+    "model.tie_word_embeddings=true",
+    "train.steps=1",
+    "warmup.steps=0",
+    "rollout.prompts_per_step=4",
+    "rollout.samples_per_prompt=2",
+    "checkpoint.interval=0",
+]
+"""One rollout step of the main job's model with 2 heads of 32, tied, on vLLM at TP 1 in the
+trainer's process (its worker adopts the trainer's world of one rank)."""
+
+
+def test_a_colocated_vllm_run_prints_no_traceback_and_no_load_warning(tmp_path):
+    """One step, then a normal exit: exit code 0, and neither stream holds a traceback (vLLM's
+    exit-time shutdown raised `ValueError: Invalid process group specified` on the groups the
+    trainer's teardown had destroyed; its start logged the traceback of a chat template warmup
+    without a tokenizer) nor vLLM's "Failed to load weights" (the weight syncs of a tied model)."""
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bapo_megatron.train",
+            "--config",
+            str(TINY_CONFIG),
+            f"train.output_dir={tmp_path / 'run'}",
+            *QUIET_RUN,
+        ],
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    assert len(rollout_records(read_metrics(tmp_path / "run"))) == 1
+    assert "Traceback" not in output, output[-3000:]
+    assert "Failed to load weights" not in output, output[-3000:]
+
+
+CLOSE_WHILE_THE_WORLD_LIVES = """
+import sys
+import torch.distributed as dist
+from bapo_megatron.rollout.vllm.engine import VLLMEngine
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+engine = VLLMEngine.from_pretrained(sys.argv[1], enforce_eager=True, max_model_len=64)
+engine.close()
+assert dist.is_initialized(), "closing the engine destroyed the world it found"
+dist.barrier()  # and the world still works
+dist.destroy_process_group()
+print("the world outlived the engine")
+# without a world vLLM makes its own, and takes it down with it
+engine = VLLMEngine.from_pretrained(sys.argv[1], enforce_eager=True, max_model_len=64)
+assert dist.is_initialized()
+engine.close()
+assert not dist.is_initialized(), "the world vLLM made outlived it"
+print("the world vLLM made ended with it")
+"""
+
+
+def test_closing_a_vllm_engine_leaves_the_world_it_found(tmp_path):
+    """vLLM's shutdown ends with `torch.distributed.destroy_process_group()`: an engine closed
+    before the trainer tears down would take the trainer's world with it. A world vLLM made
+    itself is still its own to end."""
+    hf_models.save_hf_folder(tmp_path, "llama32-tied", heads=2, kv_heads=1)
+    run = subprocess.run(
+        [sys.executable, "-c", CLOSE_WHILE_THE_WORLD_LIVES, str(tmp_path)],
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    assert "the world outlived the engine" in run.stdout
+    assert "the world vLLM made ended with it" in run.stdout
+    assert "Traceback" not in output, output[-3000:]

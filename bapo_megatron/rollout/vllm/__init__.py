@@ -14,6 +14,7 @@ import torch
 
 from bapo_megatron.rollout.http import check_server_answers, rollout_api_key
 from bapo_megatron.rollout.vllm.engine import VLLMEngine
+from bapo_megatron.rollout.vllm.kv_cache_size import engine_context
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 from bapo_megatron.rollout.vllm.tensor_parallel import (
     executor_backend,
@@ -30,11 +31,20 @@ FAMILY = "vllm"
 
 
 def start_in_process(setup: EngineSetup) -> RolloutEngine:
-    """``vllm.LLM`` in this process on the run's HF folder, sized by the rollout settings. At
+    """``vllm.LLM`` in this process on the run's HF folder, sized by the rollout settings: its
+    context and CPU KV cache those of one rollout batch
+    (:func:`~bapo_megatron.rollout.vllm.kv_cache_size.engine_context`; ``VLLM_CPU_KVCACHE_SPACE``
+    overrides the cache, ``train.max_position_embeddings`` bounds the context). At
     ``rollout.engine_tensor_parallel_size`` N > 1 on GPUs its N workers take N GPUs of the node
     from this rank's own (:func:`engine_worker_gpus`)."""
 
     rollout = setup.rollout
+    sized = engine_context(
+        rollout,
+        setup.model,
+        dtype=setup.engine_dtype,
+        tensor_parallel_size=rollout.engine_tensor_parallel_size,
+    )
     return VLLMEngine.from_pretrained(
         setup.hf_folder(),
         dtype=setup.engine_dtype,
@@ -43,7 +53,8 @@ def start_in_process(setup: EngineSetup) -> RolloutEngine:
         **({"load_format": "dummy"} if setup.starts_without_weights else {}),
         gpu_memory_utilization=rollout.gpu_memory_utilization,
         enforce_eager=rollout.engine_eager,
-        max_model_len=setup.model.max_position_embeddings,
+        max_model_len=sized.max_model_len,
+        kv_cache_gib=sized.kv_cache_gib,
         enable_sleep_mode=True,
         record_routes=setup.record_routes,
         **setup.quantization_options(),

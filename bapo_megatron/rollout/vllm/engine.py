@@ -40,6 +40,8 @@ from bapo_megatron.config import ModelConfig
 from bapo_megatron.config.checks import check_engine_heads
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.resubmission import EngineOutput, ResubmittingEngine, RoundRequest
+from bapo_megatron.rollout.vllm.borrowed_world import current_world, note_engine_world
+from bapo_megatron.rollout.vllm.chat_warmup import tokenizer_free_warmup_quiet
 from bapo_megatron.rollout.vllm.shard_receiving import VllmShardReceiving, rpc_payload
 from bapo_megatron.rollout.vllm.tensor_parallel import (
     cpu_thread_binding,
@@ -186,7 +188,7 @@ class VLLMEngine(VllmShardReceiving, ResubmittingEngine):
         version: int = 0,
         dtype: str = "float32",
         full_vocab_logprobs: bool = True,
-        kv_cache_gib: int = 1,
+        kv_cache_gib: float = 1,
         record_routes: bool = False,
         quantization: str | None = None,
         tensor_parallel_size: int = 1,
@@ -195,8 +197,10 @@ class VLLMEngine(VllmShardReceiving, ResubmittingEngine):
     ) -> VLLMEngine:
         """Start ``vllm.LLM`` on the HF folder ``folder`` in this process (its weights become
         policy ``version``), with the worker extension and, by default, the full-vocabulary
-        log-prob hook. Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and, for CPU builds,
-        ``VLLM_CPU_KVCACHE_SPACE`` (GiB) unless already set, and on CPU
+        log-prob hook. Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and, for CPU builds, a KV cache
+        of ``kv_cache_gib`` GiB (vLLM's ``kv_cache_memory_bytes``, unless given; fractions of a
+        GiB too, which the legacy ``VLLM_CPU_KVCACHE_SPACE`` cannot say: when that variable is
+        set, vLLM takes it instead), and on CPU
         ``enable_chunked_prefill=False`` unless given (seeded requests crash a CPU vLLM that
         prefills in chunks: see the module docstring); with ``record_routes`` (a
         mixture-of-experts model) ``enable_return_routed_experts``; ``quantization``
@@ -214,7 +218,6 @@ class VLLMEngine(VllmShardReceiving, ResubmittingEngine):
                 f"record_routes: model_type {model.model_type!r} has no experts to route to"
             )
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         try:
             import vllm
             from vllm.envs import disable_envs_cache
@@ -224,7 +227,7 @@ class VLLMEngine(VllmShardReceiving, ResubmittingEngine):
                 "requirements-vllm.txt)"
             ) from error
         # vLLM caches its environment variables once an engine has started in the process: an
-        # engine started later must read them afresh (the binding below, the KV cache size).
+        # engine started later must read them afresh (the thread binding below).
         disable_envs_cache()
         options: dict[str, Any] = {
             "model": str(folder),
@@ -239,6 +242,9 @@ class VLLMEngine(VllmShardReceiving, ResubmittingEngine):
         }
         if _on_cpu():
             options["enable_chunked_prefill"] = False
+            # an engine argument, not VLLM_CPU_KVCACHE_SPACE: that one counts whole GiB and, once
+            # set, stays in this process for every engine started after this one
+            options["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
             cpu_thread_binding(tensor_parallel_size, os.environ)
         if quantization is not None:
             if _on_cpu():
@@ -252,13 +258,15 @@ class VLLMEngine(VllmShardReceiving, ResubmittingEngine):
         options.update(llm_kwargs)
         if _on_cpu():  # vLLM refuses sleep mode on the CPU, where it frees nothing anyway
             options.pop("enable_sleep_mode", None)
+        found = current_world()  # a world vLLM finds is adopted, not made (borrowed_world.py)
         try:
-            with visible_to_workers(worker_gpus, os.environ):
+            with visible_to_workers(worker_gpus, os.environ), tokenizer_free_warmup_quiet():
                 llm = vllm.LLM(**options)
         except Exception as error:
             if tensor_parallel_size > 1 and "WorkerProc initialization failed" in str(error):
                 raise start_failure(tensor_parallel_size, error) from error
             raise
+        note_engine_world(found)
         if full_vocab_logprobs:
             llm.collective_rpc("bapo_full_vocab_logprobs")
         return cls(

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from bapo_megatron.resharding.execute import ReceivingMember
 from bapo_megatron.rollout.checksum import Checksum
 from bapo_megatron.rollout.vllm.loader_probe import probe_shard_map
+from bapo_megatron.rollout.vllm.reload_expectations import expect_no_checkpoint_tensors
 from bapo_megatron.rollout.vllm.shard_targets import VllmShardTargets, weights_checksum
 from bapo_megatron.rollout.weight_group import join_weight_group, leave_weight_group
 
@@ -217,6 +218,15 @@ class BapoWorkerExtension:
         """SHA-256 of this worker's parameters (:func:`weights_checksum`)."""
         return weights_checksum(self.model_runner.get_model())
 
+    def _bapo_reload(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's in-place reload of checkpoint-format tensors, told first which of the model's
+        tensors no update carries (:func:`expect_no_checkpoint_tensors`: no "Failed to load
+        weights" for them), then what it leaves undone redone (:func:`reloaded`)."""
+        model = self.model_runner.get_model()
+        expect_no_checkpoint_tensors(model)
+        self.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+        reloaded(model)
+
     def _bapo_group(self, name: str) -> tuple[Any, str]:
         groups = getattr(self, "_bapo_weight_groups", {})
         if name not in groups:
@@ -235,8 +245,7 @@ class BapoWorkerExtension:
         :func:`summed`."""
         check_cpu_experts_reloadable(self.model_runner.get_model())
         report = summed(named_tensors, checksum)
-        self.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
-        reloaded(self.model_runner.get_model())
+        self._bapo_reload(named_tensors)
         return report
 
     def bapo_load_weights_from(self, request: str) -> dict[str, Any]:
@@ -249,8 +258,7 @@ class BapoWorkerExtension:
         tensors = load_file(f"{fields['folder']}/model.safetensors")
         named = [(name, tensors[name]) for name in fields["names"]]
         report = summed(named, bool(fields.get("checksum")))
-        self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
-        reloaded(self.model_runner.get_model())
+        self._bapo_reload(named)
         return report
 
     def bapo_join_weight_group(self, request: str) -> dict[str, Any]:
@@ -301,8 +309,7 @@ class BapoWorkerExtension:
             work.wait()
         check_cpu_experts_reloadable(self.model_runner.get_model())
         report = summed(received, bool(fields.get("checksum")))
-        self.reload_weights(weights_iterator=iter(received), is_checkpoint_format=True)
-        reloaded(self.model_runner.get_model())
+        self._bapo_reload(received)
         return report
 
 
