@@ -220,7 +220,9 @@ class TrainConfig:
     float32."""
     max_position_embeddings: int | None = None
     """Longest prompt + response the run uses, for a model read from ``model_path`` (caps the
-    engines' context too); None: the checkpoint's ``max_position_embeddings``."""
+    engines' context too; an in-process vLLM sizes its context and CPU KV cache from the longest
+    prompt and ``rollout.max_new_tokens`` within it); None: the checkpoint's
+    ``max_position_embeddings``."""
     load_checkpoint: str | None = None
     """Megatron weights checkpoint the policy starts from, saved at any layout: one written by
     ``tools/convert_checkpoint.py`` or a trainer checkpoint folder (``step_*``). Its model must

@@ -23,6 +23,9 @@ class Task:
     """A transformers tokenizer with a chat template."""
     model: ModelConfig
     """The policy's architecture; its ``max_position_embeddings`` bounds prompt + response."""
+    longest_prompt_tokens: int | None = None
+    """Tokens of the longest prompt of :attr:`rows` in the chat template (sizes the engines'
+    context and KV cache); None: not counted."""
     skipped_rows: int = 0
     """Rows of ``data.train_file`` left out under ``data.skip_bad_rows``: malformed ones and those
     whose prompt does not fit the model (see :func:`encode_prompt`). Always 0 for a synthetic
@@ -57,8 +60,9 @@ def load_task(cfg: Config) -> Task:
         task = Task(rows=rows, tokenizer=tokenizer, model=cfg.model)
         # generated rows are never skipped: one that does not fit is a configuration error
         try:
-            for row in rows:
-                encode_prompt(task, row, data.system_prompt, max_new_tokens)
+            task.longest_prompt_tokens = max(
+                len(encode_prompt(task, row, data.system_prompt, max_new_tokens)) for row in rows
+            )
         except ValueError as err:
             raise ValueError(f"data.synthetic_task {data.synthetic_task!r}: {err}") from None
         return task
@@ -76,11 +80,15 @@ def load_task(cfg: Config) -> Task:
     if tokenizer.eos_token_id is None:
         raise ValueError(f"train.model_path {cfg.train.model_path}: the tokenizer has no eos token")
 
+    longest = 0
+
     def check_fits(row: PromptRow) -> None:
+        nonlocal longest
         ids = prompt_token_ids(tokenizer, row, system=data.system_prompt)
         problem = _fit_problem(len(ids), max_new_tokens, model.max_position_embeddings)
         if problem is not None:
             raise ValueError(problem)
+        longest = max(longest, len(ids))
 
     prompts = load_prompts(
         data.train_file,
@@ -97,7 +105,11 @@ def load_task(cfg: Config) -> Task:
             prompts.skipped[0],
         )
     return Task(
-        rows=prompts.rows, tokenizer=tokenizer, model=model, skipped_rows=len(prompts.skipped)
+        rows=prompts.rows,
+        tokenizer=tokenizer,
+        model=model,
+        longest_prompt_tokens=longest or None,
+        skipped_rows=len(prompts.skipped),
     )
 
 

@@ -40,6 +40,9 @@ class EngineSetup:
     """Where an embedded engine computes: its rank's device (``cuda`` uses the rank's current
     GPU); in-process SGLang starts its workers at the rank's GPU, vLLM takes the rank's current
     one."""
+    longest_prompt_tokens: int | None = None
+    """Tokens of the run's longest prompt in the chat template (in-process vLLM sizes its context
+    and CPU KV cache for the batch from it); None: unknown."""
     record_routes: bool = False
     """Whether vLLM and SGLang ask for the experts of every token (a mixture-of-experts model
     under ``algorithm.routing_replay=rollout``); the embedded engine records them for every
@@ -139,14 +142,16 @@ def build_engine(
     pad_token_id: int,
     device: str = "cpu",
     record_routes: bool = False,
+    longest_prompt_tokens: int | None = None,
 ) -> RolloutEngine:
     """The engine of data-parallel replica ``dp_rank``, of the kind ``rollout.engine`` names.
     ``model_path`` is the HF folder the run started from (vLLM and SGLang load their first
     weights, and their tokenizer-free config, from it; the trainer pushes its own weights before
     the first rollout anyway). ``work_dir`` is where engines that take weights from disk (the
     vLLM server) get them; ``device`` is where an embedded engine computes; ``record_routes``
-    asks vLLM and SGLang for each token's experts (:attr:`EngineSetup.record_routes`). The
-    engine comes guarded: its failures name it, and generation has ``rollout.timeout_s``."""
+    asks vLLM and SGLang for each token's experts (:attr:`EngineSetup.record_routes`);
+    ``longest_prompt_tokens`` sizes an in-process vLLM (:attr:`EngineSetup`). The engine comes
+    guarded: its failures name it, and generation has ``rollout.timeout_s``."""
     kind = _KINDS.get(rollout.engine)
     if kind is None:
         raise ValueError(
@@ -174,6 +179,7 @@ def build_engine(
         pad_token_id=pad_token_id,
         device=device,
         record_routes=record_routes,
+        longest_prompt_tokens=longest_prompt_tokens,
     )
     try:
         engine = kind.builder(setup)

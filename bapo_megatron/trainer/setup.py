@@ -223,6 +223,7 @@ def _build_run(
             pad_token_id=task.pad_token_id,
             device=str(context.device),
             record_routes=records_routes(cfg, task.model),
+            longest_prompt_tokens=task.longest_prompt_tokens,
         )
     if holds_engine(context) and algo.max_staleness and engines is None:
         # servers as the engines of asynchronous training: driven from a thread of this rank

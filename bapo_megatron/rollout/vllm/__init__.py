@@ -44,6 +44,7 @@ def start_in_process(setup: EngineSetup) -> RolloutEngine:
         setup.model,
         dtype=setup.engine_dtype,
         tensor_parallel_size=rollout.engine_tensor_parallel_size,
+        longest_prompt_tokens=setup.longest_prompt_tokens,
     )
     return VLLMEngine.from_pretrained(
         setup.hf_folder(),
