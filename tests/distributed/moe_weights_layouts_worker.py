@@ -29,14 +29,17 @@ LAYOUTS = {  # name -> ParallelConfig fields; ep2 first: the others load its che
 
 
 def token_batch():
-    """The token batch of tests/helpers/hf_models.py as a PolicyBatch (no response tokens)."""
+    """The token batch of tests/helpers/hf_models.py as a PolicyBatch, every token after the
+    first a response token (so every position's log-prob is computed and compared)."""
     import torch
 
     from bapo_megatron.actor.batch import PolicyBatch
     from tests.helpers import hf_models
 
     ids, _ = hf_models.tokens()
-    return PolicyBatch(tokens=ids, response_mask=torch.zeros_like(ids, dtype=torch.bool))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[:, 0] = False
+    return PolicyBatch(tokens=ids, response_mask=mask)
 
 
 def engine_view(chunks, model, context, placement: str):
