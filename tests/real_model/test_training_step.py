@@ -1,5 +1,6 @@
 """One rollout step of training SmolLM2-135M-Instruct, as a user starts it: ``python -m
-bapo_megatron.train --config FILE`` with ``train.model_path`` its HF folder, arithmetic prompts
+bapo_megatron.train --config FILE``, FILE the recipe ``examples/smollm2-135m-cpu/train.yaml``
+made small, with ``train.model_path`` its HF folder, arithmetic prompts
 in its chat template ("What is 7 + 12?", bapo_megatron/data/arithmetic_task.py), the
 ``final_number`` reward and the embedded engine: 2 prompts x 2 samples of up to 16 tokens, old
 log-probs recomputed by the actor.
@@ -34,20 +35,28 @@ PROMPTS, SAMPLES, MAX_NEW_TOKENS = 2, 2, 16
 RUN_TIMEOUT_S = 1200
 
 
+RECIPE = REPO_ROOT / "examples" / "smollm2-135m-cpu" / "train.yaml"
+
+
+def merged(base: dict, changes: dict) -> dict:
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = merged(base.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
 def run_config(real_model, tmp_path) -> dict:
     train_file, _, rows, _ = write_task(tmp_path / "data", train=8, test=8)
     assert rows == 8
-    return {
+    small = {
         "data": {"train_file": str(train_file)},
-        "reward": {"name": "final_number", "workers": 1},
         "rollout": {
             "engine": "embedded",
             "prompts_per_step": PROMPTS,
             "samples_per_prompt": SAMPLES,
             "max_new_tokens": MAX_NEW_TOKENS,
         },
-        "algorithm": {"old_logprobs": "recompute"},
-        "actor": {"micro_batch_size": PROMPTS * SAMPLES},
+        "algorithm": {"old_logprobs": "recompute", "optimizer_steps_per_rollout": 1},
         "optimizer": {"lr": 1.0e-6},
         "train": {
             "model_path": str(real_model),
@@ -56,8 +65,12 @@ def run_config(real_model, tmp_path) -> dict:
             "max_position_embeddings": 256,
             "output_dir": str(tmp_path / "run"),
         },
+        "checkpoint": {"interval": 1},
         "logging": {"logprob_diff_interval": 1},
     }
+    config = merged(yaml.safe_load(RECIPE.read_text()), small)
+    assert config["reward"]["name"] == "final_number" and config["actor"]["pack_sequences"]
+    return config
 
 
 @pytest.fixture(scope="module")
