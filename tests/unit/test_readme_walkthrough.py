@@ -24,7 +24,7 @@ HF_CONFIG = "DeepSeek-R1-Distill-Qwen-7B"  # the walk-through's model
 
 def walkthrough() -> str:
     text = (REPO_ROOT / "README.md").read_text()
-    start = text.index("## Train a real model")
+    start = text.index("## Train a real model (")  # the GPU one, not "... on the CPU"
     return text[start : text.index("\n## ", start + 1)]
 
 
