@@ -22,6 +22,7 @@ import torch
 from bapo_megatron.actor.actor import build_actor
 from bapo_megatron.actor.logprobs import token_logprobs
 from bapo_megatron.actor.optimizer import optimizer_step
+from bapo_megatron.actor.response_logits import StageLogits
 from bapo_megatron.config import ActorConfig, ModelConfig, OptimizerConfig, ParallelConfig
 from bapo_megatron.config.moe import MoeConfig
 from bapo_megatron.planning.activations import SWIGLU_TENSORS, ActivationShape, stage_bytes
@@ -88,7 +89,10 @@ def saved_activation_bytes(chunk, tokens: torch.Tensor, context) -> int:
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         logits = chunk(tokens, positions, None)
-        logprobs, _ = token_logprobs(logits, tokens, context, temperature=1.0, with_entropy=False)
+        # every position's logits: the planner counts them all (the actor may compute fewer)
+        logprobs, _ = token_logprobs(
+            StageLogits(logits, None), tokens, context, temperature=1.0, with_entropy=False
+        )
     logprobs.sum().backward()  # the saved tensors were real: backward runs through them
     return sum(seen.values())
 
