@@ -9,11 +9,13 @@ of ``import bapo_megatron``: the console scripts and ``python -m bapo_megatron.t
 (:mod:`bapo_megatron.commands.console`) and the tools in ``tools/`` call :func:`prepare_process`
 first, and a program that uses the package as a library keeps its own imports as they are.
 
-It also lets torch's OpenMP threads sleep when they wait (``OMP_WAIT_POLICY=PASSIVE``, unless
-set): GNU OpenMP's default spins at every barrier, so when another process holds one of the
-cores, the spinning thread takes the time slice its partner needs, once per parallel region.
-On 2 cores with other work running, a greedy decode of SmolLM2-135M took 89-100 s spinning and
-12 s sleeping (docs/benchmarks.md).
+It also bounds how long torch's OpenMP threads spin when they wait (``GOMP_SPINCOUNT=10000``,
+unless set): GNU OpenMP's default spins for a long while at every barrier, so when another
+process holds one of the cores, the spinning thread takes the time slice its partner needs,
+once per parallel region. With other jobs on 2 cores, a greedy decode of SmolLM2-135M took
+89-100 s at the default, 29-33 s at 10,000 and 12 s with ``OMP_WAIT_POLICY=PASSIVE``; on a quiet
+machine PASSIVE made the tiny CPU run 1.5x slower (its small ops wait for threads to wake) and
+10,000 1.07x (docs/benchmarks.md). Set ``OMP_WAIT_POLICY=PASSIVE`` on a machine you share.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from bapo_megatron.megatron_patches.import_warnings import quiet_missing_acceler
 
 def prepare_process() -> None:
     """Silence Megatron-Core's missing-accelerator warnings and defer its imports of wandb and
-    TorchDynamo, and make OpenMP threads sleep at barriers. Call before anything imports
+    TorchDynamo, and bound OpenMP's spinning at barriers. Call before anything imports
     megatron; where megatron, wandb or torch is imported already, that part does nothing.
     Idempotent."""
     if "torch" not in sys.modules:  # libgomp reads its settings once, when torch loads it
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if "OMP_WAIT_POLICY" not in os.environ:  # a policy the user chose decides alone
+            os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     quiet_missing_accelerator_warnings()
     defer_wandb_import()
     defer_jit_compile()

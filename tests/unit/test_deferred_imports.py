@@ -221,22 +221,28 @@ def test_compile_on_first_call_compiles_once_at_the_first_call():
     assert made == [bias_gelu], "compiled more than once, or another function"
 
 
-@pytest.mark.parametrize("preset", [None, "ACTIVE"])
-def test_openmp_threads_sleep_at_barriers_unless_the_user_chose(tmp_path, preset):
-    """The policy reaches the OpenMP runtime torch loads (read back from the process's own
-    environment as libgomp sees it), and a policy set beforehand is kept."""
+@pytest.mark.parametrize(
+    "preset, want",
+    [
+        ({}, b"10000"),
+        ({"GOMP_SPINCOUNT": "300"}, b"300"),
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, None),
+    ],
+)
+def test_openmp_spinning_is_bounded_unless_the_user_chose(tmp_path, preset, want):
+    """The spin count reaches the OpenMP runtime torch loads (read back from the process's own
+    environment as libgomp sees it); a count or a wait policy set beforehand is left alone."""
     run_python(
         f"""
         import os
-        if {preset!r} is not None:
-            os.environ["OMP_WAIT_POLICY"] = {preset!r}
+        os.environ.update({preset!r})
         from bapo_megatron.commands import process_start
         process_start.prepare_process()
         import ctypes, torch
         libc = ctypes.CDLL(None)
         libc.getenv.restype = ctypes.c_char_p
-        seen = libc.getenv(b"OMP_WAIT_POLICY")
-        assert seen == ({preset!r} or "PASSIVE").encode(), seen
+        seen = libc.getenv(b"GOMP_SPINCOUNT")
+        assert seen == {want!r}, seen
         """,
         tmp_path,
     )
