@@ -547,14 +547,3 @@ def test_command_line_creates_the_missing_parent_folders_of_its_output(
     assert f"wrote Megatron checkpoint {out}" in capsys.readouterr().out
     assert megatron_checkpoint.read_checkpoint_info(out).model.model_type == "qwen2"
     assert sorted(p.name for p in (tmp_path / "not" / "yet").iterdir()) == ["megatron"]
-
-
-def test_written_shards_get_the_mode_of_any_new_file(tmp_path):
-    """safetensors writes through a private temporary file; a converted folder must be as
-    readable as the rest of its files (the umask's mode, not 0o600)."""
-    from bapo_megatron.files.atomic import new_file_mode
-    from bapo_megatron.weights.hf_checkpoint import write_shard
-
-    path = tmp_path / "shard.safetensors"
-    write_shard(path, {"w": torch.ones(3)})
-    assert path.stat().st_mode & 0o777 == new_file_mode()
