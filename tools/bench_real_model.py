@@ -193,10 +193,9 @@ def main(argv: list[str] | None = None) -> None:
         out / "bapo.log",
         env,
     )
-    records = [
-        json.loads(line)
-        for line in (out / "bapo" / "tensorboard" / "metrics.jsonl").read_text().splitlines()
-    ]
+    lines = (out / "bapo" / "tensorboard" / "metrics.jsonl").read_text().splitlines()
+    # one record per rollout step (the optimizer steps' records carry no time/step)
+    records = [r for r in map(json.loads, lines) if "time/step" in r]
     phases = ("step", "rollout", "train", "old_logprobs", "weight_sync", "reward")
     bapo = {
         f"steady_{p}_s": steady([r.get(f"time/{p}", 0.0) for r in records], args.warmup)
