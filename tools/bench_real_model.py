@@ -7,7 +7,8 @@ float32 or (``--dtype bfloat16``) bfloat16 mixed precision. This trainer runs
 ``python -m bapo_megatron.train`` (``--bapo-python``: the vLLM tier's environment for
 ``--engine vllm``), TRL runs ``tools/real_model_bench/trl_side.py`` in its own environment
 (``--trl-python``; ``tools/real_model_bench/requirements-trl.txt``). Each side's peak resident
-memory is the largest sum over its process tree, sampled every 0.2 s.
+memory is the largest sum over its process tree (the root's resident memory and its children's
+unique memory), sampled every 0.2 s.
 
 The benchmark also measures the machine's matmul rate at the model's shapes (the step's tokens
 times each linear layer, in the run's dtype) and reports the training phase's share of it: the
@@ -75,9 +76,10 @@ class PeakTreeMemory:
             except psutil.NoSuchProcess:
                 return
             total = 0
-            for process in tree:
+            for process in tree:  # a child's pages shared with its parent count once
                 try:
-                    total += process.memory_info().rss
+                    info = process.memory_full_info()
+                    total += info.rss if process is self._root else info.uss
                 except psutil.NoSuchProcess:
                     pass
             self.peak = max(self.peak, total)
@@ -171,10 +173,11 @@ def prompt_lengths(model: Path, prompts: Path) -> float:
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     rows = [json.loads(line) for line in prompts.read_text().splitlines() if line.strip()]
-    lengths = [
-        len(tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True))
+    texts = [
+        tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
         for row in rows
     ]
+    lengths = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]
     return statistics.mean(lengths)
 
 
