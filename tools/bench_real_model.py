@@ -78,8 +78,11 @@ class PeakTreeMemory:
             total = 0
             for process in tree:  # a child's pages shared with its parent count once
                 try:
-                    info = process.memory_full_info()
-                    total += info.rss if process is self._root else info.uss
+                    # the root's smaps would cost the run itself: its plain resident size
+                    if process is self._root:
+                        total += process.memory_info().rss
+                    else:
+                        total += process.memory_full_info().uss
                 except psutil.NoSuchProcess:
                     pass
             self.peak = max(self.peak, total)
