@@ -12,6 +12,10 @@ import pytest
 # exercised by tools/gpu_check.py (its CPU mode is a test here).
 os.environ["BAPO_DEVICE"] = "cpu"
 
+# Tests marked `vllm` run in the vLLM tier only; one that skips for a missing vLLM unmarked fails.
+# The fake vLLM's fixture (`fake_vllm`) serves every test of the vLLM adapters.
+pytest_plugins = ["tests.helpers.vllm_tier_plugin", "tests.helpers.fake_vllm"]
+
 # tests/real_model needs a pretrained model that .ci/real-model-tier downloads and converts,
 # then names in BAPO_REAL_MODEL; without it those tests could only fail or skip, so the main
 # suite does not collect them.

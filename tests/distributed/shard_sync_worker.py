@@ -1,5 +1,5 @@
 """The worker of the shard-to-shard sync tests (tests/distributed/test_shard_sync.py with the
-embedded engine; tests/unit/test_rollout_vllm_shard_sync.py with vLLM), started by
+embedded engine; tests/vllm/test_rollout_vllm_shard_sync.py with vLLM), started by
 tests/helpers/gloo_launch.py in 4 processes. Light at import time (see
 tests/distributed/weights_layouts_worker.py).
 

@@ -4,23 +4,12 @@ vLLM tier, .ci/vllm-tier; on a GPU: docs/validation.md)."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-
-import pytest
-
 from bapo_megatron.config import ActorConfig, OptimizerConfig
 from bapo_megatron.device_check.shapes import model_config
 from bapo_megatron.device_check.vllm_checks import conformance, push_weights, random_prompts
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.weights.export import export_weights
-from tests.helpers.gloo_launch import ONE_THREAD, REPO_ROOT
-
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 def test_the_flow_passes_on_an_engine_that_holds_the_actors_weights(context):
@@ -48,16 +37,3 @@ def test_the_flow_passes_on_an_engine_that_holds_the_actors_weights(context):
                                                                           version=version)
     assert conformance(engine, actor, model, gpu=False, tolerance=1e-3, prompts=prompts,
                        params=params)["status"] == "failed"
-
-
-@pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (the vLLM tier runs it)")
-def test_the_vllm_check_runs_on_the_cpu(tmp_path):
-    env = {**os.environ, **ONE_THREAD, "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-m", "bapo_megatron.device_check.vllm_checks", "--device", "cpu",
-         "--work", str(tmp_path), "--json", str(tmp_path / "out.json")],
-        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((tmp_path / "out.json").read_text())
-    assert result["status"] == "passed", result

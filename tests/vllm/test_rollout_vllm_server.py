@@ -10,7 +10,6 @@ server never fails the tests after it.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import signal
@@ -34,12 +33,9 @@ from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 from bapo_megatron.rollout.vllm.worker_extension import WORKER_EXTENSION
 from tests.distributed.shard_sync_engines import KEY_ENV
 from tests.distributed.test_shard_sync import check_results, launch
-from tests.unit.test_rollout_vllm import TENSOR_PARALLEL, VLLM_MODEL, long_seeded_continuations
+from tests.helpers.vllm_models import TENSOR_PARALLEL, VLLM_MODEL, long_seeded_continuations
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None,
-    reason="vllm is not installed (optional tier: requirements-vllm.txt)",
-)
+pytestmark = pytest.mark.vllm
 
 START_TIMEOUT_S = 600
 """How long a server may take to answer /health after starting (30-40 s here, more under load)."""
@@ -339,7 +335,7 @@ CUT_SENDER = """
 import os, sys
 import torch
 import tests.unit.test_rollout_engines as suite
-from tests.unit.test_rollout_vllm import VLLM_MODEL
+from tests.helpers.vllm_models import VLLM_MODEL
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 from bapo_megatron.rollout.weight_group import ServerWeightGroup
 
