@@ -70,8 +70,8 @@ def push_weights(
         except Exception as error:
             failure = error
         drain(stream)  # after a refusal, the other ranks still wait in the stream's exchanges
-    # every rank raises, as trainer.replicas.stop_if_any_engine_failed does (weights/ is below
-    # trainer/ and does not import it)
+    # every rank raises, as trainer.replicas.stop_if_any_engine_failed does (weight_sync/ is
+    # below trainer/ and does not import it)
     raise_if_any_rank_failed(
         failure,
         error_type=EngineFailure,
@@ -121,7 +121,8 @@ class ColocatedStream:
     on the rank that holds it, else None) through :func:`push_weights`."""
 
     sent_bytes = 0
-    """Nothing leaves the replica's ranks but into its engine."""
+    """No transfer of its own leaves the replica's ranks (a server client moves the stream on
+    by itself)."""
 
     def __init__(self, actor: Actor, engine: RolloutEngine | None, *, bucket_bytes: int) -> None:
         self.actor, self.engine, self.bucket_bytes = actor, engine, bucket_bytes
