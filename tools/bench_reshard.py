@@ -142,13 +142,13 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    import bapo_megatron.weights.transports as transports
+    import bapo_megatron.weights.tp_assembly as transports
     from bapo_megatron.actor.model import build_model
     from bapo_megatron.config import ParallelConfig
     from bapo_megatron.distributed.context import ParallelContext
     from bapo_megatron.trainer.replicas import holds_engine
-    from bapo_megatron.weights.shard_sync import ShardSync, push_shards
-    from bapo_megatron.weights.sync import push_weights
+    from bapo_megatron.weight_sync.colocated_stream import push_weights
+    from bapo_megatron.weight_sync.shard_to_shard import ShardSync, push_shards
 
     layout, kind = args.case.split(":")
     tp, pp = LAYOUTS[layout]

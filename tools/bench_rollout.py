@@ -205,8 +205,7 @@ def export_phase(args: argparse.Namespace, consumers: dict) -> dict:
     from bapo_megatron.actor.model import build_model
     from bapo_megatron.config import ParallelConfig
     from bapo_megatron.distributed.context import ParallelContext
-    from bapo_megatron.weights.export import export_weights
-    from bapo_megatron.weights.sync import named_tensors_of
+    from bapo_megatron.weights.export import export_weights, named_tensors_of
 
     model = update_model(args)
     bucket_bytes = max(1, int(args.bucket_mib * 2**20))

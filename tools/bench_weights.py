@@ -59,7 +59,7 @@ WORKER_MODULES = (
     "bapo_megatron.weights.export",
     "bapo_megatron.weights.hf_checkpoint",
     "bapo_megatron.weights.megatron_checkpoint",
-    "bapo_megatron.weights.transports",
+    "bapo_megatron.weights.tp_assembly",
 )
 
 
@@ -100,7 +100,7 @@ def worker(args: argparse.Namespace) -> None:
     from bapo_megatron.weights.export import export_weights
     from bapo_megatron.weights.hf_checkpoint import DTYPE_NAMES, HFCheckpoint, non_weight_files
     from bapo_megatron.weights.megatron_checkpoint import save_megatron_checkpoint
-    from bapo_megatron.weights.transports import make_transport
+    from bapo_megatron.weights.tp_assembly import make_transport
 
     dtype = getattr(torch, args.dtype)
     work = Path(args.workdir)

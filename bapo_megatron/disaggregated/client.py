@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from bapo_megatron.disaggregated.shard_requests import RemoteShardReceiving
+from bapo_megatron.disaggregated.remote_shard_receiver import RemoteShardReceiving
 from bapo_megatron.distributed.messages import GroupMessenger
 from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams
-from bapo_megatron.weights.broadcast import StageBroadcast
+from bapo_megatron.weight_sync.stage_broadcast_wire import StageBroadcast
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class RemoteEngine(RemoteShardReceiving):
     sends its stage's tensors there after the update request); None on other replicas, whose
     update requests carry no tensors (their engines take the broadcast of replica 0), and
     everywhere when the weights go shard to shard (the requests of
-    :class:`~bapo_megatron.disaggregated.shard_requests.RemoteShardReceiving`).
+    :class:`~bapo_megatron.disaggregated.remote_shard_receiver.RemoteShardReceiving`).
     ``abort``, ``pause``, ``resume``, ``release_memory`` and ``resume_memory`` are logged no-ops:
     the engine rank is busy with one request at a time and has its memory to itself."""
 

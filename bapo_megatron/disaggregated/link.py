@@ -14,7 +14,7 @@ from bapo_megatron.disaggregated.world import Role, request_link, result_link, s
 from bapo_megatron.distributed.collectives import raise_if_any_rank_failed
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.rollout.guard import EngineFailure, GuardedEngine
-from bapo_megatron.weights.broadcast import StageBroadcast
+from bapo_megatron.weight_sync.stage_broadcast_wire import StageBroadcast
 
 
 @dataclass

@@ -2,9 +2,9 @@
 
 Requests (from :class:`~bapo_megatron.disaggregated.client.RemoteEngine`): ``generate``,
 ``continue``, ``health``, ``update_weights``, the shard-to-shard sync's
-(:mod:`~bapo_megatron.disaggregated.shard_requests`) and ``stop``. An engine call that fails is
-answered with the error (the trainer stops naming this engine); a link that fails (the trainer
-went away, or a deadline passed) ends the loop with
+(:mod:`~bapo_megatron.disaggregated.remote_shard_receiver`) and ``stop``. An engine call that
+fails is answered with the error (the trainer stops naming this engine); a link that fails (the
+trainer went away, or a deadline passed) ends the loop with
 :class:`~bapo_megatron.distributed.messages.PeerLost`.
 
 Weight updates are all or nothing: the tensors of every pipeline stage are received completely
@@ -22,12 +22,15 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from bapo_megatron.disaggregated.shard_requests import SHARD_REQUESTS, answer_shard_request
+from bapo_megatron.disaggregated.remote_shard_receiver import (
+    SHARD_REQUESTS,
+    EngineRankReceiver,
+    answer_shard_request,
+)
 from bapo_megatron.distributed.collectives import describe_failure
 from bapo_megatron.distributed.messages import GroupMessenger
 from bapo_megatron.rollout.protocol import RolloutEngine
-from bapo_megatron.rollout.shard_member import EngineRankReceiver
-from bapo_megatron.weights.broadcast import IncompleteStage, StageBroadcast
+from bapo_megatron.weight_sync.stage_broadcast_wire import IncompleteStage, StageBroadcast
 
 log = logging.getLogger(__name__)
 

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 
 from bapo_megatron.disaggregated.client import ENGINE
+from bapo_megatron.disaggregated.remote_shard_receiver import RemoteShardReceiving
 from bapo_megatron.disaggregated.server import IDLE_LIMIT
-from bapo_megatron.disaggregated.shard_requests import RemoteShardReceiving
 from bapo_megatron.disaggregated.stream_server import ItemStats
 from bapo_megatron.distributed.messages import GroupMessenger, PeerLost
 from bapo_megatron.rollout.guard import EngineFailure
 from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams
-from bapo_megatron.weights.broadcast import StageBroadcast
+from bapo_megatron.weight_sync.stage_broadcast_wire import StageBroadcast
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,8 @@ class StreamingEngine(RemoteShardReceiving):
     ``weights``: the stage-0 weight broadcast on data-parallel replica 0's first rank (None on
     other replicas, whose engines take replica 0's broadcast, and everywhere when the weights go
     shard to shard: the requests of
-    :class:`~bapo_megatron.disaggregated.shard_requests.RemoteShardReceiving`, answered on the
-    result link at the engine's next boundary); ``timeout``: how long
+    :class:`~bapo_megatron.disaggregated.remote_shard_receiver.RemoteShardReceiving`, answered on
+    the result link at the engine's next boundary); ``timeout``: how long
     :meth:`take` waits for an item (``rollout.timeout_s``); ``name`` names the engine in errors."""
 
     def __init__(

@@ -8,8 +8,9 @@ Two threads, each the only user of its groups, so no gloo group is ever driven f
   prompts of this replica, queued), ``update_weights`` (every pipeline stage received completely
   from the stage broadcasts, then staged as the newest complete version; with
   ``inflight_update=resume`` the engine is paused so that generation stops at the next token),
-  the shard-to-shard sync's requests (:mod:`~bapo_megatron.disaggregated.shard_requests`: queued
-  for the generating thread, the engine paused likewise) and ``stop``;
+  the shard-to-shard sync's requests
+  (:mod:`~bapo_megatron.disaggregated.remote_shard_receiver`: queued for the generating thread,
+  the engine paused likewise) and ``stop``;
 - the generating thread (the caller of :meth:`StreamServer.serve`) loads a staged version
   before it starts an item and, while one runs, between two tokens (``continue``: the embedded
   engine's ``token_boundary``) or after pausing the samples, which are then resumed from their
@@ -40,13 +41,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bapo_megatron.disaggregated.remote_shard_receiver import (
+    SHARD_REQUESTS,
+    EngineRankReceiver,
+    answer_shard_request,
+)
 from bapo_megatron.disaggregated.server import IDLE_LIMIT, TRAINER, receive_version
-from bapo_megatron.disaggregated.shard_requests import SHARD_REQUESTS, answer_shard_request
 from bapo_megatron.distributed.collectives import describe_failure
 from bapo_megatron.distributed.messages import GroupMessenger
 from bapo_megatron.rollout.protocol import RolloutEngine, RolloutSample, SamplingParams
-from bapo_megatron.rollout.shard_member import EngineRankReceiver
-from bapo_megatron.weights.broadcast import StageBroadcast
+from bapo_megatron.weight_sync.stage_broadcast_wire import StageBroadcast
 
 log = logging.getLogger(__name__)
 

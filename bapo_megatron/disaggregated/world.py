@@ -34,7 +34,7 @@ from bapo_megatron.distributed.device import uses_cuda
 from bapo_megatron.distributed.layout import WorldSplit, split_world
 from bapo_megatron.distributed.messages import GroupMessenger, gloo_group
 from bapo_megatron.distributed.startup import join_rendezvous
-from bapo_megatron.weights.broadcast import StageBroadcast
+from bapo_megatron.weight_sync.stage_broadcast_wire import StageBroadcast
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

@@ -23,7 +23,7 @@ from bapo_megatron.rollout.protocol import RolloutEngine
 from bapo_megatron.rollout.registry import build_engine
 from bapo_megatron.trainer.checkpoint import latest_checkpoint
 from bapo_megatron.weights.convert import megatron_to_hf
-from bapo_megatron.weights.export import export_weights
+from bapo_megatron.weights.export import export_weights, named_tensors_of
 from bapo_megatron.weights.hf_checkpoint import copy_files, non_weight_files
 from bapo_megatron.weights.megatron_checkpoint import (
     HF_FILES_DIR,
@@ -31,7 +31,6 @@ from bapo_megatron.weights.megatron_checkpoint import (
     load_megatron_checkpoint,
     read_checkpoint_info,
 )
-from bapo_megatron.weights.sync import named_tensors_of
 
 ENGINES = ("embedded", "vllm", "sglang")
 """Engines an evaluation can run on."""

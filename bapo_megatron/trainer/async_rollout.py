@@ -80,7 +80,7 @@ def weight_update_metrics(run: Run) -> dict[str, float]:
     far the engines' newest version is behind the policy (collective over the trainer world)."""
     progress = run.stream
     sent = run.engines.sent_bytes if run.engines is not None else 0
-    sent += run.shards.sent_bytes if run.shards is not None else 0
+    sent += run.weights.sent_bytes
     (total,) = sum_over([float(sent - progress.sent_bytes)], None, run.context.device)
     progress.sent_bytes = sent
     return {

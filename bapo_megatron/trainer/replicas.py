@@ -1,7 +1,7 @@
 """Colocated execution: the rollout engine lives on the first rank of each model replica (tensor,
 pipeline and context rank 0), next to that rank's part of the actor.
 
-- the weights reach the engine by :func:`bapo_megatron.weights.sync.push_weights`.
+- the weights reach the engine by :func:`bapo_megatron.weight_sync.colocated_stream.push_weights`.
 - :func:`share_from_engine_rank`: what the engine rank produced (scored groups, rollout
   statistics) is broadcast to the replica's other ranks, which all need the batch.
 - :func:`stop_if_any_engine_failed` (and :func:`engine_failures_stop_every_rank`,

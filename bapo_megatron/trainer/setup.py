@@ -43,11 +43,10 @@ from bapo_megatron.trainer.sinks.background import start_trackers
 from bapo_megatron.trainer.state import StreamProgress, TrainerState, run_identity
 from bapo_megatron.trainer.tracking import MetricsLogger, PhaseTimer
 from bapo_megatron.trainer.warmup import run_warmup
+from bapo_megatron.weight_sync.interface import WeightSync, open_weight_sync
 from bapo_megatron.weights.convert import load_hf_weights
 from bapo_megatron.weights.hf_checkpoint import HFCheckpoint
 from bapo_megatron.weights.megatron_checkpoint import load_megatron_checkpoint
-from bapo_megatron.weights.shard_sync import ShardSync, push_shards
-from bapo_megatron.weights.sync import push_weights, push_weights_to_engines
 
 log = logging.getLogger("bapo_megatron.train")
 T = TypeVar("T")
@@ -77,23 +76,18 @@ class Run:
     """The output folder's lock, held by rank 0 for the whole run."""
     watchdog: PhaseWatchdog
     """Records this rank's phase; reports which rank is behind when a step stalls."""
+    weights: WeightSync
+    """How the policy's weights reach the engines (:func:`push_policy`)."""
     engines: EngineLink | None = None
     """The links to the engine ranks of a disaggregated run (None: colocated engines)."""
     stream: StreamProgress | None = None
     """Asynchronous training's admission count and last pushed version (None: synchronous)."""
     summary: RunSummary | None = None
     """What the run's last console lines sum up (rewards, bounds, time, memory); None: none."""
-    shards: ShardSync | None = None
-    """The shard-to-shard sync's plan and group (``rollout.weight_transport: shard-to-shard``),
-    built on the first update."""
 
     @property
     def checkpoints(self) -> Path:
         return self.output / "checkpoints"
-
-    @property
-    def bucket_bytes(self) -> int:
-        return self.cfg.rollout.weight_bucket_mib * 2**20
 
     def close(self, *, failed: bool = False) -> None:
         """Close the logger (``failed``: the run ended with an error, which the experiment
@@ -102,8 +96,7 @@ class Run:
         if self.rewards is not None:
             self.rewards.close()
         self.watchdog.close()
-        if self.shards is not None:
-            self.shards.close()
+        self.weights.close()
         if self.engines is not None and self.engines.local:
             self.engines.close()  # the stream server's thread and its server client
         if self.lock is not None:
@@ -127,30 +120,27 @@ def watched(name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
 
 def push_policy(run: Run, version: int) -> None:
     """The actor's weights into the engines as policy ``version`` (collective over the trainer
-    world): colocated engines through :func:`push_weights`, engine ranks of their own through
-    :func:`push_weights_to_engines`, any of them through :func:`push_shards` when the weights go
-    shard to shard."""
-    if run.cfg.rollout.weight_transport == "shard-to-shard":
-        if run.shards is None:
-            deadline = datetime.timedelta(seconds=run.cfg.parallel.collective_timeout_s)
-            run.shards = ShardSync(timeout=deadline)
-        receiver = run.engine
-        if receiver is None and run.engines is not None:
-            receiver = run.engines.stream
-        push_shards(
-            run.actor, receiver, run.shards, version=version, bucket_bytes=run.bucket_bytes
-        )
-    elif run.engines is None or run.engines.local:
-        engine = run.engine if run.engines is None else run.engines.stream
-        push_weights(run.actor, engine, version=version, bucket_bytes=run.bucket_bytes)
-    else:
-        push_weights_to_engines(
-            run.actor,
-            run.engines.stream or run.engine,
-            run.engines.weights,
-            version=version,
-            bucket_bytes=run.bucket_bytes,
-        )
+    world), by the run's weight sync (:mod:`bapo_megatron.weight_sync`)."""
+    run.weights.push(version)
+
+
+def _open_weight_sync(
+    cfg: Config, actor: Actor, engine: RolloutEngine | None, engines: EngineLink | None
+) -> WeightSync:
+    """This rank's weight sync: into its replica's engine (``engine``, or the engine links'
+    streaming client), over the engine links' stage broadcasts when the engines run on ranks of
+    their own."""
+    if engine is None and engines is not None:
+        engine = engines.stream
+    return open_weight_sync(
+        actor,
+        engine,
+        weight_transport=cfg.rollout.weight_transport,
+        engine_ranks=engines is not None and not engines.local,
+        stage=engines.weights if engines is not None else None,
+        bucket_bytes=cfg.rollout.weight_bucket_mib * 2**20,
+        timeout=datetime.timedelta(seconds=cfg.parallel.collective_timeout_s),
+    )
 
 
 def start_run(cfg: Config, context: ParallelContext, engines: EngineLink | None = None) -> Run:
@@ -328,6 +318,7 @@ def _build_run(
             output=output,
             lock=lock,
             watchdog=watchdog,
+            weights=_open_weight_sync(cfg, actor, engine, engines),
             engines=engines,
         )
         push_policy(run, state.version)

@@ -65,7 +65,7 @@ from bapo_megatron.weights.megatron_checkpoint import (
     read_checkpoint_info,
     save_megatron_checkpoint,
 )
-from bapo_megatron.weights.transports import make_transport
+from bapo_megatron.weights.tp_assembly import make_transport
 
 DEFAULT_SHARD_BYTES = 2 * 2**30
 _BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}

@@ -11,9 +11,10 @@ the model plus about two buckets. Two layers:
 - :func:`export_weights` (the executor): a generator that every rank of a TP group iterates in
   step; it yields :class:`WeightBucket`\\ s, each stamped with the policy version, on the
   receiving ranks. How shards move inside the TP group is a transport
-  (:mod:`~bapo_megatron.weights.transports`: shared memory on one CPU host, else a
+  (:mod:`~bapo_megatron.weights.tp_assembly`: shared memory on one CPU host, else a
   torch.distributed gather); what consumes the buckets (an engine's weight update, a file
-  writer) is not this module's concern.
+  writer) is not this module's concern: :func:`named_tensors_of` flattens them into the
+  (name, tensor) pairs an engine's ``update_weights`` takes.
 
 Call it on the ranks of one data-parallel replica (the others hold the same weights); with
 virtual pipelining a stage exports all of its chunks. A mixture-of-experts model's experts are
@@ -26,7 +27,7 @@ parallelism gathered over the expert-TP group onto its first rank.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,7 @@ from bapo_megatron.models.name_maps import (
     place_shard,
     split,
 )
-from bapo_megatron.weights.transports import ShardTransport, TransportKind, make_transport
+from bapo_megatron.weights.tp_assembly import ShardTransport, TransportKind, make_transport
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 
@@ -69,6 +70,20 @@ class WeightBucket:
     def nbytes(self) -> int:
         """Bytes of its tensors."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def named_tensors_of(buckets: Iterable[WeightBucket]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of export buckets (:class:`WeightBucket`, or anything with a
+    ``tensors`` dict), in order: what an engine's ``update_weights`` takes."""
+    for bucket in buckets:
+        yield from bucket.tensors.items()
+
+
+def drain(stream: Iterable) -> None:
+    """Run an export (or a stream made of one) to its end: every rank of a TP group takes part
+    in every bucket's exchange, whether or not it keeps what it yields."""
+    for _ in stream:
+        pass
 
 
 def rule_nbytes(rule: ParamRule, model: ModelConfig, element_size: int) -> int:
@@ -125,9 +140,9 @@ def export_weights(
     or with ``all_experts`` every expert of the stage on every rank of the expert-parallel group
     of expert-TP rank 0 (each rank's buckets broadcast over it in turn; collective over the
     group): what an engine that runs the whole model needs.
-    ``transport`` moves the shards (:mod:`~bapo_megatron.weights.transports`): `auto` takes
+    ``transport`` moves the shards (:mod:`~bapo_megatron.weights.tp_assembly`): `auto` takes
     shared memory for CPU ranks on one host, else the torch.distributed collective; or a
-    transport built once with :func:`~bapo_megatron.weights.transports.make_transport` and
+    transport built once with :func:`~bapo_megatron.weights.tp_assembly.make_transport` and
     passed to every export, e.g. with ``reuse=True`` (then each bucket's tensors are valid only
     until the next bucket is requested).
     """

@@ -44,7 +44,7 @@ def token_batch():
 
 def engine_view(chunks, model, context, placement: str):
     """What the weight sync hands an engine from this rank, exporting as it does
-    (``weights/sync.py``): colocated, every rank with all experts, each replica's tensor rank 0
+    (``weight_sync/``): colocated, every rank with all experts, each replica's tensor rank 0
     the engine's side; disaggregated, replica 0's dense tensors and the experts of expert
     data-parallel rank 0, replica 0's tensor rank 0 the sender. None on the other ranks."""
     from bapo_megatron.weights.export import export_weights

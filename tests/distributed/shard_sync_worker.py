@@ -63,7 +63,7 @@ class Counted:
     def __init__(self) -> None:
         import torch.distributed as dist
 
-        import bapo_megatron.weights.transports as transports
+        import bapo_megatron.weights.tp_assembly as transports
 
         self.calls = 0
         self.saved = []
@@ -117,7 +117,7 @@ def killed_mid_sync(actor, engine, ctx) -> dict:
     import bapo_megatron.resharding.execute as execute
     from bapo_megatron.rollout.guard import EngineFailure
     from bapo_megatron.rollout.vllm.tensor_parallel import executor_of
-    from bapo_megatron.weights.shard_sync import ShardSync, push_shards
+    from bapo_megatron.weight_sync.shard_to_shard import ShardSync, push_shards
 
     original, calls = execute.exchange_bucket, []
     victim = executor_of(engine.llm).workers[1].proc if engine is not None else None
@@ -158,9 +158,9 @@ def main(argv: list[str]) -> None:
     from bapo_megatron.distributed.context import ParallelContext
     from bapo_megatron.rollout.guard import EngineFailure
     from bapo_megatron.trainer.replicas import holds_engine
+    from bapo_megatron.weight_sync.colocated_stream import push_weights
+    from bapo_megatron.weight_sync.shard_to_shard import ShardSync, push_shards
     from bapo_megatron.weights.convert import hf_to_megatron
-    from bapo_megatron.weights.shard_sync import ShardSync, push_shards
-    from bapo_megatron.weights.sync import push_weights
     from tests.distributed import shard_sync_engines
     from tests.helpers import gloo_launch
 

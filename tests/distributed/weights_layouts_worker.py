@@ -51,11 +51,11 @@ def main(argv: list[str]) -> None:
     from bapo_megatron.models.name_maps import chunk_parameters
     from bapo_megatron.rollout.guard import EngineFailure
     from bapo_megatron.trainer.replicas import holds_engine
+    from bapo_megatron.weight_sync.colocated_stream import push_weights
     from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf
     from bapo_megatron.weights.export import export_weights
     from bapo_megatron.weights.megatron_checkpoint import load_megatron_checkpoint
-    from bapo_megatron.weights.sync import push_weights
-    from bapo_megatron.weights.transports import make_transport
+    from bapo_megatron.weights.tp_assembly import make_transport
     from tests.helpers import gloo_launch, hf_models
 
     args = gloo_launch.worker_arguments(argv, workdir=str)

@@ -1,5 +1,5 @@
 """The engine shard maps read off vLLM's own loaders
-(:mod:`bapo_megatron.rollout.vllm.loader_probe`) against the maps
+(:mod:`bapo_megatron.rollout.vllm.worker_shard_map`) against the maps
 :mod:`bapo_megatron.models.vllm_shards` describes, on a running in-process vLLM: the vLLM tier's
 test files call :func:`check_engine_shard_maps` with the engines they start anyway."""
 
@@ -19,7 +19,7 @@ from bapo_megatron.models.shard_map import (
 from bapo_megatron.models.shard_probe import mark_replicated
 from bapo_megatron.models.vllm_shards import vllm_shard_map
 from bapo_megatron.rollout.protocol import SamplingParams
-from bapo_megatron.rollout.vllm.loader_probe import shard_map_from_probe
+from bapo_megatron.rollout.vllm.worker_shard_map import shard_map_from_probe
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12]]
 PARAMS = SamplingParams(n=1, temperature=1.0, top_k=1, max_new_tokens=6, seed=0)
@@ -85,10 +85,10 @@ def check_engine_shard_maps(engine, tensor_parallel_size: int) -> list[ShardMap]
 def in_place_modules(engine) -> set[str]:
     """The modules of an in-process TP 1 engine's model (the worker in this process) that a
     shard-to-shard transfer writes where they live
-    (:func:`~bapo_megatron.rollout.vllm.shard_targets.writes_in_place`)."""
+    (:func:`~bapo_megatron.rollout.vllm.worker_shard_targets.writes_in_place`)."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-    from bapo_megatron.rollout.vllm.shard_targets import writes_in_place
+    from bapo_megatron.rollout.vllm.worker_shard_targets import writes_in_place
 
     (model,) = engine._worker_rpc("bapo_model", "taking the model", None)
     chosen = set()

@@ -22,7 +22,7 @@ from bapo_megatron.rollout.checksum import checksum
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from bapo_megatron.rollout.guard import EngineFailure, GuardedEngine
 from bapo_megatron.rollout.protocol import SamplingParams
-from bapo_megatron.weights.broadcast import StageBroadcast
+from bapo_megatron.weight_sync.stage_broadcast_wire import StageBroadcast
 from tests.unit.test_rollout_engines import MODEL, PROMPTS, random_weights
 
 TIMEOUT = datetime.timedelta(seconds=60)

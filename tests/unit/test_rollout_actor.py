@@ -18,8 +18,7 @@ from bapo_megatron.config.rope import Llama3RopeScaling
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from bapo_megatron.rollout.protocol import SamplingParams
-from bapo_megatron.weights.export import export_weights
-from bapo_megatron.weights.sync import named_tensors_of
+from bapo_megatron.weights.export import export_weights, named_tensors_of
 
 # variant -> the ModelConfig fields that make it
 FAMILIES = {

@@ -21,8 +21,7 @@ from bapo_megatron.rollout.vllm.worker_extension import (
     check_cpu_experts_reloadable,
     repack_cpu_experts,
 )
-from bapo_megatron.weights.export import export_weights
-from bapo_megatron.weights.sync import named_tensors_of
+from bapo_megatron.weights.export import export_weights, named_tensors_of
 from tests.helpers import hf_models
 from tests.helpers.fake_vllm import (
     FakeLLM,

@@ -19,8 +19,7 @@ from bapo_megatron.config.moe import MoeConfig  # noqa: E402
 from bapo_megatron.models.experts import fused_expert_view  # noqa: E402
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine  # noqa: E402
 from bapo_megatron.rollout.protocol import SamplingParams  # noqa: E402
-from bapo_megatron.weights.export import export_weights  # noqa: E402
-from bapo_megatron.weights.sync import named_tensors_of  # noqa: E402
+from bapo_megatron.weights.export import export_weights, named_tensors_of  # noqa: E402
 
 MODEL = ModelConfig(
     model_type="qwen3_moe",

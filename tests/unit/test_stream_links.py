@@ -18,7 +18,7 @@ from bapo_megatron.distributed.messages import PeerLost
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from bapo_megatron.rollout.guard import EngineFailure
 from bapo_megatron.rollout.protocol import SamplingParams
-from bapo_megatron.weights.broadcast import StageBroadcast
+from bapo_megatron.weight_sync.stage_broadcast_wire import StageBroadcast
 from tests.unit.test_disaggregated_links import TIMEOUT, CutStage, in_threads, messengers
 from tests.unit.test_rollout_engines import MODEL, PROMPTS, random_weights
 

@@ -15,7 +15,7 @@ from bapo_megatron.disaggregated.stream_client import StreamingEngine
 from bapo_megatron.disaggregated.stream_server import StreamServer
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from bapo_megatron.rollout.guard import EngineFailure
-from bapo_megatron.rollout.shard_receiver import ShardLayout
+from bapo_megatron.rollout.shard_receiver_protocol import ShardLayout
 from tests.unit.test_disaggregated_links import TIMEOUT, messengers
 from tests.unit.test_rollout_engines import MODEL, PROMPTS, random_weights
 from tests.unit.test_stream_links import (

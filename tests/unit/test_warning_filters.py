@@ -105,7 +105,7 @@ def test_our_call_of_a_deprecated_torch_collective_would_not_be_silenced():
     # the collective deprecations are silenced for Megatron's calls only
     with pytest.raises(FutureWarning):
         warn_from(
-            "bapo_megatron.weights.transports",
+            "bapo_megatron.weights.tp_assembly",
             "`torch.distributed.all_gather_into_tensor` is deprecated.",
             FutureWarning,
         )

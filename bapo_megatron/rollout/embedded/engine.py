@@ -19,20 +19,18 @@ import transformers
 
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.models.experts import fused_expert_view
-from bapo_megatron.resharding.execute import ResidentTargets
 from bapo_megatron.rollout.checksum import Checksum
 from bapo_megatron.rollout.embedded.experts import RouteRecorder
 from bapo_megatron.rollout.embedded.sampling import next_tokens
-from bapo_megatron.rollout.embedded.shard_receiving import whole_tensor_map
+from bapo_megatron.rollout.embedded.shard_receiver import EmbeddedShardReceiving
 from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams, check_prompts, check_ready
-from bapo_megatron.rollout.shard_receiver import ShardLayout
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(EmbeddedShardReceiving):
     """A :class:`~bapo_megatron.rollout.protocol.RolloutEngine` on transformers' Llama/Qwen2/Qwen3
     and Qwen3-MoE (per-expert weight names accepted; ``record_routes`` fills each sample's
     ``routes``).
@@ -288,29 +286,6 @@ class EmbeddedEngine:
                 total.add(name, tensor)
         self.version = int(version)
         return total.hexdigest() if total is not None else None
-
-    # -------------------------------------------------------------- shard to shard
-
-    def shard_layout(self, hf_shapes: dict[str, tuple[int, ...]]) -> ShardLayout:
-        """Its map (:func:`whole_tensor_map`): the trainer rank that holds it receives."""
-        params = dict(self.model.named_parameters())
-        dtype = str(next(iter(params.values())).dtype).removeprefix("torch.")
-        return ShardLayout((whole_tensor_map(params, hf_shapes),), dtype, in_process=True)
-
-    def shard_targets(self, planned: set[str]) -> ResidentTargets:
-        if self._released:
-            raise RuntimeError("update_weights after release_memory(): call resume_memory() first")
-        self.version = -1  # until every region has been written
-        return ResidentTargets({n: p.data for n, p in self.model.named_parameters()})
-
-    def shards_received(self, *, version: int, checksum: bool) -> str | None:
-        self.version = int(version)
-        if not checksum:
-            return None
-        total = Checksum()
-        for name, param in sorted(self.model.named_parameters()):
-            total.add(name, param.data)
-        return total.hexdigest()
 
     def release_memory(self) -> None:
         """Free the weights (and, between calls, there is no KV cache to free): the model moves

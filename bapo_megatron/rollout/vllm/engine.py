@@ -42,7 +42,7 @@ from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.resubmission import EngineOutput, ResubmittingEngine, RoundRequest
 from bapo_megatron.rollout.vllm.borrowed_world import current_world, note_engine_world
 from bapo_megatron.rollout.vllm.chat_warmup import tokenizer_free_warmup_quiet
-from bapo_megatron.rollout.vllm.shard_receiving import VllmShardReceiving, rpc_payload
+from bapo_megatron.rollout.vllm.shard_receiver import VllmShardReceiving, rpc_payload
 from bapo_megatron.rollout.vllm.tensor_parallel import (
     cpu_thread_binding,
     executor_backend,

@@ -79,7 +79,7 @@ from bapo_megatron.rollout.vllm.engine import (
     check_seeded_sampling,
     check_truncation,
 )
-from bapo_megatron.rollout.vllm.shard_receiving import VllmShardReceiving
+from bapo_megatron.rollout.vllm.shard_receiver import VllmShardReceiving
 from bapo_megatron.rollout.vllm.worker_extension import WORKER_EXTENSION
 from bapo_megatron.rollout.weight_group import ServerWeightGroup
 

@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 
 from bapo_megatron.resharding.execute import ReceivingMember
 from bapo_megatron.rollout.checksum import Checksum
-from bapo_megatron.rollout.vllm.loader_probe import probe_shard_map
 from bapo_megatron.rollout.vllm.reload_expectations import expect_no_checkpoint_tensors
-from bapo_megatron.rollout.vllm.shard_targets import VllmShardTargets, weights_checksum
+from bapo_megatron.rollout.vllm.worker_shard_map import probe_shard_map
+from bapo_megatron.rollout.vllm.worker_shard_targets import VllmShardTargets, weights_checksum
 from bapo_megatron.rollout.weight_group import join_weight_group, leave_weight_group
 
 
@@ -166,7 +166,7 @@ class BapoWorkerExtension:
 
     def bapo_probe_shard_map(self, request: str) -> dict[str, Any]:
         """This worker's shard map as vLLM's own loaders give it
-        (:func:`~bapo_megatron.rollout.vllm.loader_probe.probe_shard_map`). ``request`` is JSON
+        (:func:`~bapo_megatron.rollout.vllm.worker_shard_map.probe_shard_map`). ``request`` is JSON
         with ``hf_shapes`` (HF tensor name -> shape); the report adds ``tp_rank``."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
@@ -178,7 +178,7 @@ class BapoWorkerExtension:
     def bapo_receive_shards(self, request: str) -> dict[str, Any]:
         """Receive one shard-to-shard update over a weight group joined with
         :meth:`bapo_join_weight_group`, written straight into the checkpoint-format parameters
-        (:class:`~bapo_megatron.rollout.vllm.shard_targets.VllmShardTargets`), then redo what
+        (:class:`~bapo_megatron.rollout.vllm.worker_shard_targets.VllmShardTargets`), then redo what
         vLLM's reload leaves undone (:func:`reloaded`). ``request`` is JSON with ``group_name``,
         ``digest`` (the plan's), ``plan_follows`` (group rank 0 broadcasts the plan first; else
         the one kept from the last update is used), ``wire_dtype``, ``timeout_s`` and

@@ -1,11 +1,14 @@
-"""What an engine offers the shard-to-shard weight sync (``rollout.weight_transport:
-shard-to-shard``): its workers' shard maps, and a way to receive a plan's regions.
+"""The receiver protocol: what an engine offers the shard-to-shard weight sync
+(``rollout.weight_transport: shard-to-shard``): its workers' shard maps, and a way to receive a
+plan's regions. Each engine's half lives in its adapter: :mod:`.vllm.shard_receiver`,
+:mod:`.embedded.shard_receiver`, and for an engine on another process than the trainer rank
+that drives it :mod:`bapo_megatron.disaggregated.remote_shard_receiver`.
 
 Two kinds of receivers:
 
-- workers of their own (vLLM in process or as a server, :mod:`.vllm.shard_receiving`): they
-  join the trainer's transfer group as ranks after the trainer's and receive there, each into
-  its own checkpoint-format parameters;
+- workers of their own (vLLM in process or as a server): they join the trainer's transfer group
+  as ranks after the trainer's and receive there, each into its own checkpoint-format
+  parameters;
 - the engine in the trainer rank's own process (the embedded engine, vLLM whose one worker runs
   in the process): that trainer rank receives, into the engine's parameters, in the same call
   that sends its own shards.

@@ -1,10 +1,14 @@
-"""The shard-to-shard receiving side of the vLLM engines (in process and server), whose workers
-join the trainer's transfer group (:class:`~bapo_megatron.rollout.shard_receiver.ShardReceiver`),
-or, when the engine's one worker lives in the trainer rank's process (vLLM's single-process
-executor), are written by that rank directly, as the embedded engine is.
+"""The vLLM adapter's half of the shard-to-shard receiver protocol
+(:class:`~bapo_megatron.rollout.shard_receiver_protocol.ShardReceiver`), for the engine in
+process and the server client alike: on the client's side, what the workers are asked over
+worker-extension calls. The workers join the trainer's transfer group and receive there
+(:mod:`~bapo_megatron.rollout.vllm.worker_extension`, into
+:mod:`~bapo_megatron.rollout.vllm.worker_shard_targets`); when the engine's one worker lives in
+the trainer rank's process (vLLM's single-process executor), that rank writes it directly, as it
+writes the embedded engine.
 
 The worker maps are read off vLLM's own loaders once
-(:mod:`~bapo_megatron.rollout.vllm.loader_probe`), before the first update that reloads
+(:mod:`~bapo_megatron.rollout.vllm.worker_shard_map`), before the first update that reloads
 anything, and kept. A transfer that fails part-way leaves the engine refusing to generate until
 an update lands whole (its workers may hold some layers of each version).
 """
@@ -16,10 +20,10 @@ import uuid
 from typing import Any
 
 from bapo_megatron.models.shard_probe import mark_replicated
-from bapo_megatron.rollout.shard_receiver import ShardLayout
-from bapo_megatron.rollout.vllm.loader_probe import shard_map_from_probe
-from bapo_megatron.rollout.vllm.shard_targets import VllmShardTargets, weights_checksum
+from bapo_megatron.rollout.shard_receiver_protocol import ShardLayout
 from bapo_megatron.rollout.vllm.worker_extension import check_cpu_experts_reloadable, reloaded
+from bapo_megatron.rollout.vllm.worker_shard_map import shard_map_from_probe
+from bapo_megatron.rollout.vllm.worker_shard_targets import VllmShardTargets, weights_checksum
 
 
 class VllmShardReceiving:

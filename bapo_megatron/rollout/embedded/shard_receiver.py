@@ -1,6 +1,7 @@
-"""The embedded engine's side of the shard-to-shard weight sync: it lives in a trainer rank's
-process, so that rank receives each region straight into the engine's parameters (no tensor is
-assembled first), in the same transfer that sends the rank's own shards.
+"""The embedded adapter's half of the shard-to-shard receiver protocol
+(:class:`~bapo_megatron.rollout.shard_receiver_protocol.ShardReceiver`): the engine lives in a
+trainer rank's process, so that rank receives each region straight into the engine's parameters
+(no tensor is assembled first), in the same transfer that sends the rank's own shards.
 
 The engine holds every HF tensor whole, in its parameter of the same name or in a view of a
 fused parameter (transformers' fused experts); its map is read off those views.
@@ -12,6 +13,39 @@ import torch
 
 from bapo_megatron.models.experts import fused_expert_view
 from bapo_megatron.models.shard_map import Region, ShardMap
+from bapo_megatron.resharding.execute import ResidentTargets
+from bapo_megatron.rollout.checksum import Checksum
+from bapo_megatron.rollout.shard_receiver_protocol import ShardLayout
+
+
+class EmbeddedShardReceiving:
+    """Mixed into :class:`~bapo_megatron.rollout.embedded.engine.EmbeddedEngine`, which
+    provides ``model``, ``version`` and ``_released``."""
+
+    model: torch.nn.Module
+    version: int
+    _released: bool
+
+    def shard_layout(self, hf_shapes: dict[str, tuple[int, ...]]) -> ShardLayout:
+        """Its map (:func:`whole_tensor_map`): the trainer rank that holds it receives."""
+        params = dict(self.model.named_parameters())
+        dtype = str(next(iter(params.values())).dtype).removeprefix("torch.")
+        return ShardLayout((whole_tensor_map(params, hf_shapes),), dtype, in_process=True)
+
+    def shard_targets(self, planned: set[str]) -> ResidentTargets:
+        if self._released:
+            raise RuntimeError("update_weights after release_memory(): call resume_memory() first")
+        self.version = -1  # until every region has been written
+        return ResidentTargets({n: p.data for n, p in self.model.named_parameters()})
+
+    def shards_received(self, *, version: int, checksum: bool) -> str | None:
+        self.version = int(version)
+        if not checksum:
+            return None
+        total = Checksum()
+        for name, param in sorted(self.model.named_parameters()):
+            total.add(name, param.data)
+        return total.hexdigest()
 
 
 def whole_tensor_map(

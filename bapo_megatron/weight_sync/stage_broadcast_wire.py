@@ -1,5 +1,9 @@
-"""Weights to disaggregated engines: one pipeline stage's HF-named tensors broadcast from the
-stage's export rank to every engine replica, in bounded buckets.
+"""The stage broadcast's wire, both ends: one pipeline stage's HF-named tensors broadcast from the
+stage's export rank to every engine replica (disaggregated placement), in bounded buckets. The
+engine links build one per stage (:mod:`bapo_megatron.disaggregated.world`); the trainer sends
+with :meth:`StageBroadcast.send` (:mod:`.stage_broadcast`, and the engine client for stage 0),
+the engine ranks receive with :meth:`StageBroadcast.receive`
+(:mod:`bapo_megatron.disaggregated.server`).
 
 Each stage has a group of its own (:class:`StageBroadcast`: the stage's export rank is group
 rank 0, engine replica ``i`` is group rank ``i + 1``), so every stage sends its own layers and no
