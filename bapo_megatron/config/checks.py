@@ -193,9 +193,10 @@ def _check_off_policy_correction(cfg: Config) -> None:
     chosen, cap = cfg.algorithm.off_policy_correction, cfg.loss.truncated_is_cap
     masks = chosen in MASKING_CORRECTIONS
     if cfg.loss.mismatch_band() is not None and not masks:
+        named = "unset" if chosen is None else chosen
         raise ValueError(
             "loss.mismatch_band_low/_high set a masking band, but "
-            f"algorithm.off_policy_correction={chosen} masks nothing (the band is for "
+            f"algorithm.off_policy_correction={named} masks nothing (the band is for "
             f"{list(MASKING_CORRECTIONS)})"
         )
     if chosen is None:  # configs without the field: the cap alone means token-truncate
@@ -311,12 +312,13 @@ def _check_sources(cfg: Config) -> None:
 def _check_schedule(cfg: Config) -> None:
     """That the rollout batches, their groups and the off-policy schedule can train at all."""
     rollout, algorithm = cfg.rollout, cfg.algorithm
-    if rollout.samples_per_prompt < 2:
+    if rollout.samples_per_prompt < 2 and algorithm.one_sample_advantage == "zero":
         raise ValueError(
             f"rollout.samples_per_prompt={rollout.samples_per_prompt} cannot train: GRPO "
             "advantages compare each response with the other responses to its prompt (reward "
             "minus the group's mean), so a group of one gives every response the advantage 0 (and "
-            "nan once divided by its standard deviation); use at least 2"
+            "nan once divided by its standard deviation); use at least 2, or "
+            "algorithm.one_sample_advantage=reward (its raw reward, as verl gives it)"
         )
     steps = algorithm.optimizer_steps_per_rollout
     if rollout.prompts_per_step % steps:
