@@ -126,8 +126,10 @@ def _generate(run: Run, rows, *, seed: int) -> tuple[list[PausedGroup], list[Pau
 
 @watched("2. reward")
 def score(run: Run, rollout: Rollout | None) -> Experience | None:
-    """2. Reward: rewards, GRPO advantages and rollout statistics of the finished groups
-    (groups whose samples all scored the same are dropped under ``filter_equal_groups``)."""
+    """2. Reward: rewards (with ``loss.overlong``'s penalty), GRPO advantages and rollout
+    statistics of the finished groups (groups whose samples all scored the same are dropped
+    under ``filter_equal_groups``, responses cut off at the length cap under
+    ``loss.overlong.filter``)."""
     if rollout is None:
         return None
     with run.timer.phase("reward"):
