@@ -63,6 +63,8 @@ from bapo_megatron.config import LossConfig
 
 # Decision metrics that are counts: summed over micro-batches; the others are token-weighted means.
 _COUNT_METRICS = ("bapo/tokens", "bapo/positive_tokens", "bapo/negative_tokens")
+# Terms of the loss besides the policy loss, each micro-batch's part: summed like the loss.
+_BONUS_METRICS = ("actor/entropy_bonus",)
 
 
 def train_step(
@@ -80,7 +82,9 @@ def train_step(
     `skipped` (1 when the update was dropped for a non-finite gradient norm),
     `skipped_steps` (so far), `num_microbatches`, `actor/padding_share` (share of the
     positions computed that were padding), `actor/over_budget_sequences` (sequences longer than
-    the token budget, each run alone), and the `bapo/*` search metrics. A
+    the token budget, each run alone), and the `bapo/*` search metrics; with an entropy bonus
+    (``loss.entropy_coef``), `actor/entropy_bonus` (subtracted from `loss`) and
+    `actor/policy_loss` (`loss` without it). A
     mixture-of-experts actor adds `moe/aux_loss` (the term added to the loss, coefficient
     included) and `moe/load_balancing_loss` (its value per MoE layer without the coefficient:
     1 when the routers spread tokens evenly).
@@ -141,6 +145,8 @@ def train_step(
             else microbatch.is_weights.to(logprobs.device),
             decision=decision,
             sequence_ids=None if segments is None else segments.sequence_ids(),
+            entropy=entropy if loss.entropy_coef else None,
+            entropy_coef=loss.entropy_coef,
         )
         metrics["entropy_sum"] = torch.where(mask, entropy.detach(), 0.0).sum().double()
         metrics["loss"] = value.detach().double()
@@ -340,10 +346,10 @@ def _step_metrics(
                 torch.stack([out["bapo/ratio_max_local"] for out in outputs]).max(),
             ]
         )
+    summed = ["loss", "entropy_sum"] + [key for key in _BONUS_METRICS if key in outputs[0]]
     sums = torch.stack(
         [
-            torch.stack([out["loss"] for out in outputs]).sum(),
-            torch.stack([out["entropy_sum"] for out in outputs]).sum(),
+            *(torch.stack([out[key] for out in outputs]).sum() for key in summed),
             torch.tensor(float(padding[0]), dtype=torch.float64, device=outputs[0]["loss"].device),
             torch.tensor(float(padding[1]), dtype=torch.float64, device=outputs[0]["loss"].device),
         ]
@@ -357,9 +363,13 @@ def _step_metrics(
     metrics.update(
         loss=float(sums[0]),
         entropy=float(sums[1] / tokens.clamp(min=1)),
-        **{"actor/padding_share": float(sums[3] / sums[2].clamp(min=1))},
+        **{"actor/padding_share": float(sums[-1] / sums[-2].clamp(min=1))},
         **{"bapo/ratio_min": float(-extremes[0]), "bapo/ratio_max": float(extremes[1])},
     )
+    for index, key in enumerate(summed[2:], start=2):
+        metrics[key] = float(sums[index])
+    if "actor/entropy_bonus" in metrics:  # the loss is the policy loss minus the bonus
+        metrics["actor/policy_loss"] = metrics["loss"] + metrics["actor/entropy_bonus"]
     return metrics
 
 

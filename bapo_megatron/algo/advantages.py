@@ -6,17 +6,28 @@ import torch
 
 
 def grpo_advantages(
-    rewards: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6
+    rewards: torch.Tensor,
+    *,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    one_sample: str = "zero",
 ) -> torch.Tensor:
     """Advantages of ``rewards`` [groups, n] (n samples of each prompt): r - mean of its group,
     divided by the group's standard deviation (unbiased) + ``eps`` when ``normalize_std``
-    (Dr. GRPO's variant leaves it out). A group whose rewards are all equal gets zeros."""
+    (Dr. GRPO's variant leaves it out). A group whose rewards are all equal gets zeros. A group
+    of one sample (n = 1) gets zeros too, or with ``one_sample="reward"`` its raw reward
+    (divided by 1 + ``eps`` under ``normalize_std``): verl's GRPO takes mean 0 and standard
+    deviation 1 for such a group."""
     if rewards.dim() != 2 or rewards.shape[1] < 1:
         raise ValueError(
             f"rewards: expected shape [groups, samples per prompt], got {tuple(rewards.shape)}"
         )
+    if one_sample not in ("zero", "reward"):
+        raise ValueError(f"one_sample must be 'zero' or 'reward', got {one_sample!r}")
     if not rewards.is_floating_point():
         rewards = rewards.double()
+    if rewards.shape[1] == 1 and one_sample == "reward":  # mean 0, standard deviation 1
+        return rewards / (1.0 + eps) if normalize_std else rewards.clone()
     centered = rewards - rewards.mean(dim=1, keepdim=True)
     if not normalize_std:
         return centered

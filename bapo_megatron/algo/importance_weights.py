@@ -8,11 +8,16 @@ With ``d_t = log pi_proximal(y_t) - log pi_behaviour(y_t)`` and the cap ``C``:
 - ``token-truncate``:    w_t = min(exp(d_t), C)
 - ``sequence-truncate``: w_t = min(exp(D), C) for every token of a sequence, D = sum_t d_t over
   its response tokens
-- ``sequence-mask``:     w_t = 1 if 1/C <= exp(D) <= C else 0, for every token of the sequence
+- ``sequence-mask``:     w_t = 1 if a <= exp(D) <= b else 0, for every token of the sequence
+- ``token-mask``:        w_t = 1 if a <= exp(d_t) <= b else 0
+- ``icepop``:            w_t = exp(d_t) if a <= exp(d_t) <= b else 0
+- ``geometric-mask``:    w_t = 1 if a <= exp(D / n) <= b else 0, n the sequence's response tokens
 
-Weights are 0 off the response. ``token-truncate`` is computed exactly as the trainer always did
-(in the log-probs' dtype); the sequence sums are taken in float64, since a long response adds
-thousands of small differences.
+The band [a, b] is the one given, or [1/C, C]; its ends are compared in log space (a = 0:
+nothing is below it). Weights are 0 off the response. ``token-truncate`` is computed exactly
+as the trainer always did (in the log-probs' dtype), and so are ``token-mask`` and ``icepop``;
+the sequence sums are taken in float64, since a long response adds thousands of small
+differences.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from bapo_megatron.config.run import OffPolicyCorrection
 
 WEIGHTED_CORRECTIONS = tuple(c for c in get_args(OffPolicyCorrection) if c != "none")
 """The corrections that put a weight on the loss (all but ``none``)."""
+MASKING = ("sequence-mask", "token-mask", "icepop", "geometric-mask")
+"""The corrections that mask what lies outside a band."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,9 @@ class WeightStatistics:
     clipped_sequences: torch.Tensor
     """Sequences with at least one clipped token."""
     masked_sequences: torch.Tensor
-    """Sequences whose weight is 0 because they were masked (``sequence-mask`` only)."""
+    """Sequences all of whose response tokens were masked (weight 0 by a band)."""
+    masked_tokens: torch.Tensor
+    """Response tokens masked (weight 0 by a band; 0 for the truncations)."""
 
 
 @dataclass(frozen=True)
@@ -62,17 +71,18 @@ def importance_weights(
     recomputed: torch.Tensor,
     behaviour: torch.Tensor,
     response_mask: torch.Tensor,
-    cap: float,
+    cap: float | None,
+    band: tuple[float, float] | None = None,
 ) -> ImportanceWeights:
     """The ``correction``'s weights (module docstring) of the [n, s] proximal log-probs
     ``recomputed`` against the ``behaviour`` ones on the ``response_mask`` tokens, capped by
-    ``cap``; values off the response are ignored (they may be anything, even inf)."""
+    ``cap``, the masks keeping ``band`` = (a, b) (None: [1/cap, cap]); values off the response
+    are ignored (they may be anything, even inf)."""
     if correction not in WEIGHTED_CORRECTIONS:
         raise ValueError(
             f"off-policy correction must be one of {list(WEIGHTED_CORRECTIONS)}, got {correction!r}"
         )
-    if not cap > 0:
-        raise ValueError(f"off-policy correction cap must be > 0, got {cap!r}")
+    log_band = _log_band(correction, cap, band)
     if recomputed.shape != response_mask.shape or behaviour.shape != response_mask.shape:
         raise ValueError(
             f"recomputed {tuple(recomputed.shape)}, behaviour {tuple(behaviour.shape)} and "
@@ -80,7 +90,10 @@ def importance_weights(
         )
     mask = response_mask
     has_tokens = mask.any(-1)
-    if correction == "token-truncate":
+    if correction in ("token-mask", "icepop"):
+        weights, clipped = _token_mask(correction, recomputed, behaviour, mask, log_band)
+        masked = has_tokens & ~(mask & ~clipped).any(-1)
+    elif correction == "token-truncate":
         # today's expression, kept as it was: runs that used loss.truncated_is_cap stay bitwise
         uncapped = torch.exp(recomputed - behaviour)
         weights = torch.where(mask, uncapped.clamp(max=cap), 0.0)
@@ -88,13 +101,16 @@ def importance_weights(
         masked = torch.zeros_like(has_tokens)
     else:
         log_weight = torch.where(mask, recomputed.double() - behaviour.double(), 0.0).sum(-1)
-        log_cap = math.log(cap)
         if correction == "sequence-truncate":
+            log_cap = math.log(cap)
             truncated = log_weight > log_cap
             per_sequence = torch.where(truncated, cap, torch.exp(log_weight))
             masked = torch.zeros_like(has_tokens)
-        else:  # sequence-mask: two-sided, a sequence far below 1 is as far off-policy
-            masked = has_tokens & ((log_weight > log_cap) | (log_weight < -log_cap))
+        else:  # the sequence masks: two-sided, a sequence far below 1 is as far off-policy
+            if correction == "geometric-mask":
+                log_weight = log_weight / mask.sum(-1).clamp(min=1)
+            low, high = log_band
+            masked = has_tokens & ((log_weight > high) | (log_weight < low))
             truncated = masked
             per_sequence = (~masked).double()
         weights = torch.where(mask, per_sequence.to(recomputed.dtype)[:, None], 0.0)
@@ -106,5 +122,37 @@ def importance_weights(
         sequences=has_tokens.sum(),
         clipped_sequences=clipped.any(-1).sum(),
         masked_sequences=masked.sum(),
+        masked_tokens=(clipped.sum() if correction in MASKING else torch.zeros_like(mask.sum())),
     )
     return ImportanceWeights(weights, statistics)
+
+
+def _log_band(
+    correction: str, cap: float | None, band: tuple[float, float] | None
+) -> tuple[float, float]:
+    """(log a, log b) of the masks' band, or (-log C, log C); checks the cap and the band."""
+    if band is None or correction not in MASKING:
+        if cap is None or not cap > 0:
+            raise ValueError(f"off-policy correction cap must be > 0, got {cap!r}")
+        # -log(C), not log(1/C): the bound sequence-mask always used, bit for bit
+        return -math.log(cap), math.log(cap)
+    low, high = band
+    if not 0 <= low <= high:
+        raise ValueError(f"off-policy correction band must have 0 <= a <= b, got {band!r}")
+    return (math.log(low) if low > 0 else -math.inf), math.log(high)
+
+
+def _token_mask(
+    correction: str,
+    recomputed: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    log_band: tuple[float, float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights and masked tokens of ``token-mask`` (1 inside the band) and ``icepop`` (the
+    ratio inside the band), the log ratio taken in the log-probs' dtype."""
+    gap = torch.where(mask, recomputed - behaviour, 0.0)
+    low, high = log_band
+    outside = mask & ((gap < low) | (gap > high))
+    kept = gap.exp() if correction == "icepop" else torch.ones_like(gap)
+    return torch.where(mask & ~outside, kept, 0.0), outside

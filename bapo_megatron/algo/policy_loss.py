@@ -7,7 +7,8 @@ For every response token t (mask m_t = 1):
 
 so for A_t > 0 only c_high acts (no gradient iff r_t > c_high) and for A_t < 0 only c_low acts
 (no gradient iff r_t < c_low). The optional dual clip C caps negative-advantage tokens:
-L_t = |A_t| min(max(r_t, c_low), C). An optional truncated importance weight w_t multiplies A_t.
+L_t = |A_t| min(max(r_t, c_low), C). An optional importance weight w_t multiplies A_t, and an
+optional entropy bonus c * H is subtracted after aggregation (docs/algorithm.md section 2.4).
 
 BAPO chooses (c_low, c_high) per update so that the positive contribution
 rho = P / (P + N) reaches rho0 (Algorithm 1), moving the bounds along a fixed grid; see
@@ -135,6 +136,8 @@ def bapo_loss(
     check_inputs: bool = True,
     backend: Backend = "auto",
     sequence_ids: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The BAPO loss of one micro-batch, with its own bound search unless ``decision`` is given.
 
@@ -153,11 +156,18 @@ def bapo_loss(
         backend: statistics backend, see :func:`contribution_stats`.
         sequence_ids: [batch, tokens] sequence of each token where a row packs several
             (the `seq-mean-*` aggregations average per sequence); None: one per row.
+        entropy: [batch, tokens] full-vocabulary entropy of each token's distribution (grad),
+            needed when ``entropy_coef`` > 0.
+        entropy_coef: weight c of the entropy bonus: the loss is the policy loss minus c times
+            the entropy aggregated like it (same aggregation, same normalizer). The bonus stays
+            out of the search's statistics.
 
     Returns:
         ``(loss, metrics)``: the scalar loss and 0-dim metric tensors. `bapo/*` metrics from the
         search are global (over the reduced batch); `bapo/ratio_min_local` and
-        `bapo/ratio_max_local` cover this rank's tokens only.
+        `bapo/ratio_max_local` cover this rank's tokens only; with an entropy bonus,
+        `actor/entropy_bonus` is this batch's part of it (summed over the step's micro-batches
+        and ranks it is the bonus subtracted from the step's loss).
     """
     if check_inputs:
         check_loss_inputs(logp_new, logp_old, advantages, mask, is_weights)
@@ -182,7 +192,23 @@ def bapo_loss(
         "bapo/c_high": decision.c_high,
         **metrics,
     }
+    if entropy_coef:
+        bonus = entropy_coef * aggregate(
+            _checked_entropy(entropy, logp_new), mask, aggregation, normalizer, sequence_ids
+        )
+        loss = loss - bonus
+        metrics["actor/entropy_bonus"] = bonus.detach().double()
     return loss, metrics
+
+
+def _checked_entropy(entropy: torch.Tensor | None, logp_new: torch.Tensor) -> torch.Tensor:
+    if entropy is None:
+        raise ValueError("entropy: bapo_loss needs the token entropies when entropy_coef > 0")
+    if entropy.shape != logp_new.shape:
+        raise ValueError(
+            f"entropy: shape {tuple(entropy.shape)} does not match logp_new {tuple(logp_new.shape)}"
+        )
+    return entropy
 
 
 def search_statistics(

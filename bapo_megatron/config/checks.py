@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 from bapo_megatron.config.parallel import fp8_length_multiple
 
+MASKING_CORRECTIONS = ("sequence-mask", "token-mask", "icepop", "geometric-mask")
+"""The off-policy corrections that mask what lies outside a band (``loss.mismatch_band_*``)."""
 SPREAD_ENGINES = ("vllm", "sglang")
 """In-process engines that ``rollout.engine_tensor_parallel_size`` spreads over several
 devices."""
@@ -28,6 +30,7 @@ def check_training(cfg: Config) -> None:
             "server engine's tensor parallelism is set where the server starts)"
         )
     _check_off_policy_correction(cfg)
+    _check_overlong(cfg)
     _check_experts(cfg)
     _check_schedule(cfg)
     _check_placement(cfg)
@@ -186,8 +189,16 @@ def _check_asynchronous(cfg: Config) -> None:
 
 def _check_off_policy_correction(cfg: Config) -> None:
     """That a weighted correction has what its weight is made of: proximal log-probs recomputed
-    by the actor (compared with the behaviour ones) and a cap."""
+    by the actor (compared with the behaviour ones) and a cap, or for a mask a band."""
     chosen, cap = cfg.algorithm.off_policy_correction, cfg.loss.truncated_is_cap
+    masks = chosen in MASKING_CORRECTIONS
+    if cfg.loss.mismatch_band() is not None and not masks:
+        named = "unset" if chosen is None else chosen
+        raise ValueError(
+            "loss.mismatch_band_low/_high set a masking band, but "
+            f"algorithm.off_policy_correction={named} masks nothing (the band is for "
+            f"{list(MASKING_CORRECTIONS)})"
+        )
     if chosen is None:  # configs without the field: the cap alone means token-truncate
         if cap is not None and cfg.algorithm.old_logprobs != "recompute":
             raise ValueError(
@@ -209,16 +220,30 @@ def _check_off_policy_correction(cfg: Config) -> None:
             f"got {cfg.algorithm.old_logprobs!r}: its weight compares the actor's recomputed "
             "(proximal) log-probs with the engine's behaviour ones"
         )
+    if masks and cfg.loss.mismatch_band() is not None:
+        return  # the band is checked by the loss section
     if cap is None:
+        needs = "or loss.mismatch_band_low/_high, its band" if masks else "the cap of its weight"
         raise ValueError(
-            f"algorithm.off_policy_correction={chosen} needs loss.truncated_is_cap, the cap of "
-            "its weight (e.g. 2.0)"
+            f"algorithm.off_policy_correction={chosen} needs loss.truncated_is_cap ({needs}; "
+            "e.g. 2.0)"
         )
-    if chosen == "sequence-mask" and cap < 1:
+    unit = "tokens" if chosen in ("token-mask", "icepop") else "sequences"
+    if masks and cap < 1:
         raise ValueError(
-            f"algorithm.off_policy_correction=sequence-mask keeps the sequences whose weight "
-            f"lies in [1/C, C] with C = loss.truncated_is_cap={cap}: below 1 that range is "
-            "empty and every sequence would be masked (use a cap >= 1)"
+            f"algorithm.off_policy_correction={chosen} keeps the {unit} whose weight lies in "
+            f"[1/C, C] with C = loss.truncated_is_cap={cap}: below 1 that range is empty and "
+            "everything would be masked (use a cap >= 1, or set loss.mismatch_band_low/_high)"
+        )
+
+
+def _check_overlong(cfg: Config) -> None:
+    """The overlong penalty's buffer lies inside the response length cap."""
+    buffer, cap = cfg.loss.overlong.buffer_length, cfg.rollout.max_new_tokens
+    if buffer > cap:
+        raise ValueError(
+            f"loss.overlong.buffer_length={buffer} is longer than the responses may be "
+            f"(rollout.max_new_tokens={cap}): the buffer ends at the cap and must fit below it"
         )
 
 
@@ -287,12 +312,13 @@ def _check_sources(cfg: Config) -> None:
 def _check_schedule(cfg: Config) -> None:
     """That the rollout batches, their groups and the off-policy schedule can train at all."""
     rollout, algorithm = cfg.rollout, cfg.algorithm
-    if rollout.samples_per_prompt < 2:
+    if rollout.samples_per_prompt < 2 and algorithm.one_sample_advantage == "zero":
         raise ValueError(
             f"rollout.samples_per_prompt={rollout.samples_per_prompt} cannot train: GRPO "
             "advantages compare each response with the other responses to its prompt (reward "
             "minus the group's mean), so a group of one gives every response the advantage 0 (and "
-            "nan once divided by its standard deviation); use at least 2"
+            "nan once divided by its standard deviation); use at least 2, or "
+            "algorithm.one_sample_advantage=reward (its raw reward, as verl gives it)"
         )
     steps = algorithm.optimizer_steps_per_rollout
     if rollout.prompts_per_step % steps:

@@ -1,10 +1,14 @@
-"""The policy loss's configuration: the clip presets, the clip-bound search and the loss section."""
+"""The policy loss's configuration: the clip presets, the clip-bound search and the loss section
+(with its extra terms: the entropy bonus, the mismatch band of the off-policy corrections, and
+the overlong penalty and filter)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from typing import Literal
+
+from bapo_megatron.config.overlong import OverlongConfig
 
 Schedule = Literal["paper", "reference"]
 Semantics = Literal["gradient", "surrogate"]
@@ -16,7 +20,9 @@ AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-
 
 # Preset values come from docs/algorithm.md: `paper` is Algorithm 1 of arXiv 2510.18927, `reference`
 # the authors' verl recipe (yaml + policy_loss.py), `grpo` and `clip-higher` the fixed-clip
-# baselines the paper compares with (a fixed clip is a search with empty ranges).
+# baselines the paper compares with (a fixed clip is a search with empty ranges), `verl-grpo` and
+# `verl-dapo` verl's vanilla PPO loss at its defaults (clip_ratio 0.2, clip_ratio_c 3.0), the
+# second with DAPO's clip-higher (clip_ratio_high 0.28) (docs/algorithm.md section 7.1).
 CLIP_PRESETS: dict[str, dict[str, object]] = {
     "paper": {
         "schedule": "paper",
@@ -71,6 +77,32 @@ CLIP_PRESETS: dict[str, dict[str, object]] = {
         "c_high_max": 1.28,
         "c_high_step": 0.05,
         "dual_clip": None,
+    },
+    "verl-grpo": {
+        "schedule": "paper",
+        "semantics": "gradient",
+        "target_unit": "share",
+        "target": 0.4,
+        "c_low_start": 0.8,
+        "c_low_max": 0.8,
+        "c_low_step": 0.02,
+        "c_high_start": 1.2,
+        "c_high_max": 1.2,
+        "c_high_step": 0.05,
+        "dual_clip": 3.0,
+    },
+    "verl-dapo": {
+        "schedule": "paper",
+        "semantics": "gradient",
+        "target_unit": "share",
+        "target": 0.4,
+        "c_low_start": 0.8,
+        "c_low_max": 0.8,
+        "c_low_step": 0.02,
+        "c_high_start": 1.28,
+        "c_high_max": 1.28,
+        "c_high_step": 0.05,
+        "dual_clip": 3.0,
     },
 }
 
@@ -175,8 +207,8 @@ class ClipSearchConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides: object) -> ClipSearchConfig:
-        """The named preset (`paper`, `reference`, `grpo`, `clip-higher`) with ``overrides``
-        applied."""
+        """The named preset (`paper`, `reference`, `grpo`, `clip-higher`, `verl-grpo`,
+        `verl-dapo`) with ``overrides`` applied."""
         if name not in CLIP_PRESETS:
             raise ValueError(
                 f"loss.clip.preset must be one of {sorted(CLIP_PRESETS)}, got {name!r}"
@@ -186,7 +218,8 @@ class ClipSearchConfig:
 
 @dataclass(kw_only=True)
 class LossConfig:
-    """The policy loss: clipped surrogate, its aggregation and the clip-bound search."""
+    """The policy loss: clipped surrogate, its aggregation, the clip-bound search and the extra
+    terms (entropy bonus, mismatch band, overlong penalty and filter)."""
 
     clip: ClipSearchConfig = field(default_factory=ClipSearchConfig)
     """Clip bounds and their adaptive search."""
@@ -198,6 +231,21 @@ class LossConfig:
     """Cap C of the off-policy correction's importance weight (``algorithm.off_policy_correction``;
     set alone, it means `token-truncate`: min(exp(recomputed - behaviour), C) multiplies the
     loss); None: no weight."""
+    mismatch_band_low: float | None = None
+    """a, the lower end of the band [a, b] of the masking off-policy corrections
+    (``algorithm.off_policy_correction`` `token-mask`, `icepop`, `sequence-mask`,
+    `geometric-mask`): a token or sequence whose engine/actor ratio falls outside it is masked.
+    Set with ``mismatch_band_high`` (0 <= a <= 1 <= b); None: the band [1/C, C] of the cap
+    C = ``truncated_is_cap``."""
+    mismatch_band_high: float | None = None
+    """b, the upper end of that band (set with ``mismatch_band_low``)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus: the loss becomes the policy loss minus this times the
+    response tokens' full-vocabulary entropy, aggregated as ``aggregation`` says. The bonus is no
+    part of the clip search's contributions. 0: no bonus (and no ``actor/entropy_bonus``
+    metric)."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """The soft length penalty on the reward and the filter of responses cut off at the cap."""
 
     def __post_init__(self) -> None:
         if self.aggregation not in AGGREGATIONS:
@@ -208,3 +256,40 @@ class LossConfig:
             raise ValueError(
                 f"loss.truncated_is_cap must be > 0 or null, got {self.truncated_is_cap!r}"
             )
+        if not (math.isfinite(self.entropy_coef) and self.entropy_coef >= 0):
+            raise ValueError(
+                f"loss.entropy_coef must be a finite number >= 0, got {self.entropy_coef!r}"
+            )
+        self._check_mismatch_band()
+
+    def _check_mismatch_band(self) -> None:
+        low, high = self.mismatch_band_low, self.mismatch_band_high
+        if (low is None) != (high is None):
+            raise ValueError(
+                "loss.mismatch_band_low and loss.mismatch_band_high are set together (or both "
+                f"left null), got mismatch_band_low={low!r}, mismatch_band_high={high!r}"
+            )
+        if low is None:
+            return
+        if not (math.isfinite(low) and math.isfinite(high)):
+            raise ValueError(
+                f"loss.mismatch_band_low and loss.mismatch_band_high must be finite numbers, "
+                f"got {low!r} and {high!r}"
+            )
+        if low > high:
+            raise ValueError(
+                f"loss.mismatch_band_low={low} is above loss.mismatch_band_high={high}: "
+                "the band [a, b] needs a <= b"
+            )
+        if not 0 <= low <= 1 <= high:
+            raise ValueError(
+                f"loss.mismatch_band_low={low}, loss.mismatch_band_high={high}: the band must "
+                "contain 1 (0 <= a <= 1 <= b), or the tokens on which the engine and the actor "
+                "agree would be masked"
+            )
+
+    def mismatch_band(self) -> tuple[float, float] | None:
+        """``(a, b)`` when the band is set, else None (the masks then use [1/C, C])."""
+        if self.mismatch_band_low is None:
+            return None
+        return self.mismatch_band_low, self.mismatch_band_high

@@ -95,7 +95,16 @@ class RewardConfig:
 
 OldLogprobs = Literal["engine", "recompute"]
 RoutingReplayMode = Literal["none", "trainer", "rollout"]
-OffPolicyCorrection = Literal["none", "token-truncate", "sequence-truncate", "sequence-mask"]
+OffPolicyCorrection = Literal[
+    "none",
+    "token-truncate",
+    "sequence-truncate",
+    "sequence-mask",
+    "token-mask",
+    "icepop",
+    "geometric-mask",
+]
+OneSampleAdvantage = Literal["zero", "reward"]
 
 
 @dataclass(kw_only=True)
@@ -106,6 +115,9 @@ class AlgorithmConfig:
     """Divide group-centred rewards by the group's standard deviation (GRPO); false: Dr. GRPO."""
     filter_equal_groups: bool = False
     """Drop groups whose rewards are all equal (no signal under group normalisation)."""
+    one_sample_advantage: OneSampleAdvantage = "zero"
+    """Advantage of a group of one sample (``rollout.samples_per_prompt=1``): `zero` (its reward
+    has nothing to be compared with) or `reward`, its raw reward, as verl's GRPO gives it."""
     old_logprobs: OldLogprobs = "engine"
     """Denominator of the ratio: `engine` (behaviour log-probs the engine reported) or
     `recompute` (the actor's log-probs at the start of the rollout step, the proximal policy;
@@ -113,13 +125,17 @@ class AlgorithmConfig:
     off_policy_correction: OffPolicyCorrection | None = None
     """Importance weight w multiplying each response token's advantage in the loss and the clip
     search, from d_t = recomputed - behaviour log-prob of token t, its sequence's sum D over the
-    response tokens, and the cap C = ``loss.truncated_is_cap`` (the weighted corrections need
-    ``old_logprobs=recompute`` and the cap): `none`: no weight; `token-truncate`: w_t =
-    min(exp(d_t), C) (the decoupled objective's truncated behaviour weight); `sequence-truncate`:
-    min(exp(D), C) on every token of the sequence; `sequence-mask`: 1 on the sequence if
-    1/C <= exp(D) <= C, else 0 (rejection of sequences too far off-policy either way; C >= 1).
-    None: `token-truncate` when ``loss.truncated_is_cap`` is set, else `none` (configs written
-    before this field). Reported as ``off_policy/*`` every rollout step."""
+    response tokens, and the cap C = ``loss.truncated_is_cap`` (every weighted correction needs
+    ``old_logprobs=recompute``; the truncations need the cap, the masks the cap or a band):
+    `none`: no weight; `token-truncate`: w_t = min(exp(d_t), C) (the decoupled objective's
+    truncated behaviour weight); `sequence-truncate`: min(exp(D), C) on every token of the
+    sequence; `sequence-mask`: 1 on the sequence if a <= exp(D) <= b, else 0 (rejection of
+    sequences too far off-policy either way); `token-mask`: w_t = 1 if a <= exp(d_t) <= b, else
+    0 (token rejection); `icepop`: w_t = exp(d_t) if a <= exp(d_t) <= b, else 0 (IcePop);
+    `geometric-mask`: 1 on the sequence if a <= exp(D / n) <= b (n its response tokens), else 0.
+    The band [a, b] is ``loss.mismatch_band_low`` / ``_high``, or [1/C, C] (C >= 1) when they
+    are unset. None: `token-truncate` when ``loss.truncated_is_cap`` is set, else `none`
+    (configs written before this field). Reported as ``off_policy/*`` every rollout step."""
     optimizer_steps_per_rollout: int = 1
     """Mini-batches each rollout batch is split into, one optimizer step each: the last one is
     trained with data that many - 1 policy versions stale."""
@@ -164,6 +180,11 @@ class AlgorithmConfig:
             raise ValueError(
                 f"{prefix}.routing_replay must be one of {list(get_args(RoutingReplayMode))}, "
                 f"got {self.routing_replay!r}"
+            )
+        if self.one_sample_advantage not in get_args(OneSampleAdvantage):
+            raise ValueError(
+                f"{prefix}.one_sample_advantage must be one of "
+                f"{list(get_args(OneSampleAdvantage))}, got {self.one_sample_advantage!r}"
             )
         if self.off_policy_correction not in (None, *get_args(OffPolicyCorrection)):
             raise ValueError(

@@ -35,6 +35,18 @@ class Group:
         """Oldest policy version any of its tokens was sampled with."""
         return min((min(s.versions) for s in self.samples if s.versions), default=0)
 
+    def with_samples(self, kept: list[bool]) -> Group:
+        """The group with only the samples ``kept`` marks (itself when it marks all)."""
+        if all(kept):
+            return self
+        pick = [i for i, keep in enumerate(kept) if keep]
+        return dataclasses.replace(
+            self,
+            samples=[self.samples[i] for i in pick],
+            rewards=[self.rewards[i] for i in pick],
+            advantages=[self.advantages[i] for i in pick],
+        )
+
     def to_plain(self) -> dict:
         """The group as plain data (dicts, lists, numbers, strings), as checkpoints store it."""
         return {

@@ -37,6 +37,12 @@ class RolloutCounts:
     reward_timeouts: float = 0.0
     reward_errors: float = 0.0
     generated_tokens: float = 0.0
+    overlong_penalty: float = 0.0
+    """Sum of the overlong penalties added to the rewards (<= 0)."""
+    overlong_penalized: float = 0.0
+    """Samples whose reward the overlong penalty lowered."""
+    overlong_filtered: float = 0.0
+    """Samples left out of training because they were cut off at the length cap."""
     # asynchronous training only
     dropped_groups: float = 0.0
     mixed_version_samples: float = 0.0
@@ -67,12 +73,16 @@ _REWARD_METRICS = ("mean", "accuracy", "timeouts", "errors")
 
 
 def rollout_metrics(
-    counts: RolloutCounts, context: ParallelContext, *, asynchronous: bool = False
+    counts: RolloutCounts,
+    context: ParallelContext,
+    *,
+    asynchronous: bool = False,
+    overlong: bool = False,
 ) -> dict[str, float]:
     """Reward, accuracy, lengths and rollout counts of the step, over every replica (with
-    ``asynchronous``, also the engines' and the trainer's waits, in-flight updates and drops),
-    and the reward's own metrics: ``reward/<name>``, the mean over the checks that returned
-    it."""
+    ``asynchronous``, also the engines' and the trainer's waits, in-flight updates and drops;
+    with ``overlong``, what the overlong penalty and filter did), and the reward's own metrics:
+    ``reward/<name>``, the mean over the checks that returned it."""
     names = _SUMMED
     totals = dict(
         zip(
@@ -96,6 +106,10 @@ def rollout_metrics(
         "reward/timeouts": totals["reward_timeouts"],
         "reward/errors": totals["reward_errors"],
     }
+    if overlong:
+        metrics["overlong/penalty_mean"] = totals["overlong_penalty"] / samples
+        metrics["overlong/penalized_fraction"] = totals["overlong_penalized"] / samples
+        metrics["overlong/filtered_fraction"] = totals["overlong_filtered"] / samples
     metrics.update(_reward_metrics(counts, context))
     if asynchronous:
         metrics.update(_asynchronous_metrics(totals, context.dp_size))
@@ -190,6 +204,7 @@ class LogprobGap:
             out["off_policy/clipped_sequence_share"] = sums["clipped_sequences"] / max(
                 sums["sequences"], 1.0
             )
+            out["off_policy/masked_token_share"] = sums["masked_tokens"] / count
             out["off_policy/masked_sequences"] = sums["masked_sequences"]
             out["off_policy/sequences"] = sums["sequences"]
         out["logprob_diff/tokens"] = tokens

@@ -16,6 +16,7 @@ from bapo_megatron.actor.logprobs import compute_logprobs, compute_logprobs_and_
 from bapo_megatron.actor.microbatches import Batching
 from bapo_megatron.algo.advantages import grpo_advantages, informative_groups
 from bapo_megatron.algo.importance_weights import importance_weights
+from bapo_megatron.algo.overlong import OverlongShaping, shape_overlong
 from bapo_megatron.data.experience import Group, prompts_at, split_groups, to_policy_batch
 from bapo_megatron.data.prompts import PromptRow
 from bapo_megatron.data.task import encode_prompt
@@ -125,8 +126,10 @@ def _generate(run: Run, rows, *, seed: int) -> tuple[list[PausedGroup], list[Pau
 
 @watched("2. reward")
 def score(run: Run, rollout: Rollout | None) -> Experience | None:
-    """2. Reward: rewards, GRPO advantages and rollout statistics of the finished groups
-    (groups whose samples all scored the same are dropped under ``filter_equal_groups``)."""
+    """2. Reward: rewards (with ``loss.overlong``'s penalty), GRPO advantages and rollout
+    statistics of the finished groups (groups whose samples all scored the same are dropped
+    under ``filter_equal_groups``, responses cut off at the length cap under
+    ``loss.overlong.filter``)."""
     if rollout is None:
         return None
     with run.timer.phase("reward"):
@@ -159,19 +162,23 @@ def _score(run: Run, finished: list[PausedGroup]) -> Experience:
     )
     n = len(finished[0][1])
     values = torch.tensor(scored.rewards, dtype=torch.float64).reshape(len(finished), n)
-    advantages = grpo_advantages(values, normalize_std=algo.normalize_std)
-    keep = informative_groups(values)
+    lengths = torch.tensor([len(s.token_ids) for _, s in flat], dtype=torch.float64)
+    overlong = _overlong(run, values, lengths, [s.finish_reason == "length" for _, s in flat])
+    shaped = overlong.rewards
+    advantages = grpo_advantages(
+        shaped, normalize_std=algo.normalize_std, one_sample=algo.one_sample_advantage
+    )
+    keep = informative_groups(shaped)
     groups = [
         Group(
             prompt_id=row.id,
             samples=samples,
-            rewards=values[i].tolist(),
+            rewards=shaped[i].tolist(),
             advantages=advantages[i].tolist(),
-        )
+        ).with_samples(overlong.trained[i].tolist())
         for i, (row, samples) in enumerate(finished)
-        if keep[i] or not algo.filter_equal_groups
+        if (keep[i] or not algo.filter_equal_groups) and overlong.trained[i].any()
     ]
-    lengths = torch.tensor([len(s.token_ids) for _, s in flat], dtype=torch.float64)
     right = values.reshape(-1) > 0.5
     counts = RolloutCounts(
         samples=len(flat),
@@ -190,9 +197,28 @@ def _score(run: Run, finished: list[PausedGroup]) -> Experience:
         informative_groups=float(keep.sum()),
         reward_timeouts=float(scored.timed_out),
         reward_errors=float(len(scored.errors)),
+        overlong_penalty=float(overlong.penalty.sum()),
+        overlong_penalized=float((overlong.penalty < 0).sum()),
+        overlong_filtered=float((~overlong.trained).sum()),
     )
     counts.add_reward_metrics(scored.metrics)
     return Experience(groups, counts)
+
+
+def _overlong(
+    run: Run, rewards: torch.Tensor, lengths: torch.Tensor, truncated: list[bool]
+) -> OverlongShaping:
+    """``loss.overlong``'s penalty on the [groups, n] ``rewards`` and its filter."""
+    overlong = run.cfg.loss.overlong
+    return shape_overlong(
+        rewards,
+        lengths.view_as(rewards),
+        torch.tensor(truncated).view_as(rewards),
+        max_length=run.cfg.rollout.max_new_tokens,
+        buffer_length=overlong.buffer_length,
+        penalty_factor=overlong.penalty_factor,
+        filter_truncated=overlong.filter,
+    )
 
 
 @watched("3. off-policy selection")
@@ -234,7 +260,12 @@ def old_logprobs(
     chosen, counts = share_from_engine_rank(
         None if experience is None else (experience.groups, experience.counts), context
     )
-    metrics = rollout_metrics(counts, context, asynchronous=bool(algo.max_staleness))
+    metrics = rollout_metrics(
+        counts,
+        context,
+        asynchronous=bool(algo.max_staleness),
+        overlong=cfg.loss.overlong.enabled,
+    )
     # a mini-batch without a group on any replica (filtered groups, partial rollouts that
     # did not finish) is skipped; one empty on some replicas only still trains on the others
     parts = split_groups(chosen, algo.optimizer_steps_per_rollout)
@@ -323,7 +354,12 @@ def recompute(run: Run, batch: PolicyBatch, current: torch.Tensor, gap: LogprobG
     correction = cfg.resolved_off_policy_correction()
     if correction != "none":
         corrected = importance_weights(
-            correction, recomputed, batch.old_logprobs, mask, cfg.loss.truncated_is_cap
+            correction,
+            recomputed,
+            batch.old_logprobs,
+            mask,
+            cfg.loss.truncated_is_cap,
+            cfg.loss.mismatch_band(),
         )
         weights = corrected.weights
         gap.add_weights(correction, corrected.statistics)

@@ -1,5 +1,6 @@
 """The off-policy corrections' importance weights (bapo_megatron/algo/importance_weights.py)
-against a float64 reference written token by token, on random right-padded batches whose padding
+at the cap alone against a float64 reference written token by token (the band masks:
+tests/unit/test_mismatch_corrections.py), on random right-padded batches whose padding
 holds garbage, with sequences of one response token and sequences without any."""
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def reference(correction, recomputed, behaviour, mask, cap):
     return weights, stats
 
 
-@pytest.mark.parametrize("correction", WEIGHTED_CORRECTIONS)
+@pytest.mark.parametrize("correction", ["token-truncate", "sequence-truncate", "sequence-mask"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 @pytest.mark.parametrize("cap", [1.5, 3.0])
 def test_weights_and_statistics_match_the_float64_reference(correction, seed, cap):
