@@ -119,6 +119,7 @@ def train_minibatches(
                     run.cfg.loss,
                     run.plan,
                     ratios_are_one=run.state.version == recomputed_at,
+                    kl=run.cfg.algorithm.kl,
                 )
                 trained_tokens += update["response_tokens"]
                 last_update = update

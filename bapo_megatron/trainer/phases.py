@@ -23,6 +23,7 @@ from bapo_megatron.disaggregated.stream_server import ItemStats
 from bapo_megatron.distributed.collectives import sum_over
 from bapo_megatron.trainer.admission import mixed_version_samples, stale_groups
 from bapo_megatron.trainer.metrics import LogprobGap, RolloutCounts, rollout_metrics
+from bapo_megatron.trainer.reference_kl import with_reference
 from bapo_megatron.trainer.replicas import share_from_engine_rank
 from bapo_megatron.trainer.router_metrics import RouterAgreement
 from bapo_megatron.trainer.setup import Run, watched
@@ -227,8 +228,8 @@ def old_logprobs(
 ) -> tuple[list[Minibatch], dict[str, float]]:
     """4. The engine rank's groups on every rank of its replica, as the step's mini-batches,
     with the actor's old log-probs when the ratio is taken against the actor (or, every
-    ``logging.logprob_diff_interval`` steps, to measure the engine/actor gap); and the step's
-    rollout metrics."""
+    ``logging.logprob_diff_interval`` steps, to measure the engine/actor gap) and the reference
+    policy's log-probs under ``algorithm.kl``; and the step's rollout metrics."""
     cfg, context = run.cfg, run.context
     algo = cfg.algorithm
     chosen, counts = share_from_engine_rank(
@@ -241,11 +242,8 @@ def old_logprobs(
     groups_per_part = sum_over(
         [float(len(part)) for part in parts], context.dp_group, context.device
     )
-    minibatches = [
-        to_policy_batch(part, run.task.pad_token_id)
-        for part, everywhere in zip(parts, groups_per_part)
-        if everywhere
-    ]
+    parts = [part for part, everywhere in zip(parts, groups_per_part) if everywhere]
+    minibatches = [to_policy_batch(part, run.task.pad_token_id) for part in parts]
     measure_gap = (
         cfg.logging.logprob_diff_interval and step % cfg.logging.logprob_diff_interval == 0
     )
@@ -269,6 +267,9 @@ def old_logprobs(
                 for batch, versions in minibatches
             ]
         metrics.update(gap.metrics(context))
+    if minibatches and run.reference is not None:  # on the final old log-probs
+        minibatches, kl_metrics = with_reference(run, minibatches, parts)
+        metrics.update(kl_metrics)
     return minibatches, metrics
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from bapo_megatron.actor.actor import Actor, build_actor
 from bapo_megatron.actor.optimizer import require_offload_support
+from bapo_megatron.actor.reference import ReferencePolicy
 from bapo_megatron.algo.search_plan import SearchPlan
 from bapo_megatron.config import Config
 from bapo_megatron.config.checks import check_model, records_routes
@@ -37,6 +38,7 @@ from bapo_megatron.rollout.protocol import RolloutEngine, SamplingParams
 from bapo_megatron.rollout.registry import build_engine
 from bapo_megatron.trainer.checkpoint import complete_checkpoints, load_checkpoint
 from bapo_megatron.trainer.checkpoint_integrity import newest_verified_checkpoint
+from bapo_megatron.trainer.reference import check_reference_source, start_reference
 from bapo_megatron.trainer.replicas import holds_engine
 from bapo_megatron.trainer.run_summary import RunSummary
 from bapo_megatron.trainer.sinks.background import start_trackers
@@ -86,6 +88,8 @@ class Run:
     shards: ShardSync | None = None
     """The shard-to-shard sync's plan and group (``rollout.weight_transport: shard-to-shard``),
     built on the first update."""
+    reference: ReferencePolicy | None = None
+    """The frozen reference policy of ``algorithm.kl`` (None: none)."""
 
     @property
     def checkpoints(self) -> Path:
@@ -137,9 +141,7 @@ def push_policy(run: Run, version: int) -> None:
         receiver = run.engine
         if receiver is None and run.engines is not None:
             receiver = run.engines.stream
-        push_shards(
-            run.actor, receiver, run.shards, version=version, bucket_bytes=run.bucket_bytes
-        )
+        push_shards(run.actor, receiver, run.shards, version=version, bucket_bytes=run.bucket_bytes)
     elif run.engines is None or run.engines.local:
         engine = run.engine if run.engines is None else run.engines.stream
         push_weights(run.actor, engine, version=version, bucket_bytes=run.bucket_bytes)
@@ -187,6 +189,7 @@ def _build_run(
     if context.world_size > 1:  # one process has no peer to wait for: no thread
         watchdog.start()
     watchdog.enter("setup")
+    check_reference_source(cfg)
     task = load_task(cfg)
     check_model(cfg, task.model)  # a model read from train.model_path is known only now
     validate_layout(task.model, cfg.parallel, context.world_size)
@@ -304,6 +307,7 @@ def _build_run(
         )
         if resume_from is None:
             _initial_weights(cfg, task, actor, logger)
+        reference = start_reference(cfg, task, actor, output, resumed=resume_from is not None)
         sampling = SamplingParams(
             n=rollout.samples_per_prompt,
             temperature=cfg.actor.temperature,
@@ -329,6 +333,7 @@ def _build_run(
             lock=lock,
             watchdog=watchdog,
             engines=engines,
+            reference=reference,
         )
         push_policy(run, state.version)
         if algo.max_staleness:
