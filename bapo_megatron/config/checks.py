@@ -34,6 +34,19 @@ def check_training(cfg: Config) -> None:
     _check_quantization(cfg)
     _check_asynchronous(cfg)
     _check_packing(cfg)
+    _check_refill(cfg)
+
+
+def _check_refill(cfg: Config) -> None:
+    """A refill round generates whole groups at once: partial rollout's paused groups would
+    mix rounds and steps."""
+    rounds = cfg.algorithm.max_refill_rounds
+    if rounds is not None and cfg.rollout.partial_tokens_per_round is not None:
+        raise ValueError(
+            f"algorithm.max_refill_rounds={rounds} with rollout.partial_tokens_per_round="
+            f"{cfg.rollout.partial_tokens_per_round}: refill rounds generate whole groups, "
+            "partial rollout pauses them; set one of them to null"
+        )
 
 
 def _check_packing(cfg: Config) -> None:

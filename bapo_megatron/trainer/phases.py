@@ -131,7 +131,7 @@ def score(run: Run, rollout: Rollout | None) -> Experience | None:
     if rollout is None:
         return None
     with run.timer.phase("reward"):
-        experience = _score(run, rollout.finished)
+        experience = score_groups(run, rollout.finished)
     counts = experience.counts
     counts.generated_tokens = rollout.generated_tokens
     if rollout.engine is not None:
@@ -145,7 +145,8 @@ def score(run: Run, rollout: Rollout | None) -> Experience | None:
     return experience
 
 
-def _score(run: Run, finished: list[PausedGroup]) -> Experience:
+def score_groups(run: Run, finished: list[PausedGroup]) -> Experience:
+    """Rewards, advantages and counts of ``finished`` (phase 2's work, also refill rounds')."""
     algo, task = run.cfg.algorithm, run.task
     counts = RolloutCounts()
     if not finished:
@@ -235,7 +236,12 @@ def old_logprobs(
     chosen, counts = share_from_engine_rank(
         None if experience is None else (experience.groups, experience.counts), context
     )
-    metrics = rollout_metrics(counts, context, asynchronous=bool(algo.max_staleness))
+    metrics = rollout_metrics(
+        counts,
+        context,
+        asynchronous=bool(algo.max_staleness),
+        refill=algo.max_refill_rounds is not None,
+    )
     # a mini-batch without a group on any replica (filtered groups, partial rollouts that
     # did not finish) is skipped; one empty on some replicas only still trains on the others
     parts = split_groups(chosen, algo.optimizer_steps_per_rollout)
