@@ -80,9 +80,7 @@ def test_no_trained_token_is_older_than_eta(tmp_path, warm_start, eta, transport
         assert sum(r["async/engine_weight_loads"] for r in rollouts) >= 1
 
 
-def test_refill_rounds_keep_the_staleness_bound_and_account_for_every_group(
-    tmp_path, warm_start
-):
+def test_refill_rounds_keep_the_staleness_bound_and_account_for_every_group(tmp_path, warm_start):
     # refill rounds are items of their own, generated after the items admitted ahead
     steps, eta = 4, 1
     refill = ["algorithm.filter_equal_groups=true", "algorithm.max_refill_rounds=2"]
