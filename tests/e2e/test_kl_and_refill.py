@@ -59,3 +59,29 @@ def test_refill_generates_rounds_until_the_groups_carry_signal(tmp_path, warm_st
             assert rounds == 3
         elif rounds:  # stopped at the first round that filled the share
             assert r["rollout/informative_groups"] >= PROMPTS
+
+
+def test_a_config_without_the_new_fields_trains_as_with_them_off(tmp_path, warm_start, plain):
+    off = ["algorithm.kl=null", "algorithm.max_refill_rounds=null"]
+    records = run_in_process(tmp_path, *warm_start[0], *STEPS, *off)
+    timing = ("time/", "throughput/")
+    assert [{k: v for k, v in r.items() if not k.startswith(timing)} for r in records] == [
+        {k: v for k, v in r.items() if not k.startswith(timing)} for r in plain
+    ]
+    assert not any(k.startswith(("kl/", "dynamic_sampling/")) for r in plain for k in r)
+
+
+def test_a_random_start_reference_is_found_again_by_a_resumed_run(tmp_path):
+    # the reference is the policy after its warm-up, which only the first run computed
+    kl = ['algorithm.kl={"coef": 0.5}', "warmup.steps=10", "checkpoint.interval=1"]
+    whole = run_in_process(tmp_path / "whole", *kl, "train.steps=2")
+    assert (tmp_path / "whole" / "reference" / "bapo_checkpoint.json").is_file()
+    run_in_process(tmp_path / "split", *kl, "train.steps=1")
+    resumed = run_in_process(tmp_path / "split", *kl, "train.steps=2")
+    keys = ("kl/mean", "kl/loss", "grad_norm", "loss")
+    assert [{k: r[k] for k in keys} for r in update_records(resumed)] == [
+        {k: r[k] for k in keys} for r in update_records(whole)
+    ]
+    # the short warm-up earns no reward, so the policy stays at its start: the resumed run's
+    # reference is that start exactly (one drawn or warmed up anew would differ from it)
+    assert all(r["kl/rollout_mean"] < 1e-9 for r in rollout_records(resumed))
