@@ -37,6 +37,9 @@ class PolicyBatch:
     """[n] (one value per sequence) or [n, s] float; required for training."""
     is_weights: torch.Tensor | None = None
     """[n, s] float truncated importance weights, or None."""
+    ref_logprobs: torch.Tensor | None = None
+    """[n, s] float: log-prob of token t under the frozen reference policy, for a KL term in
+    the loss (``algorithm.kl``), or None."""
     routes: torch.Tensor | None = None
     """[n, s, moe_layers, topk] integer expert ids each token was routed to (a mixture-of-experts
     model under routing replay; a row of -1: no route, routed live), or None
@@ -71,7 +74,7 @@ class PolicyBatch:
                 "batch.response_mask: column 0 is marked as a response token, but the "
                 "first token has no preceding position to predict it"
             )
-        for name in ("old_logprobs", "is_weights"):
+        for name in ("old_logprobs", "is_weights", "ref_logprobs"):
             value = getattr(self, name)
             if value is not None and (
                 not isinstance(value, torch.Tensor)
@@ -194,6 +197,7 @@ def split_microbatches(
         old_logprobs=padded(batch.old_logprobs, True),
         advantages=padded(adv, adv is None or adv.dim() == 2),
         is_weights=padded(batch.is_weights, True),
+        ref_logprobs=padded(batch.ref_logprobs, True),
         routes=None if batch.routes is None else _padded_routes(batch.routes, rows, length),
     )
     return [

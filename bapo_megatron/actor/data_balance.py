@@ -25,7 +25,15 @@ from bapo_megatron.actor.packing import sequence_lengths
 from bapo_megatron.actor.token_budget import balance_over_ranks, sequence_cost
 from bapo_megatron.distributed.context import ParallelContext
 
-_FIELDS = ("tokens", "response_mask", "old_logprobs", "advantages", "is_weights", "routes")
+_FIELDS = (
+    "tokens",
+    "response_mask",
+    "old_logprobs",
+    "advantages",
+    "is_weights",
+    "ref_logprobs",
+    "routes",
+)
 
 
 def balance_data_parallel(

@@ -139,6 +139,7 @@ def packed_row(
         old_logprobs=_gathered(batch.old_logprobs, source, 0.0),
         advantages=_gathered(adv, source, 0.0),
         is_weights=_gathered(batch.is_weights, source, 0.0),
+        ref_logprobs=_gathered(batch.ref_logprobs, source, 0.0),
         routes=_gathered(batch.routes, source, -1),
         segments=segments,
     )

@@ -56,10 +56,12 @@ from bapo_megatron.actor.pipeline_schedule import last_stage_rank, run_schedule
 from bapo_megatron.actor.response_logits import StageLogits
 from bapo_megatron.actor.routing_replay import validate_routes
 from bapo_megatron.algo.bound_search import BoundDecision, choose_bounds
+from bapo_megatron.algo.kl import kl_loss_term
 from bapo_megatron.algo.policy_loss import bapo_loss, loss_normalizer, search_statistics
 from bapo_megatron.algo.reduction import all_reduce_sum
 from bapo_megatron.algo.search_plan import SearchPlan
 from bapo_megatron.config import LossConfig
+from bapo_megatron.config.kl import KLConfig
 
 # Decision metrics that are counts: summed over micro-batches; the others are token-weighted means.
 _COUNT_METRICS = ("bapo/tokens", "bapo/positive_tokens", "bapo/negative_tokens")
@@ -75,6 +77,7 @@ def train_step(
     *,
     ratios_are_one: bool = False,
     skip_known_forward: bool = True,
+    kl: KLConfig | None = None,
 ) -> dict[str, float]:
     """Train on ``batch`` (this data-parallel rank's sequences; ranks may hold different numbers,
     including none) for one optimizer step and return the step's metrics, the same on every
@@ -92,7 +95,12 @@ def train_step(
     ``ratios_are_one``: ``batch.old_logprobs`` are this actor's log-probs under its current
     weights (recomputed since its last optimizer step, the same on every rank), so every ratio
     is exactly 1. ``skip_known_forward=False`` runs granularity `step`'s extra forward pass
-    even where its result is known (module docstring, step 2), for tests and benchmarks."""
+    even where its result is known (module docstring, step 2), for tests and benchmarks.
+
+    ``kl`` (``algorithm.kl``), with a batch that carries ``ref_logprobs``: `kl/mean` (the
+    estimator at the policy being trained, mean over response tokens) joins the metrics and,
+    under placement `loss`, beta times the aggregated estimator joins the loss (`kl/loss`; the
+    `loss` metric includes it). The term is not in the search's statistics."""
     batch.require_training_fields()
     context = actor.context
     batching = Batching.for_training(actor.actor_config)
@@ -111,6 +119,7 @@ def train_step(
     reduce = all_reduce_sum(context.dp_cp_group)
     temperature = actor.actor_config.temperature
 
+    with_kl = kl is not None and batch.ref_logprobs is not None
     replay = _routing_replay(actor, batch)
     before_forward = _before_forward(actor.moe_aux_loss, replay)
 
@@ -149,6 +158,20 @@ def train_step(
             entropy_coef=loss.entropy_coef,
         )
         metrics["entropy_sum"] = torch.where(mask, entropy.detach(), 0.0).sum().double()
+        if with_kl:
+            term, metrics["kl_sum"] = kl_loss_term(
+                logprobs,
+                microbatch.ref_logprobs.to(logprobs.device),
+                mask,
+                coef=kl.coef if kl.placement == "loss" else 0.0,
+                estimator=kl.estimator,
+                aggregation=loss.aggregation,
+                normalizer=normalizer,
+                sequence_ids=None if segments is None else segments.sequence_ids(),
+            )
+            metrics["kl_loss"] = term.detach().double()
+            if kl.placement == "loss" and kl.coef:  # added after the search, outside P and N
+                value = value + term
         metrics["loss"] = value.detach().double()
         return value, metrics
 
@@ -177,6 +200,9 @@ def train_step(
     if context.is_last_stage():
         metrics = _step_metrics(outputs, decision, extremes, padding_share(microbatches), context)
         metrics["response_tokens"] = tokens
+        if with_kl:
+            metrics["kl/mean"] = metrics.pop("kl_sum") / max(tokens, 1.0)
+            metrics["kl/loss"] = metrics.pop("kl_loss")
     metrics = _from_last_stage(metrics, context)
     if aux is not None:
         value = aux.step_value()
@@ -346,12 +372,14 @@ def _step_metrics(
                 torch.stack([out["bapo/ratio_max_local"] for out in outputs]).max(),
             ]
         )
-    summed = ["loss", "entropy_sum"] + [key for key in _BONUS_METRICS if key in outputs[0]]
+    device = outputs[0]["loss"].device
+    extra = [key for key in (*_BONUS_METRICS, "kl_sum", "kl_loss") if key in outputs[0]]
+    summed = ["loss", "entropy_sum", *extra]
     sums = torch.stack(
         [
             *(torch.stack([out[key] for out in outputs]).sum() for key in summed),
-            torch.tensor(float(padding[0]), dtype=torch.float64, device=outputs[0]["loss"].device),
-            torch.tensor(float(padding[1]), dtype=torch.float64, device=outputs[0]["loss"].device),
+            torch.tensor(float(padding[0]), dtype=torch.float64, device=device),
+            torch.tensor(float(padding[1]), dtype=torch.float64, device=device),
         ]
     )
     extremes = torch.stack([-extremes[0], extremes[1]]).double()  # both reduced with MAX
@@ -368,8 +396,10 @@ def _step_metrics(
     )
     for index, key in enumerate(summed[2:], start=2):
         metrics[key] = float(sums[index])
-    if "actor/entropy_bonus" in metrics:  # the loss is the policy loss minus the bonus
-        metrics["actor/policy_loss"] = metrics["loss"] + metrics["actor/entropy_bonus"]
+    if "actor/entropy_bonus" in metrics:  # the loss: policy loss - entropy bonus + KL term
+        metrics["actor/policy_loss"] = (
+            metrics["loss"] + metrics["actor/entropy_bonus"] - metrics.get("kl_loss", 0.0)
+        )
     return metrics
 
 

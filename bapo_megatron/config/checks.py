@@ -37,6 +37,19 @@ def check_training(cfg: Config) -> None:
     _check_quantization(cfg)
     _check_asynchronous(cfg)
     _check_packing(cfg)
+    _check_refill(cfg)
+
+
+def _check_refill(cfg: Config) -> None:
+    """A refill round generates whole groups at once: partial rollout's paused groups would
+    mix rounds and steps."""
+    rounds = cfg.algorithm.max_refill_rounds
+    if rounds is not None and cfg.rollout.partial_tokens_per_round is not None:
+        raise ValueError(
+            f"algorithm.max_refill_rounds={rounds} with rollout.partial_tokens_per_round="
+            f"{cfg.rollout.partial_tokens_per_round}: refill rounds generate whole groups, "
+            "partial rollout pauses them; set one of them to null"
+        )
 
 
 def _check_packing(cfg: Config) -> None:
@@ -238,12 +251,21 @@ def _check_off_policy_correction(cfg: Config) -> None:
 
 
 def _check_overlong(cfg: Config) -> None:
-    """The overlong penalty's buffer lies inside the response length cap."""
+    """The overlong penalty's buffer lies inside the response length cap; the KL reward
+    penalty recomputes whole groups' advantages, which the overlong filter has cut."""
     buffer, cap = cfg.loss.overlong.buffer_length, cfg.rollout.max_new_tokens
     if buffer > cap:
         raise ValueError(
             f"loss.overlong.buffer_length={buffer} is longer than the responses may be "
             f"(rollout.max_new_tokens={cap}): the buffer ends at the cap and must fit below it"
+        )
+    kl = cfg.algorithm.kl
+    if cfg.loss.overlong.filter and kl is not None and kl.placement == "reward":
+        raise ValueError(
+            "loss.overlong.filter=true with algorithm.kl.placement='reward': the KL penalty "
+            "recomputes each group's advantages after the filter has removed its truncated "
+            "samples, so they would be normalised over another group than without the KL; "
+            "use algorithm.kl.placement='loss', or no overlong filter"
         )
 
 

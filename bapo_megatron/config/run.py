@@ -8,6 +8,7 @@ from typing import Literal, get_args
 
 from bapo_megatron.config.actor import ActorConfig, OptimizerConfig
 from bapo_megatron.config.checks import check_training
+from bapo_megatron.config.kl import KLConfig
 from bapo_megatron.config.loss import LossConfig
 from bapo_megatron.config.model import ModelConfig, ParamsDtype
 from bapo_megatron.config.parallel import ParallelConfig
@@ -118,6 +119,13 @@ class AlgorithmConfig:
     one_sample_advantage: OneSampleAdvantage = "zero"
     """Advantage of a group of one sample (``rollout.samples_per_prompt=1``): `zero` (its reward
     has nothing to be compared with) or `reward`, its raw reward, as verl's GRPO gives it."""
+    max_refill_rounds: int | None = None
+    """Dynamic sampling with refill (DAPO), with ``filter_equal_groups``: while a replica has
+    fewer groups with signal than its share of ``rollout.prompts_per_step``, it generates another
+    round of that many prompts (from its refill stream of the prompt set, docs/algorithm.md
+    section 6.2), at most this many rounds more per rollout step; the surplus past the share is
+    dropped, and a step still short after the last round trains on the groups it has (both
+    logged as ``dynamic_sampling/*``). None: no refill, the step trains on the groups kept."""
     old_logprobs: OldLogprobs = "engine"
     """Denominator of the ratio: `engine` (behaviour log-probs the engine reported) or
     `recompute` (the actor's log-probs at the start of the rollout step, the proximal policy;
@@ -161,6 +169,8 @@ class AlgorithmConfig:
     ``old_logprobs=recompute``); `rollout` (R3): the routes the engine recorded for every token
     (the embedded engine always; vLLM and SGLang are started asking for them, see
     docs/moe.md). Missing routes (the last sampled token) are routed live."""
+    kl: KLConfig | None = None
+    """A frozen reference policy and a KL term towards it (None: none)."""
     max_staleness: int = 0
     """eta of asynchronous training (``rollout.placement=disaggregated``): a group trains in a
     rollout step whose policy version is v only if every token of it was sampled at version
@@ -201,6 +211,14 @@ class AlgorithmConfig:
             require_at_least(getattr(self, name), 1, f"{prefix}.{name}")
         require_at_least(self.rollout_lag, 0, f"{prefix}.rollout_lag")
         require_at_least(self.max_staleness, 0, f"{prefix}.max_staleness")
+        if self.max_refill_rounds is not None:
+            require_at_least(self.max_refill_rounds, 1, f"{prefix}.max_refill_rounds")
+            if not self.filter_equal_groups:
+                raise ValueError(
+                    f"{prefix}.max_refill_rounds={self.max_refill_rounds} refills the groups "
+                    f"that {prefix}.filter_equal_groups drops, which is false: set it to true, "
+                    f"or {prefix}.max_refill_rounds to null"
+                )
         if not 0 <= self.replay_fraction < 1:
             raise ValueError(
                 f"{prefix}.replay_fraction must lie in [0, 1), got {self.replay_fraction!r}"

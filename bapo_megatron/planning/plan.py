@@ -87,6 +87,11 @@ class RankMemory:
     engine_budget: int = 0
     engine_kv_tokens: int = 0
     optimizer_host: int = 0
+    reference_weights: int = 0
+    """The KL term's frozen reference policy (``algorithm.kl``): its shard of the weights, the
+    size of the actor's. Offloaded, it is on the GPU only for its forward pass."""
+    reference_host: int = 0
+    """The offloaded reference's weights in host memory (not in ``total``)."""
     total: int = 0
 
     def as_gb(self) -> dict[str, float]:
@@ -384,7 +389,16 @@ def _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention, expe
             dispatcher=dispatcher,
         )
         training = activations + dispatcher  # what the training pass adds to the state
-        total = state.total + training
+        kl = config.algorithm.kl
+        reference = state.weights if kl is not None and kl.has_reference else 0
+        resident = 0  # the reference's weights held on the GPU throughout
+        if reference and kl.offload:  # on the GPU only while no training pass is
+            training = max(training, reference)
+            memory = dataclasses.replace(memory, reference_host=reference)
+        elif reference:
+            resident = reference
+            memory = dataclasses.replace(memory, reference_weights=reference)
+        total = state.total + resident + training
         if rank in hosts:
             engine = engine_memory(
                 model,
@@ -399,7 +413,7 @@ def _plan_memory(plan, config, model, shards, dp, prompt_tokens, attention, expe
             else:  # SGLang's fraction holds the actor's state too; the engine's weights at least
                 engine_part = max(engine.budget - state.total, engine.weights)
             if rollout.release_memory_during_training:
-                total = state.total + max(training, engine_part)
+                total = state.total + resident + max(training, engine_part)
             else:
                 total += engine_part
             memory = dataclasses.replace(
@@ -445,9 +459,13 @@ def _too_big(worst: RankMemory, gpu_bytes: int) -> str:
     ]
     if worst.dispatcher:
         parts.append(f"dispatcher {gb(worst.dispatcher)}")
+    if worst.reference_weights:
+        parts.append(f"reference {gb(worst.reference_weights)}")
     counted = worst.weights + worst.gradients + worst.optimizer
     if worst.engine_budget:
-        parts.append(f"engine {gb(worst.total - counted - worst.activations - worst.dispatcher)}")
+        engine_bytes = worst.total - counted - worst.activations - worst.dispatcher
+        engine_bytes -= worst.reference_weights
+        parts.append(f"engine {gb(engine_bytes)}")
     experts = ""
     if worst.expert_weights:
         experts = (

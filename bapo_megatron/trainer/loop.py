@@ -4,7 +4,8 @@ One rollout step, top to bottom in :func:`rollout_step`:
 
 1. rollout: each model replica's engine (on its first rank) generates its share of the step's
    prompts (with partial rollout, also continues the responses paused last step);
-2. reward: finished groups are scored and given GRPO advantages;
+2. reward: finished groups are scored and given GRPO advantages (with dynamic sampling, more
+   prompts are generated while too few groups carry signal, :mod:`~bapo_megatron.trainer.refill`);
 3. off-policy selection: the lag queue and the replay buffer decide which groups train now;
 4. old log-probs: the groups are shared with the replica's other ranks; old log-probs are
    recomputed when the ratio is taken against the actor (and, every
@@ -38,6 +39,7 @@ from bapo_megatron.trainer.phases import (
     score,
     select_off_policy,
 )
+from bapo_megatron.trainer.refill import refill
 from bapo_megatron.trainer.replicas import call_engine, engine_failures_stop_every_rank
 from bapo_megatron.trainer.run_summary import RunSummary
 from bapo_megatron.trainer.setup import Run, push_policy, start_run, watched
@@ -80,7 +82,7 @@ def rollout_step(run: Run, step: int) -> float:
         run.context, during=f"rollout step {step} (generation, rewards)"
     ):
         rollout = take_rollout(run, step) if run.stream else generate(run, step)  # 1. rollout
-        fresh = score(run, rollout)  # 2. reward
+        fresh = refill(run, score(run, rollout), step)  # 2. reward (and refill rounds)
         experience = select_off_policy(run, fresh, step)  # 3. off-policy selection
     minibatches, metrics = old_logprobs(run, experience, step)  # 4. old log-probs
     last_update, trained_tokens = train_minibatches(run, minibatches, step)  # 5. train
@@ -119,6 +121,7 @@ def train_minibatches(
                     run.cfg.loss,
                     run.plan,
                     ratios_are_one=run.state.version == recomputed_at,
+                    kl=run.cfg.algorithm.kl,
                 )
                 trained_tokens += update["response_tokens"]
                 last_update = update

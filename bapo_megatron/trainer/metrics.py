@@ -52,6 +52,10 @@ class RolloutCounts:
     engine_loads: float = 0.0
     trainer_wait_s: float = 0.0
     queued_items: float = 0.0
+    # dynamic sampling with refill only
+    refill_rounds: float = 0.0
+    short_groups: float = 0.0
+    surplus_groups: float = 0.0
     reward_metrics: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     """The metrics the reward's checks returned beside their scores (a dict result's other
     numbers): name -> (sum, checks that returned it)."""
@@ -78,10 +82,12 @@ def rollout_metrics(
     *,
     asynchronous: bool = False,
     overlong: bool = False,
+    refill: bool = False,
 ) -> dict[str, float]:
     """Reward, accuracy, lengths and rollout counts of the step, over every replica (with
     ``asynchronous``, also the engines' and the trainer's waits, in-flight updates and drops;
-    with ``overlong``, what the overlong penalty and filter did), and the reward's own metrics:
+    with ``overlong``, what the overlong penalty and filter did; with ``refill``, dynamic
+    sampling's rounds and shortfall), and the reward's own metrics:
     ``reward/<name>``, the mean over the checks that returned it."""
     names = _SUMMED
     totals = dict(
@@ -113,6 +119,14 @@ def rollout_metrics(
     metrics.update(_reward_metrics(counts, context))
     if asynchronous:
         metrics.update(_asynchronous_metrics(totals, context.dp_size))
+    if refill:
+        metrics.update(
+            {
+                "dynamic_sampling/refill_rounds": totals["refill_rounds"] / context.dp_size,
+                "dynamic_sampling/short_groups": totals["short_groups"],
+                "dynamic_sampling/surplus_groups": totals["surplus_groups"],
+            }
+        )
     return metrics
 
 

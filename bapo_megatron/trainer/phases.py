@@ -24,6 +24,7 @@ from bapo_megatron.disaggregated.stream_server import ItemStats
 from bapo_megatron.distributed.collectives import sum_over
 from bapo_megatron.trainer.admission import mixed_version_samples, stale_groups
 from bapo_megatron.trainer.metrics import LogprobGap, RolloutCounts, rollout_metrics
+from bapo_megatron.trainer.reference_kl import with_reference
 from bapo_megatron.trainer.replicas import share_from_engine_rank
 from bapo_megatron.trainer.router_metrics import RouterAgreement
 from bapo_megatron.trainer.setup import Run, watched
@@ -133,7 +134,7 @@ def score(run: Run, rollout: Rollout | None) -> Experience | None:
     if rollout is None:
         return None
     with run.timer.phase("reward"):
-        experience = _score(run, rollout.finished)
+        experience = score_groups(run, rollout.finished)
     counts = experience.counts
     counts.generated_tokens = rollout.generated_tokens
     if rollout.engine is not None:
@@ -147,7 +148,8 @@ def score(run: Run, rollout: Rollout | None) -> Experience | None:
     return experience
 
 
-def _score(run: Run, finished: list[PausedGroup]) -> Experience:
+def score_groups(run: Run, finished: list[PausedGroup]) -> Experience:
+    """Rewards, advantages and counts of ``finished`` (phase 2's work, also refill rounds')."""
     algo, task = run.cfg.algorithm, run.task
     counts = RolloutCounts()
     if not finished:
@@ -253,8 +255,8 @@ def old_logprobs(
 ) -> tuple[list[Minibatch], dict[str, float]]:
     """4. The engine rank's groups on every rank of its replica, as the step's mini-batches,
     with the actor's old log-probs when the ratio is taken against the actor (or, every
-    ``logging.logprob_diff_interval`` steps, to measure the engine/actor gap); and the step's
-    rollout metrics."""
+    ``logging.logprob_diff_interval`` steps, to measure the engine/actor gap) and the reference
+    policy's log-probs under ``algorithm.kl``; and the step's rollout metrics."""
     cfg, context = run.cfg, run.context
     algo = cfg.algorithm
     chosen, counts = share_from_engine_rank(
@@ -265,6 +267,7 @@ def old_logprobs(
         context,
         asynchronous=bool(algo.max_staleness),
         overlong=cfg.loss.overlong.enabled,
+        refill=algo.max_refill_rounds is not None,
     )
     # a mini-batch without a group on any replica (filtered groups, partial rollouts that
     # did not finish) is skipped; one empty on some replicas only still trains on the others
@@ -272,11 +275,8 @@ def old_logprobs(
     groups_per_part = sum_over(
         [float(len(part)) for part in parts], context.dp_group, context.device
     )
-    minibatches = [
-        to_policy_batch(part, run.task.pad_token_id)
-        for part, everywhere in zip(parts, groups_per_part)
-        if everywhere
-    ]
+    parts = [part for part, everywhere in zip(parts, groups_per_part) if everywhere]
+    minibatches = [to_policy_batch(part, run.task.pad_token_id) for part in parts]
     measure_gap = (
         cfg.logging.logprob_diff_interval and step % cfg.logging.logprob_diff_interval == 0
     )
@@ -300,6 +300,9 @@ def old_logprobs(
                 for batch, versions in minibatches
             ]
         metrics.update(gap.metrics(context))
+    if minibatches and run.reference is not None:  # on the final old log-probs
+        minibatches, kl_metrics = with_reference(run, minibatches, parts)
+        metrics.update(kl_metrics)
     return minibatches, metrics
 
 

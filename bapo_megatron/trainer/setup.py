@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from bapo_megatron.actor.actor import Actor, build_actor
 from bapo_megatron.actor.optimizer import require_offload_support
+from bapo_megatron.actor.reference import ReferencePolicy
 from bapo_megatron.algo.search_plan import SearchPlan
 from bapo_megatron.config import Config
 from bapo_megatron.config.checks import check_model, records_routes
@@ -37,6 +38,7 @@ from bapo_megatron.rollout.protocol import RolloutEngine, SamplingParams
 from bapo_megatron.rollout.registry import build_engine
 from bapo_megatron.trainer.checkpoint import complete_checkpoints, load_checkpoint
 from bapo_megatron.trainer.checkpoint_integrity import newest_verified_checkpoint
+from bapo_megatron.trainer.reference import check_reference_source, start_reference
 from bapo_megatron.trainer.replicas import holds_engine
 from bapo_megatron.trainer.run_summary import RunSummary
 from bapo_megatron.trainer.sinks.background import start_trackers
@@ -84,6 +86,8 @@ class Run:
     """Asynchronous training's admission count and last pushed version (None: synchronous)."""
     summary: RunSummary | None = None
     """What the run's last console lines sum up (rewards, bounds, time, memory); None: none."""
+    reference: ReferencePolicy | None = None
+    """The frozen reference policy of ``algorithm.kl`` (None: none)."""
 
     @property
     def checkpoints(self) -> Path:
@@ -177,6 +181,7 @@ def _build_run(
     if context.world_size > 1:  # one process has no peer to wait for: no thread
         watchdog.start()
     watchdog.enter("setup")
+    check_reference_source(cfg)
     task = load_task(cfg)
     check_model(cfg, task.model)  # a model read from train.model_path is known only now
     validate_layout(task.model, cfg.parallel, context.world_size)
@@ -294,6 +299,7 @@ def _build_run(
         )
         if resume_from is None:
             _initial_weights(cfg, task, actor, logger)
+        reference = start_reference(cfg, task, actor, output, resumed=resume_from is not None)
         sampling = SamplingParams(
             n=rollout.samples_per_prompt,
             temperature=cfg.actor.temperature,
@@ -320,6 +326,7 @@ def _build_run(
             watchdog=watchdog,
             weights=_open_weight_sync(cfg, actor, engine, engines),
             engines=engines,
+            reference=reference,
         )
         push_policy(run, state.version)
         if algo.max_staleness:

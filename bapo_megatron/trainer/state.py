@@ -47,6 +47,9 @@ class TrainerState:
     """Groups paused by partial rollout, continued at the next rollout step."""
     lag_queue: list[list[Group]] = field(default_factory=list)
     """Scored groups of the last ``algorithm.rollout_lag`` steps, waiting to be trained on."""
+    refill_rounds: int = 0
+    """Refill rounds this replica has taken (``algorithm.max_refill_rounds``): the position of
+    its refill prompt stream."""
     tracker_runs: dict[str, str] = field(default_factory=dict)
     """The experiment trackers' run ids by tracker (``wandb``, ``mlflow``), on rank 0: a
     resumed run reopens these runs instead of starting new ones."""
@@ -64,6 +67,7 @@ class TrainerState:
             "lag_queue": [[group.to_plain() for group in groups] for groups in self.lag_queue],
             "replay": self.replay.state_dict(),
             "tracker_runs": dict(self.tracker_runs),
+            "refill_rounds": self.refill_rounds,
         }
 
     def load_checkpoint(self, saved: dict[str, Any], source: str) -> None:
@@ -103,6 +107,17 @@ class TrainerState:
                 f"{source}: trainer_state.tracker_runs is {tracker_runs!r}, not a mapping of "
                 "tracker names to run ids"
             )
+        # absent from checkpoints written before dynamic sampling's refill: none taken
+        refill_rounds = saved.get("refill_rounds", 0)
+        if (
+            isinstance(refill_rounds, bool)
+            or not isinstance(refill_rounds, int)
+            or refill_rounds < 0
+        ):
+            raise ValueError(
+                f"{source}: trainer_state.refill_rounds is {refill_rounds!r}, not an integer >= 0"
+            )
+        self.refill_rounds = refill_rounds
         self.step, self.version, self.position = (saved[key] for key in _COUNTERS)
         self.tracker_runs = dict(tracker_runs)
         self.carry, self.lag_queue = carry, lag_queue

@@ -80,6 +80,22 @@ def test_no_trained_token_is_older_than_eta(tmp_path, warm_start, eta, transport
         assert sum(r["async/engine_weight_loads"] for r in rollouts) >= 1
 
 
+def test_refill_rounds_keep_the_staleness_bound_and_account_for_every_group(tmp_path, warm_start):
+    # refill rounds are items of their own, generated after the items admitted ahead
+    steps, eta = 4, 1
+    refill = ["algorithm.filter_equal_groups=true", "algorithm.max_refill_rounds=2"]
+    records = run(tmp_path, warm_start, f"train.steps={steps}", *asynchronous(eta, *refill))
+    for update in (r for r in records if "staleness/max" in r):
+        assert 0 <= update["staleness/max"] <= eta, update
+    rollouts = rollout_records(records)
+    assert [r["rollout_step"] for r in rollouts] == list(range(1, steps + 1))
+    assert any(r["dynamic_sampling/refill_rounds"] for r in rollouts)
+    for r in rollouts:  # every round's prompts: trained, filtered, surplus or dropped as stale
+        rounds = r["dynamic_sampling/refill_rounds"]
+        assert r["rollout/finished_groups"] == PROMPTS * (1 + rounds)
+        assert r["async/dropped_groups"] == 0  # admission kept within eta
+
+
 def test_weights_reach_the_engines_every_sync_interval_versions(tmp_path):
     # eta 2, a push once 3 versions are new (the most eta allows): the engines hold version 0
     # for rollout steps 1-3 and version 3 from then on. No warm-start checkpoint: rewards do not

@@ -31,6 +31,15 @@ comparable = loop_runs.comparable
             ["rollout.partial_tokens_per_round=6", "algorithm.optimizer_steps_per_rollout=1"],
             0.3,
         ),
+        (  # refill rounds (their prompt stream's position) and the KL reference read anew
+            "refill-kl",
+            [
+                "algorithm.filter_equal_groups=true",
+                "algorithm.max_refill_rounds=2",
+                'algorithm.kl={"coef": 0.5, "placement": "reward"}',
+            ],
+            0.3,
+        ),
     ],
 )
 def test_resume_after_sigkill_equals_the_uninterrupted_run(
@@ -58,6 +67,12 @@ def test_resume_after_sigkill_equals_the_uninterrupted_run(
     resumed = run_in_process(killed, *common)
 
     assert comparable(resumed) == comparable(uninterrupted)
+    if mode == "refill-kl":
+        keys = ("dynamic_sampling/refill_rounds", "kl/reward_penalty", "rollout/finished_groups")
+        assert [{k: r[k] for k in keys} for r in rollout_records(resumed)] == [
+            {k: r[k] for k in keys} for r in rollout_records(uninterrupted)
+        ]
+        assert any(r["dynamic_sampling/refill_rounds"] for r in rollout_records(uninterrupted))
     assert [r["rollout_step"] for r in rollout_records(read_metrics(killed))] == [1, 2, 3, 4, 5]
     folders = sorted(p.name for p in (killed / "checkpoints").iterdir())
     assert folders == ["step_00000004", "step_00000005"]  # keep_last=2, no staging left behind

@@ -389,3 +389,18 @@ def test_shard_to_shard_sync_sends_each_engine_rank_its_shard_only(engine_tp, bo
     assert sum(sent.values()) == sum(received.values())
     assert len(sent) == 32 and max(sent.values()) <= 1.01 * min(sent.values())  # spread evenly
     assert sync["broadcast"]["sent_bytes"]["0"] > 0.4 * whole  # one rank per stage sends it all
+
+
+def test_a_kl_reference_holds_a_weights_shard_on_the_gpu_or_on_the_host():
+    recipe = ("qwen2.5-7b/train.yaml", 16, "DeepSeek-R1-Distill-Qwen-7B")
+    plain = run_planner(*recipe)[1]["worst_rank_memory_gb"]
+    code, summary, err = run_planner(*recipe, 'algorithm.kl={"coef": 0.01}')
+    assert code == 0, err
+    held = summary["worst_rank_memory_gb"]
+    # the reference is the actor's model on the actor's layout: the same weights shard
+    assert held["reference_weights"] == held["weights"] > 0
+    assert held["total"] == pytest.approx(plain["total"] + held["weights"], abs=0.02)
+    code, summary, err = run_planner(*recipe, 'algorithm.kl={"coef": 0.01, "offload": true}')
+    offloaded = summary["worst_rank_memory_gb"]
+    assert offloaded["reference_weights"] == 0 and offloaded["reference_host"] == held["weights"]
+    assert plain["total"] <= offloaded["total"] < held["total"]

@@ -75,6 +75,16 @@ def test_bad_values_are_refused_naming_the_field(overrides, message):
             "loss.mismatch_band_low/_high set a masking band, but "
             "algorithm.off_policy_correction=unset masks nothing",
         ),
+        (
+            [
+                "loss.overlong.buffer_length=4",
+                "loss.overlong.penalty_factor=1",
+                "loss.overlong.filter=true",
+                "algorithm.kl.coef=0.1",
+                "algorithm.kl.placement=reward",
+            ],
+            "loss.overlong.filter=true with algorithm.kl.placement='reward'",
+        ),
     ],
 )
 def test_training_rules_name_the_fields(overrides, message):
