@@ -49,7 +49,7 @@ EVIDENCE_ONLY = {
     "a commit hash": r"\b(commits?|at) (?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b",
     "a dated measurement": r"\bmeasured (on |at )?\d{4}-\d{2}-\d{2}\b|\bon \d{4}-\d{2}-\d{2}\b",
 }
-PRODUCT_TEXT = ("bapo_megatron/", "tools/", "examples/", "docs/", "docker/", ".ci/", "patches/")
+PRODUCT_TEXT = ("bapo_megatron/", "tools/", "examples/", "docs/", "docker/", ".ci/")
 CONFIG_FILES = ("README.md", "pyproject.toml", "constraints-gpu.txt")
 EVIDENCE = ("docs/validation.md", "docs/benchmarks.md", "docs/staleness-sweep/")
 RAW_REPORTS = "docs/validation/"  # the GPU check's reports and logs, kept as they were written
