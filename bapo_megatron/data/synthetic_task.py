@@ -1,5 +1,5 @@
 """Synthetic verifiable tasks whose failures are long: walk from one number to another (`walk`),
-or walk upwards from a policy that often runs on (`runon`, the main job's; its section below).
+or walk upwards from a policy that often runs on (`runon`, the tiny CPU run's; its section below).
 
 Prompt ``"7>12"``; the one right response counts there one step at a time, ``"8 9 10 11 12"``,
 then ends. A policy that walks past the target without stopping keeps counting until the length
@@ -94,8 +94,8 @@ def longest_response_tokens() -> int:
 
 
 # ------------------------------------------------------------------ the `runon` variant
-# `walk` upwards, from a policy that often does not stop (the main job's task). What differs from
-# `walk` is the warm-up's reference: for a share RUN_ON_SHARE of the warm-up's examples (drawn
+# `walk` upwards, from a policy that often does not stop (the tiny CPU run's task). What differs
+# from `walk` is the warm-up's reference: for a share RUN_ON_SHARE of the warm-up's examples (drawn
 # afresh each time, so no prompt is tied to either), it walks past the target without the end
 # token to the length cap, as a pretrained model that has not learned to stop does. The
 # warmed-up policy then fails mostly by running on to the cap, as failed reasoning attempts run
@@ -113,7 +113,7 @@ def runon_rows(count: int, seed: int) -> list[PromptRow]:
     """``count`` `runon` problems ``"<start>><target>"``: start in [0, MAX_NUMBER], target 1 to
     RUN_ON_DISTANCE above it; the answer is the right (upward) walk.
 
-    On the main job (``examples/tiny_cpu/train.yaml``) the warmed-up policy's wrong responses
+    On the tiny CPU run (``examples/tiny_cpu/train.yaml``) the warmed-up policy's wrong responses
     are about 2.5x as long as its right ones, and rho before the bound search sits below rho0
     in most optimizer steps: the situation BAPO is for (``tools/task_figures.py`` prints these
     figures for a run; docs/benchmarks.md has a run's).

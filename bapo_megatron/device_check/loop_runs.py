@@ -1,4 +1,4 @@
-"""The RL loop end to end on one device, as the device check runs it: the main job's
+"""The RL loop end to end on one device, as the device check runs it: the tiny CPU run's
 configuration (``examples/tiny_cpu/train.yaml``) through ``python -m bapo_megatron.train`` on the
 device, with the embedded engine on the same device, checkpoints, TensorBoard, and a run killed
 with SIGKILL and resumed, whose metrics must equal the uninterrupted run's; and the loop with
@@ -62,7 +62,7 @@ def comparable(records: list[dict]) -> list:
 
 
 def train_command(output: Path, overrides: list[str]) -> list[str]:
-    """The training command; a ``--config=FILE`` entry in ``overrides`` replaces the main job's
+    """The training command; a ``--config=FILE`` entry in ``overrides`` replaces the tiny CPU run's
     configuration."""
     config = next((o.split("=", 1)[1] for o in overrides if o.startswith("--config=")), CONFIG)
     rest = [o for o in overrides if not o.startswith("--config=")]
@@ -133,7 +133,7 @@ def kill_when_checkpointed(
 
 
 def loop_check(work: Path, device: str, overrides: list[str], env: dict, timeout: float) -> dict:
-    """One run of the main job on ``device``: reward trajectory, log-prob gap, throughput."""
+    """One run of the tiny CPU run on ``device``: reward trajectory, log-prob gap, throughput."""
     output = work / "run"
     base = [f"parallel.device={device}", "logging.logprob_diff_interval=1", *overrides]
     wall = run_training(output, base, env, timeout)

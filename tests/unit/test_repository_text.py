@@ -101,7 +101,7 @@ def test_the_patterns_catch_what_they_are_for():
         "the 2-core machine",
         "on these machines",
         "Measured on 2026-11-26 on a shared 2-core CPU",
-        "the main job until commit 0581fa8",
+        "the tiny CPU run until commit 0581fa8",
         "see issue 16",
         "NOT RUN. No GPU was available where this recipe was written.",
         "no GPU was lent to this session",

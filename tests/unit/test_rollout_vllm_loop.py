@@ -52,7 +52,7 @@ engine."""
 LOGPROB_ATOL = 1e-4
 """Largest engine/actor log-prob gap allowed at any step (float32 on both sides)."""
 PAPER_START = (0.6, 1.2)
-"""The bounds the main job's search starts from (its loss preset, `paper`)."""
+"""The bounds the tiny CPU run's search starts from (its loss preset, `paper`)."""
 RUN_TIMEOUT_S = 1800
 """Bounds a hang only; a run takes one to a few minutes."""
 VLLM_TP2 = [
@@ -139,7 +139,7 @@ QUIET_RUN = [
     "rollout.samples_per_prompt=2",
     "checkpoint.interval=0",
 ]
-"""One rollout step of the main job's model with 2 heads of 32, tied, on vLLM at TP 1 in the
+"""One rollout step of the tiny CPU run's model with 2 heads of 32, tied, on vLLM at TP 1 in the
 trainer's process (its worker adopts the trainer's world of one rank)."""
 
 
