@@ -24,9 +24,9 @@ LAGS = (8, 16)
 class SweepSettings:
     """Everything a sweep runs with (fixed before the first run; written into the report)."""
 
-    task: str = "runon"
-    """Synthetic task (:data:`bapo_megatron.data.synthetic_task.SYNTHETIC_TASKS`): `runon`, the
-    tiny CPU run's, whose failures run long (BAPO's premise)."""
+    task: str = "count_up_and_stop"
+    """Synthetic task (:data:`bapo_megatron.data.synthetic_task.SYNTHETIC_TASKS`):
+    `count_up_and_stop`, the tiny CPU run's, whose failures run long (BAPO's premise)."""
     task_size: int = 4000
     """Prompts generated for the task (seed 0)."""
     warmup_steps: int = 300

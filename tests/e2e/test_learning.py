@@ -1,17 +1,17 @@
 """Does RL learn? A short run of the tiny CPU run's own configuration (examples/tiny_cpu/train.yaml:
-same seeds, warm-up, task and hyperparameters, only fewer rollout steps) must raise the mean
-reward by a stated margin, and BAPO's bounds must move where the positive share rho is below its
-target while a fixed clip's stay put.
+same seeds, warm-up, task and hyperparameters, only fewer rollout steps) must raise the mean reward
+by a stated margin, and BAPO's bounds must move where the positive share rho is below its target
+while a fixed clip's stay put.
 
-Why these numbers: after its warm-up the policy answers about 63% of the `runon` prompts right
-(it often does not stop); 8 rollout steps of 32 x 8 samples (32 optimizer steps) raise that to
+Why these numbers: after its warm-up the policy answers about 63% of the `count_up_and_stop` prompts
+right (it often does not stop); 8 rollout steps of 32 x 8 samples (32 optimizer steps) raise that to
 0.82 over the last 3 (0.629 -> 0.824, measured on 2 cores, one thread), 10 steps further. (With
 torch's unfused Adam the warm-up ended at 0.465 and 8 steps reached 0.801: the warm-up's 300 steps
-at lr 3e-3 carry the two kernels' rounding to different policies.) The margin of 0.2 is well
-above the sampling noise of one step's mean (256 samples: a standard deviation near 0.03), and
-the run is deterministic in one thread, so the test is not flaky. Checked by hand when written:
-with the advantages' sign flipped (in ``grpo_advantages``) the reward falls to 0.100, with
-``optimizer.lr=0`` it drifts to 0.535, and the test fails in both.
+at lr 3e-3 carry the two kernels' rounding to different policies.) The margin of 0.2 is well above
+the sampling noise of one step's mean (256 samples: a standard deviation near 0.03), and the run is
+deterministic in one thread, so the test is not flaky. Checked by hand when written: with the
+advantages' sign flipped (in ``grpo_advantages``) the reward falls to 0.100, with ``optimizer.lr=0``
+it drifts to 0.535, and the test fails in both.
 """
 
 from __future__ import annotations
