@@ -9,7 +9,7 @@ the `paper` preset at granularity `step` on stale data (search statistics from a
 pass, one reduce, then the bounds), the same when the ratios are known to be 1 (the first
 mini-batch after recomputed old log-probs: no extra pass), the `reference` preset on stale data,
 and fixed `grpo` clips (no search, no extra pass). With one micro-batch per step (``--sequences``
-<= ``--micro-batch-size``, as in the main job) the stale cases skip the extra pass too: the loss
+<= ``--micro-batch-size``, as in the tiny CPU run) the stale cases skip the extra pass too: the loss
 searches on the step's statistics.
 
 Per layout it reports the median step time, tokens/s (all tokens of the step, prompt and

@@ -18,7 +18,6 @@ vocabulary (``parallel_output``), which the log-prob code consumes without gathe
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 
 import torch
@@ -29,9 +28,6 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
-from megatron.core.transformer.moe.moe_layer import BaseMoELayer
-from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.moe.router_replay import RouterReplay
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -42,6 +38,7 @@ from bapo_megatron.config import ModelConfig, ParallelConfig
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.distributed.device import uses_cuda
 from bapo_megatron.distributed.layout import validate_layout
+from bapo_megatron.megatron_patches.model_lifetime import release_with_the_model
 from bapo_megatron.models.rope_frequencies import install_rope_frequencies
 
 DEFAULT_SEED = 1234
@@ -171,55 +168,8 @@ def build_model(
     for chunk in chunks:
         install_rope_frequencies(chunk, model)
         _parameters_to(chunk, config.params_dtype)
-        _unregister_router_replays(chunk)
-        _rotary_cache_of_its_own(chunk)
-        for module in chunk.modules():
-            if isinstance(module, BaseMoELayer):
-                module.register_forward_hook(_drop_dispatcher_graph)
+        release_with_the_model(chunk)
     return chunks
-
-
-def _unregister_router_replays(chunk: GPTModel) -> None:
-    """Take the chunk's routers' ``RouterReplay`` objects out of Megatron's class-level list of
-    every one ever made. Each router keeps its own, which is the one routing replay drives;
-    left in the list, they would keep whatever they reach (the routing replay, the model, its
-    process groups) alive for the rest of the process."""
-    mine = {
-        id(module.router_replay)
-        for module in chunk.modules()
-        if isinstance(module, TopKRouter) and module.router_replay is not None
-    }
-    if mine:
-        registry = RouterReplay.global_router_replay_instances
-        registry[:] = [replay for replay in registry if id(replay) not in mine]
-
-
-def _rotary_cache_of_its_own(chunk: GPTModel) -> None:
-    """Megatron caches ``RotaryEmbedding.forward`` in one ``lru_cache`` on the class, keyed by
-    the module: the last 32 rotary embeddings, and the context-parallel group each holds,
-    outlive their models. Give the chunk's rotary embedding the same cache as an attribute of
-    its own, which goes when the model goes."""
-    rotary = getattr(chunk, "rotary_pos_emb", None)
-    cached = getattr(type(rotary), "forward", None)
-    if rotary is not None and hasattr(cached, "cache_clear"):
-        uncached = cached.__wrapped__.__get__(rotary)
-        rotary.forward = functools.lru_cache(maxsize=cached.cache_info().maxsize)(uncached)
-
-
-def _drop_dispatcher_graph(layer: BaseMoELayer, args, output) -> None:
-    """Forward hook of an MoE layer: drop what its token dispatcher keeps of the forward with an
-    autograd graph (the router probabilities, used by the combine step that has run by now).
-    Kept, that graph leads to the parameters' gradient hooks, which hold the DDP wrapper and so
-    the model: a loop through autograd's own objects that the garbage collector does not see,
-    which would keep the model and its process groups alive after the model is dropped. A call
-    that runs only the first phases of the layer (Megatron's partial CUDA graphs) keeps them for
-    the next call."""
-    if layer.token_dispatcher is None or "postprocess" not in layer.fwd_execution_map:
-        return
-    kept = vars(layer.token_dispatcher)
-    for name, value in list(kept.items()):
-        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
-            kept[name] = None
 
 
 def _parameters_to(chunk: GPTModel, dtype: torch.dtype) -> None:

@@ -106,7 +106,7 @@ class ActorConfig:
     and attention never crosses a boundary. Same results as padded rows (to float rounding),
     without computing the padding. Off by default for the CPU configs this project ships: there
     attention runs one fused call per packed sequence, which costs a tiny model more than
-    padding short sequences does (the main job: 67 s packed, 57 s padded); every GPU recipe
+    padding short sequences does (the tiny CPU run: 67 s packed, 57 s padded); every GPU recipe
     turns it on with a token budget."""
     max_tokens_per_microbatch: int | None = None
     """With ``pack_sequences``: fill micro-batches by tokens instead of by count, up to this many

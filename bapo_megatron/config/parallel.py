@@ -23,9 +23,9 @@ class ParallelConfig:
     device: DeviceChoice = "auto"
     """Where the actor (and a colocated embedded engine) computes: `cuda` (NCCL, one GPU per
     rank, the GPU of ``LOCAL_RANK``), `cpu` (gloo and the CPU runtime patches of
-    ``patches/README.md``), or `auto`: CUDA when torch sees a GPU, else the CPU, unless the
-    environment variable ``BAPO_DEVICE`` names one (test suites set it to run on the CPU of a GPU
-    machine)."""
+    ``bapo_megatron/megatron_patches/README.md``), or `auto`: CUDA when torch sees a GPU, else
+    the CPU, unless the environment variable ``BAPO_DEVICE`` names one (test suites set it to run
+    on the CPU of a GPU machine)."""
     deterministic: bool = False
     """Use only deterministic kernels (``torch.use_deterministic_algorithms``, and the fixed
     cuBLAS workspace it needs): on a GPU, two runs with the same seeds, and a run resumed from a

@@ -95,7 +95,7 @@ class RolloutConfig:
     """Size bound of a bucket of the live weight export to the engine."""
     placement: Placement = "colocated"
     """`colocated`: each model replica's engine runs on its first rank, between training phases
-    (the synchronous main job); `disaggregated`: the last ``engine_ranks`` ranks of the torchrun
+    (the synchronous loop); `disaggregated`: the last ``engine_ranks`` ranks of the torchrun
     world run one in-process engine replica each and nothing else, the first ranks train, and
     requests and weights travel over process groups between the two (docs/async-design.md); with
     server engines (`vllm-server`, `sglang-server`) the servers are the engines and have no

@@ -16,7 +16,7 @@ from bapo_megatron.config.ranges import require_at_least
 from bapo_megatron.config.rollout import RolloutConfig
 from bapo_megatron.config.trackers import MlflowConfig, WandbConfig
 
-SyntheticTask = Literal["walk", "runon"]
+SyntheticTask = Literal["count_to", "count_up_and_stop"]
 
 
 @dataclass(kw_only=True)
@@ -36,11 +36,11 @@ class DataConfig:
     """Field of each row holding its ground-truth answer (a string or a number), a dotted path
     into nested objects: ``reward_model.ground_truth`` for verl's preprocessed data sets."""
     synthetic_task: SyntheticTask | None = None
-    """Generate the prompts instead (:mod:`bapo_megatron.data.synthetic_task`): `walk` ("7>12" ->
-    "8 9 10 11 12") or `runon` (`walk` upwards, warmed up on references that often run on past
-    the target to the cap, so failures run long). Both bring their own character tokenizer; the
-    model must then be given in the ``model`` section with ``vocab_size`` at least the
-    tokenizer's."""
+    """Generate the prompts instead (:mod:`bapo_megatron.data.synthetic_task`): `count_to`
+    ("7>12" -> "8 9 10 11 12") or `count_up_and_stop` (`count_to` upwards, warmed up on
+    references that often run on past the target to the cap, so failures run long). Both bring
+    their own character tokenizer; the model must then be given in the ``model`` section with
+    ``vocab_size`` at least the tokenizer's."""
     synthetic_size: int = 2000
     """Prompts generated for the synthetic task."""
     skip_bad_rows: bool = False
@@ -59,7 +59,7 @@ class DataConfig:
             )
         if self.synthetic_task not in (None, *get_args(SyntheticTask)):
             raise ValueError(
-                f"{prefix}.synthetic_task must be 'walk', 'runon' or null, "
+                f"{prefix}.synthetic_task must be 'count_to', 'count_up_and_stop' or null, "
                 f"got {self.synthetic_task!r}"
             )
         require_at_least(self.synthetic_size, 1, f"{prefix}.synthetic_size")

@@ -1,5 +1,6 @@
-"""Synthetic verifiable tasks whose failures are long: walk from one number to another (`walk`),
-or walk upwards from a policy that often runs on (`runon`, the main job's; its section below).
+"""Synthetic verifiable tasks whose failures are long: count from one number to another
+(`count_to`), or count upwards and stop, from a policy that often runs on (`count_up_and_stop`,
+the tiny CPU run's; its section below).
 
 Prompt ``"7>12"``; the one right response counts there one step at a time, ``"8 9 10 11 12"``,
 then ends. A policy that walks past the target without stopping keeps counting until the length
@@ -50,18 +51,18 @@ def character_tokenizer(
     return tokenizer
 
 
-def walk_tokenizer() -> transformers.PreTrainedTokenizerFast:
+def counting_tokenizer() -> transformers.PreTrainedTokenizerFast:
     """The synthetic tasks' tokenizer: digits, space, ``>`` and ``:``, one token each."""
     return character_tokenizer(CHARACTERS, CHAT_TEMPLATE)
 
 
-def walk_response(start: int, target: int) -> str:
+def count_response(start: int, target: int) -> str:
     """The right response: every number after ``start`` up to ``target``, space separated."""
     step = 1 if target > start else -1
     return " ".join(str(n) for n in range(start + step, target + step, step))
 
 
-def walk_rows(count: int, seed: int) -> list[PromptRow]:
+def count_to_rows(count: int, seed: int) -> list[PromptRow]:
     """``count`` problems with start and target in [0, MAX_NUMBER], 1 to MAX_DISTANCE apart
     (both directions); the answer is the right response."""
     rng = random.Random(seed)
@@ -76,7 +77,9 @@ def walk_rows(count: int, seed: int) -> list[PromptRow]:
         target = rng.choice(choices)
         rows.append(
             PromptRow(
-                id=f"walk-{index}", prompt=f"{start}>{target}", answer=walk_response(start, target)
+                id=f"count_to-{index}",
+                prompt=f"{start}>{target}",
+                answer=count_response(start, target),
             )
         )
     return rows
@@ -85,7 +88,7 @@ def walk_rows(count: int, seed: int) -> list[PromptRow]:
 def longest_response_tokens() -> int:
     """Tokens of the longest right response, its end token included (for length caps)."""
     longest = max(
-        len(walk_response(s, t))
+        len(count_response(s, t))
         for s in range(MAX_NUMBER + 1)
         for t in range(max(0, s - MAX_DISTANCE), min(MAX_NUMBER, s + MAX_DISTANCE) + 1)
         if t != s
@@ -93,27 +96,28 @@ def longest_response_tokens() -> int:
     return longest + 1
 
 
-# ------------------------------------------------------------------ the `runon` variant
-# `walk` upwards, from a policy that often does not stop (the main job's task). What differs from
-# `walk` is the warm-up's reference: for a share RUN_ON_SHARE of the warm-up's examples (drawn
-# afresh each time, so no prompt is tied to either), it walks past the target without the end
-# token to the length cap, as a pretrained model that has not learned to stop does. The
-# warmed-up policy then fails mostly by running on to the cap, as failed reasoning attempts run
-# long, and RL must teach it to stop: the situation the BAPO paper describes, where the
+# ------------------------------------------------------------ the `count_up_and_stop` variant
+# `count_to` upwards, from a policy that often does not stop (the tiny CPU run's task). What
+# differs from `count_to` is the warm-up's reference: for a share RUN_ON_SHARE of the warm-up's
+# examples (drawn afresh each time, so no prompt is tied to either), it counts past the target
+# without the end token to the length cap, as a pretrained model that has not learned to stop
+# does. The warmed-up policy then fails mostly by running on to the cap, as failed reasoning
+# attempts run long, and RL must teach it to stop: the situation the BAPO paper describes, where the
 # negative-advantage tokens outweigh the positive ones in the loss.
 
 RUN_ON_SHARE = 0.35
-"""Share of the `runon` warm-up's references that run on past the target to the length cap."""
-RUN_ON_DISTANCE = 4
-"""Largest distance from start to target of a `runon` problem: right responses stay short, so
-that a run-on to the cap is several times as long as a success."""
+"""Share of the `count_up_and_stop` warm-up's references that run on past the target to the
+length cap."""
+COUNT_UP_DISTANCE = 4
+"""Largest distance from start to target of a `count_up_and_stop` problem: right responses stay
+short, so that a run-on to the cap is several times as long as a success."""
 
 
-def runon_rows(count: int, seed: int) -> list[PromptRow]:
-    """``count`` `runon` problems ``"<start>><target>"``: start in [0, MAX_NUMBER], target 1 to
-    RUN_ON_DISTANCE above it; the answer is the right (upward) walk.
+def count_up_and_stop_rows(count: int, seed: int) -> list[PromptRow]:
+    """``count`` `count_up_and_stop` problems ``"<start>><target>"``: start in [0, MAX_NUMBER],
+    target 1 to COUNT_UP_DISTANCE above it; the answer is the right (upward) count.
 
-    On the main job (``examples/tiny_cpu/train.yaml``) the warmed-up policy's wrong responses
+    On the tiny CPU run (``examples/tiny_cpu/train.yaml``) the warmed-up policy's wrong responses
     are about 2.5x as long as its right ones, and rho before the bound search sits below rho0
     in most optimizer steps: the situation BAPO is for (``tools/task_figures.py`` prints these
     figures for a run; docs/benchmarks.md has a run's).
@@ -122,19 +126,21 @@ def runon_rows(count: int, seed: int) -> list[PromptRow]:
     rows = []
     for index in range(count):
         start = rng.randint(0, MAX_NUMBER)
-        target = start + rng.randint(1, RUN_ON_DISTANCE)
+        target = start + rng.randint(1, COUNT_UP_DISTANCE)
         rows.append(
             PromptRow(
-                id=f"runon-{index}", prompt=f"{start}>{target}", answer=walk_response(start, target)
+                id=f"count_up_and_stop-{index}",
+                prompt=f"{start}>{target}",
+                answer=count_response(start, target),
             )
         )
     return rows
 
 
 def run_on_response(row: PromptRow, max_new_tokens: int) -> str:
-    """The run-on reference of a `runon` ``row``: the walk from its start upwards, past the
-    target, cut at ``max_new_tokens`` characters (one token each), where a capped generation
-    ends."""
+    """The run-on reference of a `count_up_and_stop` ``row``: the count from its start upwards,
+    past the target, cut at ``max_new_tokens`` characters (one token each), where a capped
+    generation ends."""
     start = int(row.prompt.split(">")[0])
     numbers, n = [], start
     while len(" ".join(numbers)) < max_new_tokens:
@@ -148,15 +154,15 @@ def warmup_reference(
 ) -> tuple[str, bool]:
     """(reference response, whether the end token follows it) for one warm-up example of
     ``row`` of the synthetic task ``task``: the row's answer and the end token, except for
-    `runon`, whose reference runs on to the cap with probability :data:`RUN_ON_SHARE`
+    `count_up_and_stop`, whose reference runs on to the cap with probability :data:`RUN_ON_SHARE`
     (``rng`` draws it)."""
-    if task == "runon" and rng.random() < RUN_ON_SHARE:
+    if task == "count_up_and_stop" and rng.random() < RUN_ON_SHARE:
         return run_on_response(row, max_new_tokens), False
     return row.answer, True
 
 
-# Rows of each synthetic task (all of them use :func:`walk_tokenizer` and the `exact_match` reward).
-SYNTHETIC_TASKS = {"walk": walk_rows, "runon": runon_rows}
+# Rows of each synthetic task (all use :func:`counting_tokenizer` and the `exact_match` reward).
+SYNTHETIC_TASKS = {"count_to": count_to_rows, "count_up_and_stop": count_up_and_stop_rows}
 
 
 def synthetic_rows(task: str, count: int, seed: int) -> list[PromptRow]:

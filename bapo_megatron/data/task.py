@@ -10,7 +10,7 @@ import transformers
 
 from bapo_megatron.config import Config, ModelConfig
 from bapo_megatron.data.prompts import PromptRow, load_prompts, prompt_token_ids
-from bapo_megatron.data.synthetic_task import synthetic_rows, walk_tokenizer
+from bapo_megatron.data.synthetic_task import counting_tokenizer, synthetic_rows
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def load_task(cfg: Config) -> Task:
     data = cfg.data
     max_new_tokens = cfg.rollout.max_new_tokens
     if data.synthetic_task is not None:
-        tokenizer = walk_tokenizer()
+        tokenizer = counting_tokenizer()
         if cfg.model.vocab_size < len(tokenizer):
             raise ValueError(
                 f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "

@@ -1,4 +1,4 @@
-"""The device check's loop checks: ``bapo-train`` on the device with the main job's config, the
+"""The device check's loop checks: ``bapo-train`` on the device with the tiny CPU run's config, the
 ~0.5B shapes, the tiny MoE example (routing replay R3), a SIGKILLed run resumed, and the loop
 and the adapter with vLLM colocated. Sizes and overrides live here; running the trainer and
 reading its output is :mod:`~bapo_megatron.device_check.loop_runs`."""

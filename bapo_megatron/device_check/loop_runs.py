@@ -1,4 +1,4 @@
-"""The RL loop end to end on one device, as the device check runs it: the main job's
+"""The RL loop end to end on one device, as the device check runs it: the tiny CPU run's
 configuration (``examples/tiny_cpu/train.yaml``) through ``python -m bapo_megatron.train`` on the
 device, with the embedded engine on the same device, checkpoints, TensorBoard, and a run killed
 with SIGKILL and resumed, whose metrics must equal the uninterrupted run's; and the loop with
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from bapo_megatron.config import ModelConfig
-from bapo_megatron.data.synthetic_task import synthetic_rows, walk_tokenizer
+from bapo_megatron.data.synthetic_task import counting_tokenizer, synthetic_rows
 from bapo_megatron.device_check.start_folder import write_start_folder
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ def comparable(records: list[dict]) -> list:
 
 
 def train_command(output: Path, overrides: list[str]) -> list[str]:
-    """The training command; a ``--config=FILE`` entry in ``overrides`` replaces the main job's
+    """The training command; a ``--config=FILE`` entry in ``overrides`` replaces the tiny CPU run's
     configuration."""
     config = next((o.split("=", 1)[1] for o in overrides if o.startswith("--config=")), CONFIG)
     rest = [o for o in overrides if not o.startswith("--config=")]
@@ -133,7 +133,7 @@ def kill_when_checkpointed(
 
 
 def loop_check(work: Path, device: str, overrides: list[str], env: dict, timeout: float) -> dict:
-    """One run of the main job on ``device``: reward trajectory, log-prob gap, throughput."""
+    """One run of the tiny CPU run on ``device``: reward trajectory, log-prob gap, throughput."""
     output = work / "run"
     base = [f"parallel.device={device}", "logging.logprob_diff_interval=1", *overrides]
     wall = run_training(output, base, env, timeout)
@@ -203,7 +203,7 @@ VLLM_LOOP_MODEL = ModelConfig(
 def vllm_loop_inputs(work: Path, *, gpu: bool) -> list[str]:
     """What the loop with an in-process vLLM starts from, written into ``work``: an HF folder
     (random weights, the synthetic tasks' tokenizer saved beside them: vLLM starts from a
-    folder, ``train.model_path``), a prompt file of `walk` problems, and the run's YAML (JSON is
+    folder, ``train.model_path``), a prompt file of `count_to` problems, and the run's YAML (JSON is
     YAML); returns the overrides that name it. On a GPU the engine sleeps while the actor
     trains (``rollout.release_memory_during_training``), bf16 with the distributed optimizer."""
     model = (
@@ -212,12 +212,12 @@ def vllm_loop_inputs(work: Path, *, gpu: bool) -> list[str]:
         else dataclasses.replace(VLLM_LOOP_MODEL, hidden_size=64, head_dim=None)
     )
     folder = write_start_folder(model, work / "start", seed=0)
-    walk_tokenizer().save_pretrained(folder)
+    counting_tokenizer().save_pretrained(folder)
     prompts = work / "prompts.jsonl"
     prompts.write_text(
         "".join(
             json.dumps({"id": row.id, "prompt": row.prompt, "answer": row.answer}) + "\n"
-            for row in synthetic_rows("walk", 200, seed=0)
+            for row in synthetic_rows("count_to", 200, seed=0)
         )
     )
     config = {

@@ -26,7 +26,7 @@ QWEN25_05B = dict(
     rope_theta=1000000.0,
     max_position_embeddings=2048,
 )
-# The main job's model (examples/tiny_cpu/train.yaml) with a vocabulary the random batches use.
+# The tiny CPU run's model (examples/tiny_cpu/train.yaml) with a vocabulary the random batches use.
 TINY = dict(
     model_type="llama",
     num_layers=2,

@@ -78,13 +78,13 @@ class RemoteEngine(RemoteShardReceiving):
         return samples
 
     def abort(self) -> None:
-        log.warning("abort() is a no-op for an engine on its own rank (phase A)")
+        log.warning("abort() is a no-op for an engine on its own rank in the synchronous loop")
 
     def pause(self) -> None:
-        log.warning("pause() is a no-op for an engine on its own rank (phase A)")
+        log.warning("pause() is a no-op for an engine on its own rank in the synchronous loop")
 
     def resume(self) -> None:
-        log.warning("resume() is a no-op for an engine on its own rank (phase A)")
+        log.warning("resume() is a no-op for an engine on its own rank in the synchronous loop")
 
     # -------------------------------------------------------------- weights and memory
 

@@ -1,2 +1,2 @@
 """Every runtime workaround for a third-party package, each with the version it targets;
-``patches/README.md`` indexes them."""
+this folder's ``README.md`` indexes them."""

@@ -3,7 +3,7 @@
 Megatron-Core assumes CUDA in a handful of places on the forward/backward path even when no
 kernel needs it: allocations on ``torch.cuda.current_device()``, a CUDA RNG tracker, literal
 ``device="cuda"`` buffers. Each patch below replaces exactly one such site, says why, and is
-listed in ``patches/README.md``. :func:`apply_cpu_patches` installs them; it checks the
+listed in this folder's ``README.md``. :func:`apply_cpu_patches` installs them; it checks the
 installed megatron-core version (the sites move between releases), refuses to run where CUDA
 is available (these patches would break a GPU run), and is idempotent.
 
@@ -271,7 +271,7 @@ def cuda_sites_on_cpu() -> contextlib.AbstractContextManager:
     return _CudaSitesOnCpu()
 
 
-# Name -> patch, in application order. Names are what patches/README.md lists.
+# Name -> patch, in application order. Names are what this folder's README.md lists.
 CPU_PATCHES: dict[str, Callable[[], None]] = {
     "current_device_is_cpu": _patch_current_device_is_cpu,
     "rng_tracker_on_cpu_generator": _patch_rng_tracker_on_cpu_generator,

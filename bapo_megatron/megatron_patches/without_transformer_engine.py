@@ -5,7 +5,7 @@ image without Transformer Engine (the local layer spec) hits the sites here as w
 :func:`apply_without_te_patches` is applied by every run, whatever ``parallel.device`` is. Each
 patch first checks that its site is still broken in the installed release and does nothing
 otherwise, so it needs no version pin: a newer megatron-core that fixed the site, or an image
-with Transformer Engine, is left as it is. ``patches/README.md`` lists them.
+with Transformer Engine, is left as it is. This folder's ``README.md`` lists them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The main job until the trainer lands: BAPO's clip-bound search on synthetic stale data.
+"""The loss demo: BAPO's clip-bound search on synthetic stale data, without the trainer.
 
 For each preset it prints the bounds the search chose and the positive contribution
 rho = P/(P+N) before and after the search, at several staleness levels. A YAML file and dotted

@@ -41,7 +41,7 @@ import yaml
 
 from bapo_megatron.actor.actor import build_actor
 from bapo_megatron.config.loading import load_config
-from bapo_megatron.data.synthetic_task import synthetic_rows, walk_tokenizer
+from bapo_megatron.data.synthetic_task import counting_tokenizer, synthetic_rows
 from bapo_megatron.data.task import Task
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.repro.sweep_report import write_report
@@ -100,7 +100,7 @@ def _tiny_config(settings: SweepSettings, overrides: list[str]):
             f"actor.micro_batch_size={settings.micro_batch_size}",
             f"actor.temperature={settings.temperature}",
             f"rollout.max_new_tokens={settings.max_new_tokens}",
-            # the warm-up's references are the task's (`runon`'s often run on to the cap)
+            # the warm-up's references are the task's (`count_up_and_stop`'s often run on)
             f"data.synthetic_task={settings.task}",
             "train.seed=0",
             *overrides,
@@ -123,7 +123,7 @@ def prepare_start(settings: SweepSettings, start: Path) -> Path:
             for row in rows
         )
     cfg = _tiny_config(settings, [])
-    tokenizer = walk_tokenizer()
+    tokenizer = counting_tokenizer()
     task = Task(rows=rows, tokenizer=tokenizer, model=cfg.model)
     files = start / "hf_files"
     files.mkdir(exist_ok=True)

@@ -40,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="training processes at a time, an async run counting 2 (default 2)",
     )
-    parser.add_argument("--task", default=None, help="synthetic task: runon (default), walk")
+    parser.add_argument(
+        "--task", default=None, help="synthetic task: count_up_and_stop (default), count_to"
+    )
     parser.add_argument("--methods", nargs="+", default=None, help="subset of the methods")
     parser.add_argument(
         "--staleness", nargs="+", default=None, help="subset of the staleness settings"

@@ -24,13 +24,13 @@ LAGS = (8, 16)
 class SweepSettings:
     """Everything a sweep runs with (fixed before the first run; written into the report)."""
 
-    task: str = "runon"
-    """Synthetic task (:data:`bapo_megatron.data.synthetic_task.SYNTHETIC_TASKS`): `runon`, the
-    main job's, whose failures run long (BAPO's premise)."""
+    task: str = "count_up_and_stop"
+    """Synthetic task (:data:`bapo_megatron.data.synthetic_task.SYNTHETIC_TASKS`):
+    `count_up_and_stop`, the tiny CPU run's, whose failures run long (BAPO's premise)."""
     task_size: int = 4000
     """Prompts generated for the task (seed 0)."""
     warmup_steps: int = 300
-    """Supervised warm-up steps of the shared start (the main job's)."""
+    """Supervised warm-up steps of the shared start (the tiny CPU run's)."""
     warmup_lr: float = 3e-3
     warmup_batch_size: int = 64
     methods: tuple[str, ...] = tuple(METHODS)
@@ -58,7 +58,7 @@ class SweepSettings:
     samples_per_prompt: int = 8
     max_new_tokens: int = 32
     lr: float = 1e-4
-    """Learning rate of the RL runs (the main job's)."""
+    """Learning rate of the RL runs (the tiny CPU run's)."""
     temperature: float = 1.0
     micro_batch_size: int = 64
     extra_overrides: tuple[str, ...] = ()

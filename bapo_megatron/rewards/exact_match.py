@@ -1,4 +1,4 @@
-"""Exact-match reward for tasks with one right response (the synthetic `walk` task)."""
+"""Exact-match reward for tasks with one right response (the synthetic `count_to` task)."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ class Rollout:
     """What the engine generated in one rollout step."""
 
     finished: list[PausedGroup]
-    """Groups all of whose samples have finished (started now or continued from the carry)."""
+    """Groups all of whose samples have finished (started now or continued from the paused ones)."""
     generated_tokens: int
     engine: ItemStats | None = None
     """Asynchronous training: the engine's account of the step's rollout item."""
@@ -70,7 +70,7 @@ def generate(run: Run, step: int) -> Rollout | None:
     rollout = None
     if run.engine is not None:
         with run.timer.phase("rollout"):
-            finished, state.carry, generated = _generate(
+            finished, state.paused_groups, generated = _generate(
                 run,
                 replica_rows(run, state.position),
                 seed=seed(cfg.train.seed, step, context.dp_rank),
@@ -103,14 +103,14 @@ def encoded_prompts(run: Run, rows: list[PromptRow]) -> list[list[int]]:
 
 
 def _generate(run: Run, rows, *, seed: int) -> tuple[list[PausedGroup], list[PausedGroup], int]:
-    """Start ``rows``, continue the carry (groups paused by the previous round), and return
+    """Start ``rows``, continue the groups paused by the previous round, and return
     (finished groups, still-paused groups, tokens generated). A group finishes when all its
     samples have."""
-    engine, sampling, carry = run.engine, run.sampling, run.state.carry
+    engine, sampling, unfinished = run.engine, run.sampling, run.state.paused_groups
     budget = run.cfg.rollout.partial_tokens_per_round
-    before = sum(len(s.token_ids) for _, samples in carry for s in samples)
-    if carry:
-        paused = [s for _, samples in carry for s in samples]
+    before = sum(len(s.token_ids) for _, samples in unfinished for s in samples)
+    if unfinished:
+        paused = [s for _, samples in unfinished for s in samples]
         engine.continue_generation(
             paused, dataclasses.replace(sampling, seed=seed + 1), round_tokens=budget
         )
@@ -118,7 +118,7 @@ def _generate(run: Run, rows, *, seed: int) -> tuple[list[PausedGroup], list[Pau
         encoded_prompts(run, rows), dataclasses.replace(sampling, seed=seed), round_tokens=budget
     )
     n = sampling.n
-    groups = list(carry) + [(row, samples[i * n : (i + 1) * n]) for i, row in enumerate(rows)]
+    groups = list(unfinished) + [(row, samples[i * n : (i + 1) * n]) for i, row in enumerate(rows)]
     finished = [g for g in groups if not any(s.resumable for s in g[1])]
     paused = [g for g in groups if any(s.resumable for s in g[1])]
     generated = sum(len(s.token_ids) for _, samples in groups for s in samples) - before

@@ -43,7 +43,7 @@ class TrainerState:
     """Policy version: optimizer steps done (the version the engines' weights carry)."""
     position: int = 0
     """Prompts of the endless data stream visited so far (over all replicas)."""
-    carry: list[PausedGroup] = field(default_factory=list)
+    paused_groups: list[PausedGroup] = field(default_factory=list)
     """Groups paused by partial rollout, continued at the next rollout step."""
     lag_queue: list[list[Group]] = field(default_factory=list)
     """Scored groups of the last ``algorithm.rollout_lag`` steps, waiting to be trained on."""
@@ -60,9 +60,9 @@ class TrainerState:
             "step": self.step,
             "version": self.version,
             "position": self.position,
-            "carry": [
+            "paused_groups": [
                 {"row": row_to_plain(row), "samples": [sample_to_plain(s) for s in samples]}
-                for row, samples in self.carry
+                for row, samples in self.paused_groups
             ],
             "lag_queue": [[group.to_plain() for group in groups] for groups in self.lag_queue],
             "replay": self.replay.state_dict(),
@@ -77,7 +77,10 @@ class TrainerState:
             raise ValueError(  # noqa: TRY004 - a bad file, reported like every other field
                 f"{source}: trainer_state is a {type(saved).__name__}, not a dict"
             )
-        missing = [key for key in (*_COUNTERS, "carry", "lag_queue", "replay") if key not in saved]
+        if "paused_groups" not in saved and "carry" in saved:  # the key's earlier name
+            saved = {**saved, "paused_groups": saved["carry"]}
+        required = (*_COUNTERS, "paused_groups", "lag_queue", "replay")
+        missing = [key for key in required if key not in saved]
         if missing:
             raise ValueError(f"{source}: trainer_state lacks {', '.join(missing)}")
         for key in _COUNTERS:
@@ -85,9 +88,9 @@ class TrainerState:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{source}: trainer_state.{key} is {value!r}, not an integer >= 0")
         try:
-            carry = [
+            paused_groups = [
                 (row_from_plain(paused["row"]), [sample_from_plain(s) for s in paused["samples"]])
-                for paused in saved["carry"]
+                for paused in saved["paused_groups"]
             ]
             lag_queue = [
                 [Group.from_plain(group) for group in groups] for groups in saved["lag_queue"]
@@ -120,7 +123,7 @@ class TrainerState:
         self.refill_rounds = refill_rounds
         self.step, self.version, self.position = (saved[key] for key in _COUNTERS)
         self.tracker_runs = dict(tracker_runs)
-        self.carry, self.lag_queue = carry, lag_queue
+        self.paused_groups, self.lag_queue = paused_groups, lag_queue
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Supervised warm-up before RL, for runs that start from random weights: the tiny CPU run
 cannot download a model, so it first teaches its model the synthetic task's format on the
 reference responses, to a success rate well between 0 and 1, where RL has signal. (The
-`runon` task's references often run on past the target without stopping, so that its failures
-run long: :func:`~bapo_megatron.data.synthetic_task.warmup_reference`.)
+`count_up_and_stop` task's references often run on past the target without stopping, so that
+its failures run long: :func:`~bapo_megatron.data.synthetic_task.warmup_reference`.)
 
 The warm-up trains a separate actor (its own Adam state and constant learning rate) through the
 same train step as RL: with the old log-probs recomputed just before each step, the ratio is 1,

@@ -18,7 +18,7 @@
 #   LOCAL_ADDR     this node's address as the others reach it   (default: its host name)
 # e.g. on the second of two nodes:
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 examples/launch/torchrun_multinode.sh \
-#     examples/qwen2.5-7b/train.yaml train.steps=10
+#     examples/deepseek-r1-distill-qwen-7b-tp4-dp4/train.yaml train.steps=10
 #
 # Disaggregated runs (rollout.placement=disaggregated): the trainer numbers the ranks node by
 # node in NODE_RANK order (BAPO_NODE_RANK, bapo_megatron/distributed/startup.py), and the last
@@ -26,10 +26,10 @@
 # generate. Engine nodes may start another number of ranks than trainer nodes:
 #   ENGINE_NODES          the last nodes of the job, which only generate  (default 0)
 #   ENGINE_RANKS_PER_NODE ranks started on each of them                   (default GPUS_PER_NODE)
-# e.g. examples/qwen2.5-32b/train_async.yaml: 4 trainer nodes x 8 ranks, then 2 nodes with one
-# engine rank each (an SGLang engine over the node's 8 GPUs), on every node i of 0..5:
+# e.g. examples/deepseek-r1-distill-qwen-32b/train_async.yaml: 4 trainer nodes x 8 ranks, then 2
+# nodes with one engine rank each (a vLLM engine over the node's 8 GPUs), on every node i of 0..5:
 #   NNODES=6 NODE_RANK=i ENGINE_NODES=2 ENGINE_RANKS_PER_NODE=1 MASTER_ADDR=10.0.0.1 \
-#     examples/launch/torchrun_multinode.sh examples/qwen2.5-32b/train_async.yaml
+#     examples/launch/torchrun_multinode.sh examples/deepseek-r1-distill-qwen-32b/train_async.yaml
 # BAPO_DRY_RUN=1 prints the command instead of running it.
 set -euo pipefail
 

@@ -103,8 +103,14 @@ def test_refused_in_a_process_that_already_uses_cuda(monkeypatch):
 
 
 def test_patch_table_lists_every_patch():
-    table = (REPO_ROOT / "patches" / "README.md").read_text()
+    folder = REPO_ROOT / "bapo_megatron" / "megatron_patches"
+    table = (folder / "README.md").read_text()
     for name in [*cpu_patches.CPU_PATCHES, *without_te.WITHOUT_TE_PATCHES]:
+        assert f"`{name}`" in table, name
+    for module in sorted(folder.glob("*.py")):
+        if module.name != "__init__.py":
+            assert f"`bapo_megatron/megatron_patches/{module.name}`" in table, module.name
+    for name in ("unregister_router_replays", "rotary_cache_of_its_own", "drop_dispatcher_graph"):
         assert f"`{name}`" in table, name
 
 

@@ -1,6 +1,6 @@
 """The example recipes and launch scripts, checked without running them.
 
-The GPU recipes (examples/qwen2.5-*, qwen3-*, deepseek-r1-distill-qwen-7b, llama3.2-3b, and the
+The GPU recipes (examples/deepseek-r1-distill-qwen-*, qwen3-*, llama3.2-3b, and the
 mixture-of-experts qwen3-30b-a3b and qwen3-235b-a22b) cannot run here: these tests and the layout
 planner's (tests/unit/test_layout_planner.py) are all the validation they get. Each is loaded
 with ``load_config`` (unknown keys fail), passes ``check_training``, and its parallel layout is
@@ -35,23 +35,31 @@ SCRIPTS = (LAUNCH / "torchrun_multinode.sh", LAUNCH / "slurm.sbatch")
 # What each GPU recipe promises: the published config.json of the model it names
 # (tests/data/published_configs), its engine, its model folder's size tag.
 GPU_RECIPES = {
-    "qwen2.5-7b/train.yaml": {
+    "deepseek-r1-distill-qwen-7b-tp4-dp4/train.yaml": {
         "hf_config": "DeepSeek-R1-Distill-Qwen-7B",
         "engine": "vllm",
         "size": "7B",
         "world": 16,
     },
-    "qwen2.5-32b/train.yaml": {
+    "deepseek-r1-distill-qwen-32b/train.yaml": {
         "hf_config": "DeepSeek-R1-Distill-Qwen-32B",
         "engine": "vllm",
         "size": "32B",
         "world": 32,
     },
-    "deepseek-r1-distill-qwen-7b/train.yaml": {
+    "deepseek-r1-distill-qwen-7b-tp2-dp8/train.yaml": {
         "hf_config": "DeepSeek-R1-Distill-Qwen-7B",
         "engine": "vllm",
         "size": "7B",
         "world": 16,
+    },
+    # The recipe the README gives one-node users.
+    "deepseek-r1-distill-qwen-7b-tp4-dp2/train.yaml": {
+        "hf_config": "DeepSeek-R1-Distill-Qwen-7B",
+        "engine": "vllm",
+        "size": "7B",
+        "world": 8,
+        "one_node": True,
     },
     "qwen3-8b/train.yaml": {"hf_config": "Qwen3-8B", "engine": "vllm", "size": "8B", "world": 16},
     "qwen3-32b/train.yaml": {
@@ -97,10 +105,13 @@ def architecture(name: str) -> ModelConfig:
 # The disaggregated, asynchronous variants and the colocated recipe each one varies: only the
 # fields of ASYNC_FIELDS may differ from it, so the trainer side is the recipe checked above.
 ASYNC_RECIPES = {
-    "qwen2.5-7b/train_async.yaml": "qwen2.5-7b/train.yaml",
-    "deepseek-r1-distill-qwen-7b/train_async.yaml": "deepseek-r1-distill-qwen-7b/train.yaml",
-    "qwen2.5-32b/train_async.yaml": "qwen2.5-32b/train.yaml",
-    "qwen3-32b/train_async.yaml": "qwen3-32b/train.yaml",
+    f"{folder}/train_async.yaml": f"{folder}/train.yaml"
+    for folder in (
+        "deepseek-r1-distill-qwen-7b-tp4-dp4",
+        "deepseek-r1-distill-qwen-7b-tp2-dp8",
+        "deepseek-r1-distill-qwen-32b",
+        "qwen3-32b",
+    )
 }
 ASYNC_FIELDS = {
     "rollout.placement",
@@ -114,9 +125,9 @@ ASYNC_FIELDS = {
 }
 # The world sizes their launch comments give: trainer nodes x 8 ranks + engine nodes' ranks.
 ASYNC_WORLDS = {
-    "qwen2.5-7b/train_async.yaml": 16 + 4,
-    "deepseek-r1-distill-qwen-7b/train_async.yaml": 16 + 8,
-    "qwen2.5-32b/train_async.yaml": 32 + 2,
+    "deepseek-r1-distill-qwen-7b-tp4-dp4/train_async.yaml": 16 + 4,
+    "deepseek-r1-distill-qwen-7b-tp2-dp8/train_async.yaml": 16 + 8,
+    "deepseek-r1-distill-qwen-32b/train_async.yaml": 32 + 2,
     "qwen3-32b/train_async.yaml": 32 + 2,
 }
 ASYNC_RECIPE_PARAMS = [
@@ -374,7 +385,7 @@ def test_torchrun_script_passes_shape_and_overrides():
     out = _dry_run(
         [
             str(SCRIPTS[0]),
-            "examples/qwen2.5-7b/train.yaml",
+            "examples/deepseek-r1-distill-qwen-7b-tp4-dp4/train.yaml",
             "train.steps=3",
             "data.system_prompt=think step by step",
         ],
@@ -402,7 +413,7 @@ def test_torchrun_script_passes_shape_and_overrides():
         "-m",
         "bapo_megatron.train",
         "--config",
-        "examples/qwen2.5-7b/train.yaml",
+        "examples/deepseek-r1-distill-qwen-7b-tp4-dp4/train.yaml",
         "train.steps=3",
         "data.system_prompt=think step by step",
     ]
@@ -411,7 +422,7 @@ def test_torchrun_script_passes_shape_and_overrides():
 def test_torchrun_script_restarts_as_told_and_serves_the_store_where_told():
     words = shlex.split(
         _dry_run(
-            [str(SCRIPTS[0]), "examples/qwen2.5-7b/train.yaml"],
+            [str(SCRIPTS[0]), "examples/deepseek-r1-distill-qwen-7b-tp4-dp4/train.yaml"],
             {"MAX_RESTARTS": "0", "LOCAL_ADDR": "10.0.0.7", "RDZV_ID": "job-5"},
         )
     )
@@ -434,7 +445,7 @@ def _nproc(command: str) -> int:
 def test_torchrun_script_starts_engine_ranks_on_the_last_nodes():
     # The 32B async recipe's shape: 4 trainer nodes x 8 ranks, 2 engine nodes x 1 rank.
     shape = {"NNODES": "6", "ENGINE_NODES": "2", "ENGINE_RANKS_PER_NODE": "1"}
-    recipe = "examples/qwen2.5-32b/train_async.yaml"
+    recipe = "examples/deepseek-r1-distill-qwen-32b/train_async.yaml"
     counts = [
         _nproc(_dry_run([str(SCRIPTS[0]), recipe], {**shape, "NODE_RANK": str(node)}))
         for node in range(6)
@@ -457,7 +468,7 @@ def test_torchrun_script_starts_engine_ranks_on_the_last_nodes():
 def test_torchrun_script_refuses_a_shape_that_does_not_fit(env, message):
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     done = subprocess.run(
-        [str(SCRIPTS[0]), "examples/qwen2.5-7b/train_async.yaml"],
+        [str(SCRIPTS[0]), "examples/deepseek-r1-distill-qwen-7b-tp4-dp4/train_async.yaml"],
         env={**base, "BAPO_DRY_RUN": "1", **env},
         cwd=REPO_ROOT,
         capture_output=True,
@@ -470,10 +481,10 @@ def test_torchrun_script_refuses_a_shape_that_does_not_fit(env, message):
 @pytest.mark.parametrize(
     "recipe,engines,ranks_per_node",
     [
-        ("qwen2.5-32b/train.yaml", {}, [8, 8, 8]),
+        ("deepseek-r1-distill-qwen-32b/train.yaml", {}, [8, 8, 8]),
         # engine nodes pass through sbatch's and srun's environment to every node's script
         (
-            "qwen2.5-32b/train_async.yaml",
+            "deepseek-r1-distill-qwen-32b/train_async.yaml",
             {"ENGINE_NODES": "1", "ENGINE_RANKS_PER_NODE": "1"},
             [8, 8, 1],
         ),

@@ -156,8 +156,8 @@ def test_off_policy_modes(tmp_path, warm_start, mode, overrides):
         assert len(steps) == 5
         assert max(staleness) >= 1 and max(staleness) <= 2  # replayed groups, never past the cap
     elif mode == "partial":
-        # 4 tokens per round: no response of the walk task (2 to 24 characters and the end token)
-        # is certain to finish in one round, and continued ones mix policy versions
+        # 4 tokens per round: no response of the `count_to` task (2 to 24 characters and the end
+        # token) is certain to finish in one round, and continued ones mix policy versions
         assert all(r["rollout/generated_tokens"] <= 4 * 16 * 4 for r in rollouts)
         assert max(staleness) >= 1
         assert any(r["staleness/mean"] < r["staleness/max"] for r in steps)
@@ -258,13 +258,13 @@ _FAMILY_FIELDS = {
 
 
 def _walk_model_folder(folder, family: str = "llama"):
-    """A real HF folder: a tiny random model of ``family`` and the walk task's tokenizer, saved
+    """A real HF folder: a tiny random model of ``family`` and the counting tasks' tokenizer, saved
     by transformers."""
     import transformers
 
-    from bapo_megatron.data.synthetic_task import walk_tokenizer
+    from bapo_megatron.data.synthetic_task import counting_tokenizer
 
-    tokenizer = walk_tokenizer()
+    tokenizer = counting_tokenizer()
     config = transformers.AutoConfig.for_model(
         **_FAMILY_FIELDS[family],
         vocab_size=16,
@@ -324,7 +324,7 @@ def test_verl_data_and_reward_train_unchanged(tmp_path):
     _walk_model_folder(model)
     rows = [
         {
-            "data_source": "walk",
+            "data_source": "count_to",
             "prompt": [{"role": "user", "content": "7>12"}],
             "reward_model": {"style": "rule", "ground_truth": "8 9 10 11 12"},
             "extra_info": {"index": 7},
@@ -352,7 +352,7 @@ def test_verl_data_and_reward_train_unchanged(tmp_path):
     )
     [rollout] = rollout_records(records)
     assert rollout["reward/errors"] == 0  # both data sources dispatched
-    # `index` is returned for the `walk` row only (its extra_info), `words` for the other
+    # `index` is returned for the `count_to` row only (its extra_info), `words` for the other
     assert rollout["reward/index"] == 7.0 and rollout["reward/words"] >= 0
     assert 0 <= rollout["reward/acc"] <= 1 and "reward/pred" not in rollout  # text: not logged
 

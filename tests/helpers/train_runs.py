@@ -19,7 +19,7 @@ from tests.helpers.gloo_launch import ONE_THREAD, REPO_ROOT
 
 TINY_CONFIG = REPO_ROOT / "examples" / "tiny_cpu" / "train.yaml"
 # Small and short: a few rollout steps of 4 prompts x 4 samples after a 20-step warm-up, two
-# mini-batches per rollout batch (one fresh, one a version stale; the main job runs four).
+# mini-batches per rollout batch (one fresh, one a version stale; the tiny CPU run runs four).
 FAST = [
     "algorithm.optimizer_steps_per_rollout=2",
     "warmup.steps=20",

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """Exact match for the `walk` data set (with the row's index from ``extra_info`` and the
+    """Exact match for the `count_to` data set (with the row's index from ``extra_info`` and the
     answer as verl's ``pred``), the last word for `words`; any other data set is not
     implemented, as in verl."""
-    if data_source == "walk":
+    if data_source == "count_to":
         right = solution_str.strip() == ground_truth.strip()
         index = -1 if extra_info is None else extra_info["index"]
         return {"score": float(right), "acc": right, "index": index, "pred": solution_str.strip()}

@@ -158,13 +158,13 @@ def test_well_typed_values_are_accepted(tmp_path, where):
             "optimizer:\n  lr: 1e-3\n  min_lr: 0\n  adam_eps: 1.0e-6\n"
             "rollout:\n  max_new_tokens: 64\n  server_urls: http://a:8000\n"
             "loss:\n  aggregation: seq-mean-token-sum\n  clip:\n    dual_clip: 2\n"
-            "data:\n  synthetic_task: walk\n  shuffle: false\n"
+            "data:\n  synthetic_task: count_to\n  shuffle: false\n"
             "train:\n  max_position_embeddings: null\n"
         )
         cfg = load_config(path)
     else:
         cfg = load_config(
-            None, ["data.synthetic_task=walk"] + [f"{k}={v}" for k, v in values.items()]
+            None, ["data.synthetic_task=count_to"] + [f"{k}={v}" for k, v in values.items()]
         )
     assert cfg.optimizer.lr == 1e-3 and type(cfg.optimizer.lr) is float
     assert cfg.optimizer.min_lr == 0.0 and type(cfg.optimizer.min_lr) is float
@@ -193,7 +193,7 @@ def test_unparsable_yaml_names_the_file_or_override(tmp_path, where):
 
 # A config that passes check_training: a tiny model from random weights on the synthetic task.
 TRAINABLE = [
-    "data.synthetic_task=walk",
+    "data.synthetic_task=count_to",
     "model.model_type=llama",
     "model.num_layers=2",
     "model.hidden_size=64",
@@ -367,7 +367,6 @@ def test_a_merged_key_written_again_is_not_a_duplicate(tmp_path):
             r"^rollout\.weight_transport=shard-to-shard applies to the engines \['embedded', "
             r"'vllm', 'vllm-server'\]; rollout\.engine='sglang' takes whole tensors",
         ),
-
         (
             ["rollout.weight_transport=same-host"],
             r"^rollout\.weight_transport=same-host applies to server engines .*"

@@ -1,4 +1,4 @@
-"""The main job runs and reports every preset; the synthetic data is what the demo claims."""
+"""The loss demo runs and reports every preset; the synthetic data is what the demo claims."""
 
 from __future__ import annotations
 

@@ -419,10 +419,10 @@ def test_verl_and_openrlhf_benchmarks_through_the_command_line(known_answers, tm
         }
 
     rows = [
-        verl_row("walk", [("system", "be brief "), ("user", "find d")], "3", 0),  # right
-        verl_row("walk", [("user", "say b")], "5", 1),  # wrong
+        verl_row("count_to", [("system", "be brief "), ("user", "find d")], "3", 0),  # right
+        verl_row("count_to", [("user", "say b")], "5", 1),  # wrong
         verl_row("words", [("user", "what is h")], "7", 2),  # right
-        {**verl_row("walk", [("user", "take c")], "2", 3), "reward_model": None},  # bad row
+        {**verl_row("count_to", [("user", "take c")], "2", 3), "reward_model": None},  # bad row
     ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "verl.parquet")
     args = _option(
@@ -443,7 +443,7 @@ def test_verl_and_openrlhf_benchmarks_through_the_command_line(known_answers, tm
         f"{tmp_path / 'verl.parquet'} 0-based row 3: field 'reward_model.ground_truth' is "
         "missing ('reward_model' is null)"
     ]
-    # acc and index come from the `walk` rows' 2 x K checks, words from the `words` row's K
+    # acc and index come from the `count_to` rows' 2 x K checks, words from the `words` row's K
     assert report["reward_metrics"] == {"acc": 0.5, "index": 0.5, "words": 1.0}
     assert report["settings"]["answer_key"] == "reward_model.ground_truth"
 

@@ -233,7 +233,9 @@ def test_moe_layout_whose_experts_do_not_divide_is_refused():
 
 
 def test_7b_recipe_ranks_hold_a_quarter_each():
-    code, summary, _ = run_planner("qwen2.5-7b/train.yaml", 16, "DeepSeek-R1-Distill-Qwen-7B")
+    code, summary, _ = run_planner(
+        "deepseek-r1-distill-qwen-7b-tp4-dp4/train.yaml", 16, "DeepSeek-R1-Distill-Qwen-7B"
+    )
     assert code == 0
     # TP4 x DP4: one replica = ranks 0-3; each holds 1/4 of every split tensor and all norms.
     assert summary["simulated_ranks"] == [0, 1, 2, 3]
@@ -245,7 +247,9 @@ def test_7b_recipe_ranks_hold_a_quarter_each():
 
 
 def test_32b_recipe_simulates_every_stage_and_tensor_rank():
-    code, summary, _ = run_planner("qwen2.5-32b/train.yaml", 32, "DeepSeek-R1-Distill-Qwen-32B")
+    code, summary, _ = run_planner(
+        "deepseek-r1-distill-qwen-32b/train.yaml", 32, "DeepSeek-R1-Distill-Qwen-32B"
+    )
     assert code == 0
     # TP8 x PP2 x DP2 in Megatron's order tp-cp-ep-dp-pp: replica 0 = ranks 0-7 and 16-23.
     assert summary["simulated_ranks"] == [*range(8), *range(16, 24)]
@@ -257,7 +261,7 @@ def test_32b_recipe_simulates_every_stage_and_tensor_rank():
 def test_oversized_recipe_is_refused_with_the_numbers():
     # The 32B recipe squeezed onto one node: TP8 alone, no distributed optimizer.
     code, summary, err = run_planner(
-        "qwen2.5-32b/train.yaml",
+        "deepseek-r1-distill-qwen-32b/train.yaml",
         8,
         "DeepSeek-R1-Distill-Qwen-32B",
         "parallel.pipeline_model_parallel_size=1",
@@ -275,14 +279,18 @@ def test_oversized_recipe_is_refused_with_the_numbers():
 
 def test_smaller_gpu_refuses_what_an_h100_fits():
     code, summary, _ = run_planner(
-        "qwen2.5-7b/train.yaml", 16, "DeepSeek-R1-Distill-Qwen-7B", "--gpu-memory-gb", "40"
+        "deepseek-r1-distill-qwen-7b-tp4-dp4/train.yaml",
+        16,
+        "DeepSeek-R1-Distill-Qwen-7B",
+        "--gpu-memory-gb",
+        "40",
     )
     assert code == 1 and any("40.00 GB per GPU" in p for p in summary["problems"])
 
 
 def test_layout_that_does_not_divide_is_refused():
     code, summary, _ = run_planner(
-        "qwen2.5-7b/train.yaml",
+        "deepseek-r1-distill-qwen-7b-tp4-dp4/train.yaml",
         12,
         "DeepSeek-R1-Distill-Qwen-7B",
         "parallel.tensor_model_parallel_size=3",
@@ -296,7 +304,7 @@ def test_layout_that_does_not_divide_is_refused():
 def test_bad_input_exits_2(capsys):
     code = main(
         [
-            str(EXAMPLES / "qwen2.5-7b/train.yaml"),
+            str(EXAMPLES / "deepseek-r1-distill-qwen-7b-tp4-dp4/train.yaml"),
             "--world-size",
             "16",
             "--hf-config",
@@ -357,8 +365,8 @@ def test_the_planner_pauses_the_garbage_collector_and_gives_it_back(enabled_befo
         raise Seen(gc.isenabled())
 
     monkeypatch.setattr(planning, "_replica", replica)
-    promise = GPU_RECIPES["qwen2.5-32b/train.yaml"]
-    config = load_config(EXAMPLES / "qwen2.5-32b/train.yaml")
+    promise = GPU_RECIPES["deepseek-r1-distill-qwen-32b/train.yaml"]
+    config = load_config(EXAMPLES / "deepseek-r1-distill-qwen-32b/train.yaml")
     model = planning.ModelConfig.from_hf_config(config_path(promise["hf_config"]))
     (gc.enable if enabled_before else gc.disable)()
     try:
@@ -373,7 +381,11 @@ def test_the_planner_pauses_the_garbage_collector_and_gives_it_back(enabled_befo
 @pytest.mark.parametrize("engine_tp,bound", [(2, 0.55), (4, 0.30)])
 def test_shard_to_shard_sync_sends_each_engine_rank_its_shard_only(engine_tp, bound):
     code, summary, err = run_planner(
-        "qwen2.5-32b/train.yaml", 32, "DeepSeek-R1-Distill-Qwen-32B", "--engine-tp", str(engine_tp)
+        "deepseek-r1-distill-qwen-32b/train.yaml",
+        32,
+        "DeepSeek-R1-Distill-Qwen-32B",
+        "--engine-tp",
+        str(engine_tp),
     )
     assert code == 0, err
     sync = summary["weight_sync"]

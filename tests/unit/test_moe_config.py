@@ -222,7 +222,7 @@ def test_expert_parallel_needs_an_moe_model():
 # ------------------------------------------------------------------------ run checks
 
 TRAINABLE_DENSE = [
-    "data.synthetic_task=walk",
+    "data.synthetic_task=count_to",
     "model.model_type=qwen3",
     "model.num_layers=2",
     "model.hidden_size=32",

@@ -204,12 +204,12 @@ def test_a_null_id_is_the_row_position(tmp_path):
 
 def _walk_model_folder(folder, max_position_embeddings):
     """An HF folder with a config.json (no weights: the task reads only the architecture) and
-    the walk task's one-token-per-character tokenizer."""
+    the counting tasks' one-token-per-character tokenizer."""
     import transformers
 
-    from bapo_megatron.data.synthetic_task import walk_tokenizer
+    from bapo_megatron.data.synthetic_task import counting_tokenizer
 
-    tokenizer = walk_tokenizer()
+    tokenizer = counting_tokenizer()
     transformers.LlamaConfig(
         vocab_size=16,
         hidden_size=16,
@@ -227,8 +227,8 @@ def _walk_model_folder(folder, max_position_embeddings):
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_a_prompt_too_long_for_the_model_is_a_bad_row(tmp_path, suffix):
-    # the walk chat template is the prompt's characters then ":", one token each: a prompt of
-    # n characters is n + 1 tokens, and 16 positions hold n + 1 + 8 new tokens up to n = 7
+    # the counting tasks' chat template is the prompt's characters then ":", one token each: a
+    # prompt of n characters is n + 1 tokens, and 16 positions hold n + 1 + 8 new tokens up to n = 7
     rows = [
         {"prompt": "7>12", "answer": "8 9 10 11 12"},
         {"prompt": "1234567>9", "answer": "no"},
@@ -279,7 +279,7 @@ def test_a_synthetic_task_that_does_not_fit_the_model_is_a_config_error():
     tiny = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu" / "train.yaml"
     assert load_task(load_config(tiny)).skipped_rows == 0
     cfg = load_config(tiny, ["model.max_position_embeddings=8", "rollout.max_new_tokens=4"])
-    message = "data.synthetic_task 'runon': prompt '.*': the prompt is "
+    message = "data.synthetic_task 'count_up_and_stop': prompt '.*': the prompt is "
     with pytest.raises(ValueError, match=message):
         load_task(cfg)
 
@@ -320,7 +320,7 @@ def test_a_missing_number_in_parquet_is_not_an_answer(tmp_path, answer):
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_a_prompt_the_tokenizer_cannot_encode_is_a_bad_row(tmp_path, suffix):
-    # the walk tokenizer knows digits and a few signs only, and has no unknown token
+    # the counting tasks' tokenizer knows digits and a few signs only, and has no unknown token
     rows = [{"prompt": "7>9", "answer": "8 9"}, {"prompt": "7>x", "answer": "no"}]
     path = tmp_path / f"train{suffix}"
     (write_jsonl if suffix == ".jsonl" else write_parquet)(path, rows)
@@ -504,13 +504,13 @@ def test_a_key_that_is_not_a_path_is_refused(key):
 def test_the_trainer_reads_the_verl_layout_with_its_keys(tmp_path):
     rows = [
         {
-            "data_source": "walk",
+            "data_source": "count_to",
             "prompt": [{"role": "user", "content": "7>12"}],
             "reward_model": {"style": "rule", "ground_truth": "8 9 10 11 12"},
             "extra_info": {"index": 0},
         },
         {
-            "data_source": "walk",
+            "data_source": "count_to",
             "prompt": [{"role": "system", "content": "1"}, {"role": "user", "content": "3>5"}],
             "reward_model": {"style": "rule", "ground_truth": "4 5"},
             "extra_info": {"index": 1},
@@ -532,11 +532,11 @@ def test_the_trainer_reads_the_verl_layout_with_its_keys(tmp_path):
     )
     task = load_task(cfg)
     assert [(r.answer, r.data_source, r.extra_info) for r in task.rows] == [
-        ("8 9 10 11 12", "walk", {"index": 0}),
-        ("4 5", "walk", {"index": 1}),
+        ("8 9 10 11 12", "count_to", {"index": 0}),
+        ("4 5", "count_to", {"index": 1}),
     ]
-    # the walk template writes the turns' texts, then ":"; the configured system turn comes
-    # before a prompt without one, a prompt's own system message replaces it
+    # the counting tasks' template writes the turns' texts, then ":"; the configured system turn
+    # comes before a prompt without one, a prompt's own system message replaces it
     encode = task.tokenizer.convert_tokens_to_ids
     assert encode_prompt(task, task.rows[0], "2", 8) == encode(list("27>12:"))
     assert encode_prompt(task, task.rows[1], "2", 8) == encode(list("13>5:"))

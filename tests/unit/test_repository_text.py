@@ -1,5 +1,6 @@
-"""The repository's text files hold no unresolved merge-conflict markers, and the product's text
-(package, tools, examples, docs, config files) no words about how it was developed."""
+"""The repository's text files hold no unresolved merge-conflict markers, the product's text
+(package, tools, examples, docs, config files) no words about how it was developed, and every
+relative link of its Markdown files reaches a file (and heading) that exists."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ EVIDENCE_ONLY = {
     "a commit hash": r"\b(commits?|at) (?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b",
     "a dated measurement": r"\bmeasured (on |at )?\d{4}-\d{2}-\d{2}\b|\bon \d{4}-\d{2}-\d{2}\b",
 }
-PRODUCT_TEXT = ("bapo_megatron/", "tools/", "examples/", "docs/", "docker/", ".ci/", "patches/")
+PRODUCT_TEXT = ("bapo_megatron/", "tools/", "examples/", "docs/", "docker/", ".ci/")
 CONFIG_FILES = ("README.md", "pyproject.toml", "constraints-gpu.txt")
 EVIDENCE = ("docs/validation.md", "docs/benchmarks.md", "docs/staleness-sweep/")
 RAW_REPORTS = "docs/validation/"  # the GPU check's reports and logs, kept as they were written
@@ -100,7 +101,7 @@ def test_the_patterns_catch_what_they_are_for():
         "the 2-core machine",
         "on these machines",
         "Measured on 2026-11-26 on a shared 2-core CPU",
-        "the main job until commit 0581fa8",
+        "the tiny CPU run until commit 0581fa8",
         "see issue 16",
         "NOT RUN. No GPU was available where this recipe was written.",
         "no GPU was lent to this session",
@@ -119,3 +120,78 @@ def test_the_patterns_catch_what_they_are_for():
     for line in kept:
         assert history_words("bapo_megatron/x.py", line) == [], line
     assert history_words("docs/benchmarks.md", "at commit 0581fa8 on 2026-11-26") == []
+
+
+# Markdown links: [text](target) and ![alt](target), outside code blocks and code spans.
+LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+SCHEME = re.compile(r"[a-z][a-z0-9+.-]*:", re.IGNORECASE)  # http:, https:, mailto:
+
+
+def _without_code(text: str) -> str:
+    """``text`` with its fenced code blocks blanked (lines kept, for line numbers)."""
+    return re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.DOTALL)
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors a Markdown renderer gives the headings of ``text`` (GitHub's rule: lower
+    case, punctuation dropped, spaces to hyphens, a repeated heading numbered -1, -2, ...),
+    and those of explicit ``<a id="...">`` / ``<a name="...">`` tags."""
+    anchors, seen = set(), {}
+    for line in _without_code(text).splitlines():
+        heading = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            count = seen.get(slug, 0)
+            seen[slug] = count + 1
+            anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors | set(re.findall(r'<a\s+(?:id|name)="([^"]+)"', text))
+
+
+def broken_links(root, name: str) -> list[str]:
+    """The relative links of the Markdown file ``root/name`` whose file does not exist, or
+    whose anchor names no heading of the Markdown file it points to."""
+    source = root / name
+    found = []
+    for number, line in enumerate(_without_code(source.read_text()).splitlines(), 1):
+        for match in LINK.finditer(re.sub(r"`[^`]*`", "", line)):
+            target = match.group(1)
+            if SCHEME.match(target):
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = source.parent / path.split("?")[0] if path else source
+            if not resolved.exists():
+                found.append(f"{name}:{number}: {target} (no such file)")
+            elif anchor and resolved.suffix == ".md":
+                if anchor not in heading_anchors(resolved.read_text()):
+                    found.append(f"{name}:{number}: {target} (no such heading)")
+    return found
+
+
+def test_every_relative_link_in_the_markdown_resolves():
+    names = subprocess.run(
+        ["git", "ls-files", "*.md"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    found = [
+        line
+        for name in names
+        if (REPO_ROOT / name).exists()
+        for line in broken_links(REPO_ROOT, name)
+    ]
+    assert found == [], "\n".join(found)
+
+
+def test_the_link_check_catches_what_it_is_for(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "b.md").write_text("# A heading, with words\n## Twice\n## Twice\n")
+    (tmp_path / "a.md").write_text(
+        "[ok](docs/b.md) [ok](docs/b.md#a-heading-with-words) [ok](docs/b.md#twice-1)\n"
+        "[ok](https://example.org/missing.md) `[code](missing.md)` [ok](#top)\n"
+        "```\n[in a block](missing.md)\n```\n"
+        "[gone](docs/missing.md) ![gone](plots/missing.png) [gone](docs/b.md#no-such)\n"
+        '<a id="top"></a>\n'
+    )
+    assert broken_links(tmp_path, "a.md") == [
+        "a.md:6: docs/missing.md (no such file)",
+        "a.md:6: plots/missing.png (no such file)",
+        "a.md:6: docs/b.md#no-such (no such heading)",
+    ]

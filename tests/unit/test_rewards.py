@@ -154,7 +154,7 @@ def test_a_reward_that_is_not_a_finite_number_is_an_error_naming_reward_and_resp
 
 def test_each_signature_is_called_with_what_it_names():
     given = RewardInput(
-        response="8 9", ground_truth="8 9", data_source="walk", extra_info={"index": 4}
+        response="8 9", ground_truth="8 9", data_source="count_to", extra_info={"index": 4}
     )
     # verl's compute_score(data_source, solution_str, ground_truth, extra_info), by keyword
     assert reward_caller(verl_rewards.compute_score)(given) == {
@@ -170,7 +170,7 @@ def test_each_signature_is_called_with_what_it_names():
     assert reward_caller(get_reward("exact_match"))(given) == 1.0
     seen = {}
     reward_caller(lambda response, truth, **row: seen.update(row) or 0.0)(given)
-    assert seen == {"data_source": "walk", "extra_info": {"index": 4}}
+    assert seen == {"data_source": "count_to", "extra_info": {"index": 4}}
 
 
 @pytest.mark.parametrize(
@@ -209,7 +209,7 @@ def test_pool_runs_a_verl_reward_unchanged_and_keeps_its_metrics():
         batch = pool.score(
             ["8 9", "7", "a b c", "x"],
             ["8 9", "8", "c", "x"],
-            data_sources=["walk", "walk", "words", "gsm8k"],
+            data_sources=["count_to", "count_to", "words", "gsm8k"],
             extra_infos=[{"index": 0}, None, None, None],
         )
     assert batch.rewards == [1.0, 0.0, 1.0, 0.0] and batch.timed_out == 0

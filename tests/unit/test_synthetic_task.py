@@ -1,4 +1,4 @@
-"""The synthetic `walk` task: its tokenizer (through transformers, as real models are used), its
+"""The synthetic `count_to` task: its tokenizer (through transformers, as real models are used), its
 rows and reference responses, and the exact-match reward that scores it."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from bapo_megatron.data.synthetic_task import (
     MAX_DISTANCE,
     MAX_NUMBER,
     SYNTHETIC_TASKS,
+    count_response,
+    count_to_rows,
+    count_up_and_stop_rows,
+    counting_tokenizer,
     longest_response_tokens,
-    runon_rows,
     synthetic_rows,
-    walk_response,
-    walk_rows,
-    walk_tokenizer,
 )
 from bapo_megatron.rewards.registry import get_reward
 
@@ -25,7 +25,7 @@ from bapo_megatron.rewards.registry import get_reward
 def test_tokenizer_round_trips_every_character_and_saves(tmp_path):
     import transformers
 
-    tokenizer = walk_tokenizer()
+    tokenizer = counting_tokenizer()
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (0, 1)
     text = "12>3:11 10 9 8 7 6 5 4 3"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -37,15 +37,15 @@ def test_tokenizer_round_trips_every_character_and_saves(tmp_path):
 
 
 def test_chat_template_opens_the_response():
-    tokenizer = walk_tokenizer()
-    row = walk_rows(1, seed=3)[0]
+    tokenizer = counting_tokenizer()
+    row = count_to_rows(1, seed=3)[0]
     ids = prompt_token_ids(tokenizer, row)
     assert tokenizer.decode(ids) == row.prompt + ":"
 
 
 def test_rows_and_reference_responses():
-    rows = walk_rows(500, seed=7)
-    assert rows == walk_rows(500, seed=7) and rows != walk_rows(500, seed=8)
+    rows = count_to_rows(500, seed=7)
+    assert rows == count_to_rows(500, seed=7) and rows != count_to_rows(500, seed=8)
     for row in rows:
         start, target = map(int, row.prompt.split(">"))
         assert 0 <= start <= MAX_NUMBER and 0 <= target <= MAX_NUMBER
@@ -53,8 +53,8 @@ def test_rows_and_reference_responses():
         numbers = [int(n) for n in row.answer.split(" ")]
         step = 1 if target > start else -1
         assert numbers == list(range(start + step, target + step, step))
-    assert walk_response(9, 12) == "10 11 12" and walk_response(3, 1) == "2 1"
-    assert longest_response_tokens() == len(walk_response(31, 39)) + 1
+    assert count_response(9, 12) == "10 11 12" and count_response(3, 1) == "2 1"
+    assert longest_response_tokens() == len(count_response(31, 39)) + 1
 
 
 def test_exact_match_reward():
@@ -68,7 +68,7 @@ def test_exact_match_reward():
 def test_a_response_that_misses_the_target_is_wrong(seed):
     rng = random.Random(seed)
     reward = get_reward("exact_match")
-    for row in walk_rows(50, seed=seed):
+    for row in count_to_rows(50, seed=seed):
         numbers = row.answer.split(" ")
         overshoot = " ".join(numbers + [str(rng.randint(0, MAX_NUMBER))])
         assert reward(overshoot, row.answer) == 0.0
@@ -76,14 +76,14 @@ def test_a_response_that_misses_the_target_is_wrong(seed):
 
 
 def test_the_registry_names_each_task_and_refuses_others():
-    assert set(SYNTHETIC_TASKS) == {"walk", "runon"}
-    assert synthetic_rows("walk", 20, seed=3) == walk_rows(20, seed=3)
-    assert synthetic_rows("runon", 20, seed=3) == runon_rows(20, seed=3)
+    assert set(SYNTHETIC_TASKS) == {"count_to", "count_up_and_stop"}
+    assert synthetic_rows("count_to", 20, seed=3) == count_to_rows(20, seed=3)
+    assert synthetic_rows("count_up_and_stop", 20, seed=3) == count_up_and_stop_rows(20, seed=3)
     with pytest.raises(ValueError, match="unknown synthetic task"):
         synthetic_rows("seek", 1, seed=0)
 
 
-@pytest.mark.parametrize("name", ["walk", "runon"])
+@pytest.mark.parametrize("name", ["count_to", "count_up_and_stop"])
 def test_load_task_generates_the_named_task(name):
     from bapo_megatron.config.loading import load_config
     from bapo_megatron.data.synthetic_task import synthetic_rows

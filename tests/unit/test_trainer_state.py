@@ -49,7 +49,7 @@ def _state() -> TrainerState:
         step=7,
         version=13,
         position=56,
-        carry=[
+        paused_groups=[
             (
                 PromptRow(id="p3", prompt="1+1", answer="2"),
                 [_sample(0, "paused"), _sample(1, "stop")],
@@ -82,10 +82,18 @@ def test_trainer_state_round_trips_through_a_weights_only_file(tmp_path):
     loaded.load_checkpoint(_through_file(state.to_checkpoint(), tmp_path), "test file")
 
     def fields(s: TrainerState) -> tuple:
-        return s.step, s.version, s.position, s.carry, s.lag_queue, s.replay.groups, s.tracker_runs
+        return (
+            s.step,
+            s.version,
+            s.position,
+            s.paused_groups,
+            s.lag_queue,
+            s.replay.groups,
+            s.tracker_runs,
+        )
 
     assert fields(loaded) == fields(state)
-    assert loaded.carry[0][1][0].resumable
+    assert loaded.paused_groups[0][1][0].resumable
 
 
 def test_damaged_trainer_state_is_refused_naming_the_field():
@@ -96,13 +104,18 @@ def test_damaged_trainer_state_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"f.pt: trainer_state.version is -1"):
         fresh.load_checkpoint(dict(saved, version=-1), "f.pt")
     with pytest.raises(ValueError, match="f.pt: trainer_state's paused groups.*malformed"):
-        fresh.load_checkpoint(dict(saved, carry=[{"row": {"id": "x"}, "samples": []}]), "f.pt")
+        bad = [{"row": {"id": "x"}, "samples": []}]
+        fresh.load_checkpoint(dict(saved, paused_groups=bad), "f.pt")
     with pytest.raises(ValueError, match=r"f.pt: trainer_state.tracker_runs is \['x'\]"):
         fresh.load_checkpoint(dict(saved, tracker_runs=["x"]), "f.pt")
-    assert fresh.step == 0 and fresh.carry == [] and fresh.tracker_runs == {}
+    assert fresh.step == 0 and fresh.paused_groups == [] and fresh.tracker_runs == {}
     # a checkpoint written before the trackers has no record of tracker runs: none to reopen
     fresh.load_checkpoint({k: v for k, v in saved.items() if k != "tracker_runs"}, "f.pt")
     assert fresh.step == 7 and fresh.tracker_runs == {}
+    # a checkpoint that names the paused groups by their key's earlier name, "carry"
+    older = {("carry" if k == "paused_groups" else k): v for k, v in saved.items()}
+    fresh.load_checkpoint(older, "f.pt")
+    assert fresh.paused_groups == _state().paused_groups
 
 
 def test_a_checkpoint_from_before_the_data_keys_belongs_to_a_run_with_the_default_keys():

@@ -49,7 +49,7 @@ engine."""
 LOGPROB_ATOL = 1e-4
 """Largest engine/actor log-prob gap allowed at any step (float32 on both sides)."""
 PAPER_START = (0.6, 1.2)
-"""The bounds the main job's search starts from (its loss preset, `paper`)."""
+"""The bounds the tiny CPU run's search starts from (its loss preset, `paper`)."""
 RUN_TIMEOUT_S = 1800
 """Bounds a hang only; a run takes one to a few minutes."""
 VLLM_TP2 = [

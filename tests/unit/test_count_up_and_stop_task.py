@@ -1,6 +1,6 @@
-"""The synthetic `runon` task (rows, warm-up references that run on to the cap) and the figures
-that say whether a run has BAPO's premise (:mod:`bapo_megatron.repro.task_figures`) and how its
-bounds moved (:mod:`bapo_megatron.trainer.run_summary`)."""
+"""The synthetic `count_up_and_stop` task (rows, warm-up references that run on to the cap) and
+the figures that say whether a run has BAPO's premise (:mod:`bapo_megatron.repro.task_figures`)
+and how its bounds moved (:mod:`bapo_megatron.trainer.run_summary`)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import pytest
 
 from bapo_megatron.data.prompts import prompt_token_ids
 from bapo_megatron.data.synthetic_task import (
+    COUNT_UP_DISTANCE,
     MAX_NUMBER,
-    RUN_ON_DISTANCE,
     RUN_ON_SHARE,
+    count_response,
+    count_up_and_stop_rows,
+    counting_tokenizer,
     run_on_response,
-    runon_rows,
     synthetic_rows,
-    walk_response,
-    walk_tokenizer,
     warmup_reference,
 )
 from bapo_megatron.repro.task_figures import read_records, task_figures
@@ -26,19 +26,21 @@ from bapo_megatron.rewards.registry import get_reward
 from bapo_megatron.trainer.run_summary import RunSummary, bounds_moved
 
 
-def test_rows_walk_upwards_a_short_distance():
-    rows = runon_rows(300, seed=4)
-    assert rows == synthetic_rows("runon", 300, seed=4) and rows != runon_rows(300, seed=5)
-    tokenizer = walk_tokenizer()
+def test_rows_count_upwards_a_short_distance():
+    rows = count_up_and_stop_rows(300, seed=4)
+    assert rows == synthetic_rows(
+        "count_up_and_stop", 300, seed=4
+    ) and rows != count_up_and_stop_rows(300, seed=5)
+    tokenizer = counting_tokenizer()
     for row in rows:
         start, target = map(int, row.prompt.split(">"))
-        assert 0 <= start <= MAX_NUMBER and 1 <= target - start <= RUN_ON_DISTANCE
-        assert row.answer == walk_response(start, target)
+        assert 0 <= start <= MAX_NUMBER and 1 <= target - start <= COUNT_UP_DISTANCE
+        assert row.answer == count_response(start, target)
         assert tokenizer.decode(prompt_token_ids(tokenizer, row)) == row.prompt + ":"
 
 
-def test_run_on_reference_walks_past_the_target_to_the_cap_and_is_wrong():
-    row = runon_rows(1, seed=0)[0]
+def test_run_on_reference_counts_past_the_target_to_the_cap_and_is_wrong():
+    row = count_up_and_stop_rows(1, seed=0)[0]
     start = int(row.prompt.split(">")[0])
     text = run_on_response(row, 32)
     assert len(text) == 32 and text.startswith(row.answer + " ")
@@ -50,16 +52,16 @@ def test_run_on_reference_walks_past_the_target_to_the_cap_and_is_wrong():
     assert run_on_response(row, 5) == text[:5]
 
 
-def test_warmup_reference_runs_on_for_its_share_of_runon_examples_only():
-    rows = runon_rows(2000, seed=1)
+def test_warmup_reference_runs_on_for_its_share_of_count_up_and_stop_examples_only():
+    rows = count_up_and_stop_rows(2000, seed=1)
     rng = random.Random(0)
-    references = [warmup_reference("runon", row, rng, 32) for row in rows]
+    references = [warmup_reference("count_up_and_stop", row, rng, 32) for row in rows]
     run_ons = [ends for _, ends in references].count(False)
     assert run_ons / len(rows) == pytest.approx(RUN_ON_SHARE, abs=0.03)
     for row, (text, ends) in zip(rows, references):
         assert (text, ends) == ((row.answer, True) if ends else (run_on_response(row, 32), False))
-    walk = synthetic_rows("walk", 50, seed=1)
-    assert all(warmup_reference("walk", r, rng, 32) == (r.answer, True) for r in walk)
+    count_to = synthetic_rows("count_to", 50, seed=1)
+    assert all(warmup_reference("count_to", r, rng, 32) == (r.answer, True) for r in count_to)
 
 
 def _update(rollout_step, rho, c_low=0.6, c_high=1.2, positive=1.0):
