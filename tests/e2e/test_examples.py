@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bapo_megatron.config import Config, ModelConfig
+from bapo_megatron.config import Config, ModelConfig, check_training
 from bapo_megatron.config.checks import check_model
 from bapo_megatron.config.loading import load_config
 from bapo_megatron.distributed.layout import Accelerator, split_world, validate_layout
@@ -155,12 +155,12 @@ def test_every_example_loads(name):
     cfg = load_config(EXAMPLES / name)
     assert isinstance(cfg, Config)
     if name not in NOT_TRAINING:
-        cfg.check_training()
+        check_training(cfg)
 
 
 def test_tiny_cpu_example_trains_on_the_cpu():
     cfg = load_config(EXAMPLES / "tiny_cpu" / "train.yaml")
-    cfg.check_training()
+    check_training(cfg)
     assert cfg.rollout.engine == "embedded"
     cpu = Accelerator(transformer_engine=False, cuda=False, fp8_gpu=False)
     assert validate_layout(cfg.model, cfg.parallel, 1, cpu) == 1
@@ -173,7 +173,7 @@ def test_gpu_recipe(name):
     text = path.read_text()
     assert "NOT RUN" in text, "a recipe that was never run must say so"
     cfg = load_config(path)
-    cfg.check_training()
+    check_training(cfg)
     model = architecture(name)
 
     # Weights from an HF folder in bf16, prompts from a file, math reward.
@@ -274,7 +274,7 @@ def test_async_recipe_is_its_colocated_recipe_with_engine_nodes(name):
     text = (EXAMPLES / name).read_text()
     assert "NOT RUN" in text, "a recipe that was never run must say so"
     cfg = load_config(EXAMPLES / name)
-    cfg.check_training()
+    check_training(cfg)
     base = load_config(EXAMPLES / colocated)
     ours, theirs = _flat(dataclasses.asdict(cfg)), _flat(dataclasses.asdict(base))
     changed = {key for key in ours if ours[key] != theirs[key]}

@@ -138,7 +138,7 @@ HEAVY_OPTIONAL_ADAPTERS = {
 # (module, what it imports inside a function, or a package above it) -> why it is not at the top.
 FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
     ("bapo_megatron.algo.contributions", "bapo_megatron.algo.contributions_cpu"): (
-        "the numba backend, loaded on CPU runs only; it imports contributions (a cycle)"
+        "the numba backend (LLVM), loaded on CPU runs only"
     ),
     ("bapo_megatron.algo.contributions", "numba"): (
         "asked on CPU runs only; a numba that fails to import falls back to torch"

@@ -19,14 +19,9 @@ import torch
 from bapo_megatron.actor.actor import build_actor
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.actor.logprobs import compute_logprobs
-from bapo_megatron.actor.microbatches import (
-    Batching,
-    Multiples,
-    build_microbatches,
-    plan_groups,
-)
+from bapo_megatron.actor.microbatches import Batching, build_microbatches, plan_groups
 from bapo_megatron.actor.model import global_parameter_name, load_whole_model_weights
-from bapo_megatron.actor.packing import sequence_lengths, unpack_tokens
+from bapo_megatron.actor.packing import Multiples, sequence_lengths, unpack_tokens
 from bapo_megatron.actor.train_step import train_step
 from bapo_megatron.algo.search_plan import SearchPlan
 from bapo_megatron.config import (
@@ -35,6 +30,7 @@ from bapo_megatron.config import (
     LossConfig,
     ModelConfig,
     OptimizerConfig,
+    check_training,
 )
 from bapo_megatron.config.loading import load_config
 from tests.unit.test_config import TRAINABLE
@@ -272,4 +268,4 @@ def test_bad_packing_fields_are_refused_naming_them(overrides, message):
 def test_packing_a_layout_cannot_run_is_refused_at_startup(overrides, message):
     cfg = load_config(None, TRAINABLE + ["actor.pack_sequences=true", *overrides])
     with pytest.raises(ValueError, match=re.escape(message)):
-        cfg.check_training()
+        check_training(cfg)

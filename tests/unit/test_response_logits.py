@@ -11,12 +11,8 @@ import torch
 from bapo_megatron.actor.actor import build_actor
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.actor.logprobs import token_logprobs
-from bapo_megatron.actor.microbatches import (
-    Batching,
-    Multiples,
-    build_microbatches,
-    plan_groups,
-)
+from bapo_megatron.actor.microbatches import Batching, build_microbatches, plan_groups
+from bapo_megatron.actor.packing import Multiples
 from bapo_megatron.actor.pipeline_schedule import run_schedule
 from bapo_megatron.actor.response_logits import predicting_rows, scatter_rows
 from bapo_megatron.config import ActorConfig, ModelConfig, OptimizerConfig

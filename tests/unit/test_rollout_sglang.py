@@ -22,8 +22,8 @@ import tests.unit.test_rollout_engines as suite
 from bapo_megatron.config import RolloutConfig
 from bapo_megatron.rollout import sglang as sglang_family
 from bapo_megatron.rollout.checksum import checksum
+from bapo_megatron.rollout.engine_setup import EngineSetup
 from bapo_megatron.rollout.protocol import RolloutSample, SamplingParams
-from bapo_megatron.rollout.registry import EngineSetup
 from bapo_megatron.rollout.resubmission import (
     EngineOutput,
     RoundRequest,
