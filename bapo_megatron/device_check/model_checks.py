@@ -26,13 +26,13 @@ from safetensors.torch import load_file
 
 from bapo_megatron.algo.policy_loss import bapo_loss, loss_normalizer
 from bapo_megatron.algo.search_plan import SearchPlan
-from bapo_megatron.commands.process_exit import skip_final_collection
 from bapo_megatron.config import ClipSearchConfig, ModelConfig, ParallelConfig
 from bapo_megatron.device_check.actor_steps import _sync
 from bapo_megatron.device_check.passes import fused_norm_parameters, layer_spec_of
 from bapo_megatron.device_check.shapes import model_config, random_batch
 from bapo_megatron.device_check.start_folder import write_start_folder
 from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.process.end import skip_final_collection
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.weights.convert import hf_to_megatron, megatron_to_hf

@@ -366,6 +366,6 @@ def test_tp2_with_split_tp1_weights_gives_tp1_logits_and_pp_stages(tmp_path, sin
 
 if __name__ == "__main__":
     worker(gloo_launch.worker_arguments(sys.argv[1:], reference=str))
-    from bapo_megatron.commands.process_exit import skip_final_collection
+    from bapo_megatron.process.end import skip_final_collection
 
     skip_final_collection()

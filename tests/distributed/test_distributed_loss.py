@@ -527,6 +527,6 @@ def test_a_failing_worker_fails_the_launch_without_hanging(tmp_path):
 
 if __name__ == "__main__":
     worker_main(sys.argv[1:])
-    from bapo_megatron.commands.process_exit import skip_final_collection
+    from bapo_megatron.process.end import skip_final_collection
 
     skip_final_collection()

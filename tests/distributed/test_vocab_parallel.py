@@ -496,6 +496,6 @@ def test_group_of_one_and_errors(launched, world_size):
 
 if __name__ == "__main__":
     worker_main(sys.argv[1:])
-    from bapo_megatron.commands.process_exit import skip_final_collection
+    from bapo_megatron.process.end import skip_final_collection
 
     skip_final_collection()

@@ -271,7 +271,7 @@ _BLOCKING_IMPORT = textwrap.dedent("""
                 raise ModuleNotFoundError(f"blocked: {{name}}", name=name)
 
     sys.meta_path.insert(0, Blocked())
-    from bapo_megatron.commands.process_start import prepare_process
+    from bapo_megatron.process.start import prepare_process
 
     prepare_process()  # as a command line does
     for name in {modules!r}:
