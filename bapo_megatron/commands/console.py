@@ -33,9 +33,9 @@ def convert_checkpoint() -> None:
 
 
 def evaluate() -> None:
-    """``bapo-evaluate`` (:func:`bapo_megatron.repro.evaluate_cli.main`)."""
+    """``bapo-evaluate`` (:func:`bapo_megatron.evaluation.cli.main`)."""
     start.prepare_process()
-    from bapo_megatron.repro.evaluate_cli import main
+    from bapo_megatron.evaluation.cli import main
 
     main()
     end.skip_final_collection()

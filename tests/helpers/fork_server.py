@@ -63,7 +63,7 @@ PRELOAD = (
     "bapo_megatron.trainer.main",
     "bapo_megatron.trainer.loop",
     "bapo_megatron.weights.convert_cli",
-    "bapo_megatron.repro.evaluate_cli",
+    "bapo_megatron.evaluation.cli",
 )
 
 

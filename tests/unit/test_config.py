@@ -6,6 +6,7 @@ import pytest
 
 from bapo_megatron.config import ClipSearchConfig, Config, check_training
 from bapo_megatron.config.loading import load_config
+from tests.helpers.tiny_models import tiny_model_overrides
 
 
 def test_presets_match_the_spec():
@@ -192,16 +193,7 @@ def test_unparsable_yaml_names_the_file_or_override(tmp_path, where):
 
 
 # A config that passes check_training: a tiny model from random weights on the synthetic task.
-TRAINABLE = [
-    "data.synthetic_task=walk",
-    "model.model_type=llama",
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.ffn_hidden_size=128",
-    "model.num_attention_heads=4",
-    "model.num_query_groups=2",
-    "model.vocab_size=128",
-]
+TRAINABLE = ["data.synthetic_task=walk", *tiny_model_overrides()]
 
 
 def test_the_trainable_config_trains():

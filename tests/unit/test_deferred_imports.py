@@ -29,7 +29,7 @@ from tests.helpers.gloo_launch import REPO_ROOT
 CONSOLE_COMMAND_LINES = {
     "bapo-train": "bapo_megatron.trainer.main",
     "bapo-convert-checkpoint": "bapo_megatron.weights.convert_cli",
-    "bapo-evaluate": "bapo_megatron.repro.evaluate_cli",
+    "bapo-evaluate": "bapo_megatron.evaluation.cli",
     "bapo-plot-runs": "bapo_megatron.repro.plots_cli",
     "bapo-sweep": "bapo_megatron.repro.sweep_cli",
     "bapo-plan-layout": "bapo_megatron.planning.cli",

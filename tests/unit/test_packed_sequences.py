@@ -28,23 +28,14 @@ from bapo_megatron.config import (
     ActorConfig,
     ClipSearchConfig,
     LossConfig,
-    ModelConfig,
     OptimizerConfig,
     check_training,
 )
 from bapo_megatron.config.loading import load_config
+from tests.helpers.tiny_models import tiny_model
 from tests.unit.test_config import TRAINABLE
 
-MODEL = ModelConfig(
-    model_type="qwen2",
-    num_layers=2,
-    hidden_size=64,
-    ffn_hidden_size=128,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=96,
-    max_position_embeddings=64,
-)
+MODEL = tiny_model(model_type="qwen2", vocab_size=96, max_position_embeddings=64)
 OPTIMIZER = OptimizerConfig(lr=1e-3, clip_grad=0.0)
 # Adam's first update is about lr * sign(g): float rounding in a near-zero gradient component
 # moves it by up to that much; 1% of it (as tests/distributed/test_train_layouts.py allows).

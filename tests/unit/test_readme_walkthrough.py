@@ -13,8 +13,8 @@ import shlex
 import pytest
 
 from bapo_megatron.config import check_training, load_config
+from bapo_megatron.evaluation.cli import build_parser as evaluate_parser
 from bapo_megatron.planning.cli import main as plan_layout
-from bapo_megatron.repro.evaluate_cli import build_parser as evaluate_parser
 from bapo_megatron.weights.convert_cli import build_parser as convert_parser
 from tests.helpers.gloo_launch import REPO_ROOT
 from tests.helpers.published_configs import config_path

@@ -24,7 +24,7 @@ from bapo_megatron.rollout.vllm.worker_extension import (
 from bapo_megatron.weights.export import export_weights
 from bapo_megatron.weights.sync import named_tensors_of
 from tests.helpers import hf_models
-from tests.unit.test_rollout_sglang import FakeServer
+from tests.helpers.fake_sglang import FakeServer
 from tests.unit.test_rollout_vllm import (  # noqa: F401 - fake_vllm is a fixture
     FakeLLM,
     FakeVLLMServer,

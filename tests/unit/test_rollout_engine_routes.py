@@ -32,8 +32,8 @@ from bapo_megatron.rollout.sglang.engine import SGLangEngine, generate_request
 from bapo_megatron.rollout.sglang.server_client import SGLangServerClient
 from bapo_megatron.rollout.vllm.engine import VLLMEngine
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient, parse_completion_response
+from tests.helpers.fake_sglang import FakeEngine, FakeServer, sglang_output
 from tests.unit.test_rollout_moe_engine import MODEL as MOE_ENGINE_MODEL
-from tests.unit.test_rollout_sglang import FakeEngine, FakeServer, sglang_output
 from tests.unit.test_rollout_vllm import (  # noqa: F401 - fake_vllm is a fixture
     FakeLLM,
     FakeLLMEngine,
