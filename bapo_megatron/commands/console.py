@@ -95,3 +95,13 @@ def gpu_check() -> int:
     status = main()
     end.skip_final_collection()
     return status
+
+
+def gpu_bench() -> int:
+    """``bapo-gpu-bench`` (:func:`bapo_megatron.device_bench.run.main`); its exit status."""
+    start.prepare_process()
+    from bapo_megatron.device_bench.run import main
+
+    status = main()
+    end.skip_final_collection()
+    return status

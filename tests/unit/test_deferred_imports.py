@@ -34,6 +34,7 @@ CONSOLE_COMMAND_LINES = {
     "bapo-sweep": "bapo_megatron.repro.sweep_cli",
     "bapo-plan-layout": "bapo_megatron.planning.cli",
     "bapo-gpu-check": "bapo_megatron.device_check.run",
+    "bapo-gpu-bench": "bapo_megatron.device_bench.run",
     "bapo-gguf-to-hf": "bapo_megatron.weights.gguf_to_hf",
     "bapo-make-arithmetic": "bapo_megatron.data.arithmetic_task",
 }

@@ -5,7 +5,7 @@ built and saved with transformers (tests/helpers/hf_models.py). Converted to Meg
 give transformers' logits; converted back they must be bitwise the saved tensors, with config and
 tokenizer files byte for byte, and load in transformers. An interrupted conversion must leave
 nothing that looks complete. The name maps: test_weight_name_maps.py; bad input:
-test_weights_convert_refusals.py. The layouts TP2/PP1, TP1/PP2, TP2/PP2, resharding and the live
+test_weights_convert_bad_input.py. The layouts TP2/PP1, TP1/PP2, TP2/PP2, resharding and the live
 export at TP2/PP2 are in tests/distributed/test_weights_layouts.py.
 """
 
