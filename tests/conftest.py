@@ -26,7 +26,7 @@ if not os.environ.get("BAPO_REAL_MODEL"):
 def pytest_configure(config):
     # The tests run the command lines' code in this process too (``main()`` of the trainer and
     # the tools): prepare it as they prepare theirs, before any test module imports megatron.
-    from bapo_megatron.commands.process_start import prepare_process
+    from bapo_megatron.process.start import prepare_process
 
     prepare_process()
     # Every trainer, worker and tool process the tests start, themselves or through torchrun,

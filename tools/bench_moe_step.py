@@ -249,8 +249,8 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from bapo_megatron.commands.process_exit import skip_final_collection
-    from bapo_megatron.commands.process_start import prepare_process
+    from bapo_megatron.process.end import skip_final_collection
+    from bapo_megatron.process.start import prepare_process
 
     prepare_process()
     main(sys.argv[1:])

@@ -355,7 +355,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from bapo_megatron.commands.process_start import prepare_process
+    from bapo_megatron.process.start import prepare_process
 
     prepare_process()
     main(sys.argv[1:])

@@ -1,7 +1,7 @@
 """Evaluate a checkpoint on a benchmark: avg@k and pass@k, written to a JSON report.
 
 Same as the console script ``bapo-evaluate``; the command line is
-:mod:`bapo_megatron.repro.evaluate_cli`.
+:mod:`bapo_megatron.evaluation.cli`.
 """
 
 from bapo_megatron.commands.console import evaluate

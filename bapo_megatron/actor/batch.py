@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # annotations only: packing imports this module
-    from bapo_megatron.actor.packing import PackedSegments
+if TYPE_CHECKING:
+    from bapo_megatron.actor.packed_segments import PackedSegments
 
 
 @dataclass(frozen=True)

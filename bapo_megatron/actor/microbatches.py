@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from bapo_megatron.actor.batch import PolicyBatch, microbatch_count, split_microbatches
-from bapo_megatron.actor.packing import packed_row, round_up, sequence_lengths
+from bapo_megatron.actor.packing import Multiples, packed_row, round_up, sequence_lengths
 from bapo_megatron.actor.token_budget import over_budget, split_by_token_budget
 from bapo_megatron.config import ActorConfig
 from bapo_megatron.distributed.context import ParallelContext
@@ -41,18 +41,6 @@ class Batching:
     @classmethod
     def for_logprobs(cls, actor: ActorConfig) -> Batching:
         return cls(actor.micro_batch_size, actor.pack_sequences, actor.logprob_token_budget())
-
-
-@dataclass(frozen=True)
-class Multiples:
-    """What lengths must be multiples of."""
-
-    sequence: int = 1
-    """Each packed sequence: sequence parallelism splits every row over the tensor-parallel
-    ranks (and a packed sequence must not straddle a rank unevenly)."""
-    row: int = 1
-    """Each row (its total tokens): ``sequence`` times what FP8 GEMMs need of each rank's token
-    count (16, 128 for the blockwise recipe), which applies to the row, not to each sequence."""
 
 
 def length_multiples(context: ParallelContext, fp8_multiple: int = 1) -> Multiples:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bapo_megatron.algo.contributions import StatsLayout
 from bapo_megatron.algo.search_plan import SearchPlan
+from bapo_megatron.algo.stats_layout import StatsLayout
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ import numba
 import numpy as np
 import torch
 
-from bapo_megatron.algo.contributions import CHANNELS, EXTRAS, StatsLayout
 from bapo_megatron.algo.search_plan import SearchPlan
+from bapo_megatron.algo.stats_layout import CHANNELS, EXTRAS, StatsLayout
 
 _MAX_CELLS = 1 << 14
 _WAYS = 4  # interleaved histograms in pass 2

@@ -4,6 +4,7 @@ the rules that span sections, and the loader that turns YAML files and dotted ov
 ``config.json`` is translated by :mod:`bapo_megatron.models.hf_config`."""
 
 from bapo_megatron.config.actor import ActorConfig, OptimizerConfig
+from bapo_megatron.config.checks import check_training
 from bapo_megatron.config.loading import load_config
 from bapo_megatron.config.loss import AGGREGATIONS, CLIP_PRESETS, ClipSearchConfig, LossConfig
 from bapo_megatron.config.model import ModelConfig
@@ -41,5 +42,6 @@ __all__ = [
     "RolloutConfig",
     "TrainConfig",
     "WarmupConfig",
+    "check_training",
     "load_config",
 ]

@@ -14,7 +14,7 @@ SPREAD_ENGINES = ("vllm", "sglang")
 """In-process engines that ``rollout.engine_tensor_parallel_size`` spreads over several
 devices."""
 
-if TYPE_CHECKING:  # annotations only: run.py imports this module
+if TYPE_CHECKING:
     from bapo_megatron.config.model import ModelConfig
     from bapo_megatron.config.run import Config
 

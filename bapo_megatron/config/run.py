@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from bapo_megatron.config.actor import ActorConfig, OptimizerConfig
-from bapo_megatron.config.checks import check_training
 from bapo_megatron.config.kl import KLConfig
 from bapo_megatron.config.loss import LossConfig
 from bapo_megatron.config.model import ModelConfig, ParamsDtype
@@ -373,12 +372,6 @@ class Config:
     """Checkpoints and resume."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """TensorBoard, console output and experiment trackers."""
-
-    def check_training(self) -> None:
-        """Raise ``ValueError`` naming the fields when this config cannot drive a training run
-        (the rules that span sections, :func:`bapo_megatron.config.checks.check_training`; each
-        section checks itself when built)."""
-        check_training(self)
 
     def resolved_off_policy_correction(self) -> OffPolicyCorrection:
         """``algorithm.off_policy_correction``, or when it is unset the correction that

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 
 from bapo_megatron.device_check.compare import compare_actor_runs
-from bapo_megatron.device_check.measurements import model_check
 from bapo_megatron.device_check.processes import REPO_ROOT, BackgroundActorRun, Checks
 from bapo_megatron.device_check.shapes import model_config
 from bapo_megatron.device_check.start_folder import write_start_folder
@@ -175,3 +174,31 @@ def conversion(checks: Checks) -> dict:
             f"the {result.get('layer_spec')!r} layer spec, not Transformer Engine's",
         )
     return result
+
+
+def model_check(checks: Checks, name: str, *argv: str) -> dict:
+    return checks.python(
+        "bapo_megatron.device_check.model_checks",
+        name,
+        "--device",
+        checks.args.device,
+        *argv,
+        timeout=checks.args.check_timeout,
+    )
+
+
+def packing(checks: Checks) -> dict:
+    """Packed rows against padded rows on the device (:mod:`.packed_rows`): the ~0.5B shape in
+    bf16 with 2k-token responses on a GPU, the tiny model on the CPU."""
+    argv = ["--device", checks.args.device]
+    argv += (
+        ["--size", "small", "--dtype", "bfloat16", "--sequences", "32", "--length", "2048"]
+        if checks.gpu
+        else ["--size", "tiny", "--sequences", "8", "--length", "48"]
+    )
+    run = checks.python(
+        "bapo_megatron.device_check.packed_rows", *argv, timeout=checks.args.check_timeout
+    )
+    if run["status"] != "passed":
+        raise RuntimeError(f"packed rows differ from padded rows beyond tolerance: {run}")
+    return run

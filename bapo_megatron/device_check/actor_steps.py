@@ -28,7 +28,6 @@ from bapo_megatron.actor.model import build_model
 from bapo_megatron.actor.optimizer import build_optimizer, wrap_data_parallel
 from bapo_megatron.actor.train_step import train_step
 from bapo_megatron.algo.search_plan import SearchPlan
-from bapo_megatron.commands.process_exit import skip_final_collection
 from bapo_megatron.config import (
     ActorConfig,
     ClipSearchConfig,
@@ -48,6 +47,7 @@ from bapo_megatron.planning.activations import (
 )
 from bapo_megatron.planning.moe_memory import dispatcher_bytes
 from bapo_megatron.planning.shard_memory import actor_state_bytes
+from bapo_megatron.process.end import skip_final_collection
 from bapo_megatron.weights.convert import load_hf_weights
 from bapo_megatron.weights.hf_checkpoint import HFCheckpoint
 

@@ -1,5 +1,5 @@
-"""How the device check judges a device run against its CPU float32 reference, and its markdown
-summary.
+"""How the device check judges a device run against its CPU float32 reference, and the markdown
+summary of a report (the device benchmarks' too).
 
 Tolerances for a bfloat16 GPU run against float32 on the CPU, from the same bf16 weights and the
 same batch. bfloat16 keeps 8 significant bits (unit roundoff 2^-8 = 0.0039); Megatron's GEMMs
@@ -84,11 +84,12 @@ def compare_actor_runs(device_run: dict, reference: dict, *, bf16: bool, fp8: bo
     }
 
 
-def summary_markdown(report: dict) -> str:
-    """A short human summary: environment, one line per check, what was not run."""
+def summary_markdown(report: dict, title: str = "Device check", headlines=None) -> str:
+    """A short human summary: environment, one line per check, what was not run (``headlines``:
+    name -> the figures of its result worth a glance; default :data:`CHECK_HEADLINES`)."""
     env = report["environment"]
     lines = [
-        f"# Device check {report.get('label') or ''}".rstrip(),
+        f"# {title} {report.get('label') or ''}".rstrip(),
         "",
         f"{env.get('gpu', 'CPU')} ({env['device']}), {env['date']}, commit {env.get('commit')}, "
         f"torch {env['torch']}, megatron-core {env['megatron_core']}, transformers "
@@ -99,44 +100,26 @@ def summary_markdown(report: dict) -> str:
     ]
     for name, result in report["checks"].items():
         lines.append(f"| {name} | {result['status']} | {result['seconds']} | "
-                     f"{headline(name, result)} |")
+                     f"{headline(name, result, headlines)} |")
     if report.get("refused"):
         lines += ["", f"Refused: {report['refused']}"]
-    lines += ["", "Not run:", ""]
-    lines += [f"- {what}: {why}" for what, why in report["not_run"].items()]
+    if report["not_run"]:
+        lines += ["", "Not run:", ""]
+        lines += [f"- {what}: {why}" for what, why in report["not_run"].items()]
     return "\n".join(lines) + "\n"
 
 
-def headline(name: str, result: dict) -> str:
-    """The figures worth a glance, per check."""
+def headline(name: str, result: dict, headlines=None) -> str:
+    """The figures worth a glance of check ``name``'s result (``headlines``: as
+    :func:`summary_markdown`'s)."""
     if "error" in result:
         return result["error"].splitlines()[-1][:160].replace("|", "/")
-    if name.startswith("actor_"):
+    if name.startswith("actor_") and name != "actor_fp8":
         rel = [v["first_step_relative_difference"]["loss"] for v in result["variants"].values()
                if "first_step_relative_difference" in v]
         speed = max(v["device_tokens_per_s"] for v in result["variants"].values())
         return f"worst first-step loss rel. diff {max(rel):.2e}; {speed:,.0f} tokens/s"
-    picks = {
-        "memory": lambda r: ", ".join(f"{k} {v:.2f}" for k, v in
-                                      r["ratio_measured_over_planned"].items() if v),
-        "loss_bench": lambda r: ", ".join(f"{s}: b/a {v['b_over_a']}" for s, v in
-                                          r["sizes"].items()),
-        "engine": lambda r: f"{r['tokens_per_s']:,.0f} tokens/s",
-        "conversion": lambda r: f"logits max diff {r['logits_max_abs_diff_vs_transformers']:.2e}",
-        "speed": lambda r: f"actor/transformers {r['actor_over_transformers']:.2f}x, MFU "
-        f"{r['actor_mfu'] or 0:.1%}, BAPO step/fixed clip {r['paper_step_over_fixed_clip']:.2f}x",
-        "loop_tiny": lambda r: f"reward {r['reward_first5']:.3f} -> {r['reward_last5']:.3f}",
-        "loop_small": lambda r: f"reward {r['reward_first5']:.3f} -> {r['reward_last5']:.3f}",
-        "resume": lambda r: f"killed after {r['killed_after_checkpoint']}, "
-        f"{r['records']} records",
-        "deterministic": lambda r: f"bitwise {r['parameters_bitwise_equal']}",
-        "actor_fp8": _fp8_headline,
-        "vllm_engine": _vllm_headline,
-        "vllm_engine_fp8": _vllm_headline,
-        "loop_vllm": lambda r: f"reward {r['reward_first5']:.3f} -> {r['reward_last5']:.3f}, "
-        f"gap {r['logprob_gap_mean_abs_worst_step']}",
-        "distributed_optimizer": lambda r: f"max rel. diff {r['max_relative_difference']:.1e}",
-    }
+    picks = CHECK_HEADLINES if headlines is None else headlines
     try:
         return picks[name](result) if name in picks else ""
     except (KeyError, TypeError, ValueError):
@@ -157,3 +140,19 @@ def _fp8_headline(result: dict) -> str:
 def _vllm_headline(result: dict) -> str:
     gaps = [g["mean_abs"] for g in result["logprob_gaps"].values()]
     return f"engine/actor log-prob gap mean {max(gaps):.1e} (worst phase)"
+
+
+CHECK_HEADLINES = {
+    "conversion": lambda r: f"logits max diff {r['logits_max_abs_diff_vs_transformers']:.2e}",
+    "loop_tiny": lambda r: f"reward {r['reward_first5']:.3f} -> {r['reward_last5']:.3f}",
+    "loop_small": lambda r: f"reward {r['reward_first5']:.3f} -> {r['reward_last5']:.3f}",
+    "resume": lambda r: f"killed after {r['killed_after_checkpoint']}, {r['records']} records",
+    "deterministic": lambda r: f"bitwise {r['parameters_bitwise_equal']}",
+    "actor_fp8": _fp8_headline,
+    "vllm_engine": _vllm_headline,
+    "vllm_engine_fp8": _vllm_headline,
+    "loop_vllm": lambda r: f"reward {r['reward_first5']:.3f} -> {r['reward_last5']:.3f}, "
+    f"gap {r['logprob_gap_mean_abs_worst_step']}",
+    "distributed_optimizer": lambda r: f"max rel. diff {r['max_relative_difference']:.1e}",
+}
+"""Per check, the figures of its result worth a glance in the summary."""

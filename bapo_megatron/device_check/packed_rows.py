@@ -29,7 +29,6 @@ from bapo_megatron.actor.model import (
 )
 from bapo_megatron.actor.train_step import train_step
 from bapo_megatron.algo.search_plan import SearchPlan
-from bapo_megatron.commands.process_exit import skip_final_collection
 from bapo_megatron.config import (
     ActorConfig,
     ClipSearchConfig,
@@ -39,6 +38,7 @@ from bapo_megatron.config import (
 )
 from bapo_megatron.device_check.shapes import model_config
 from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.process.end import skip_final_collection
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
 """Largest mean |log-prob gap| over response tokens (and relative gap of the step's loss and

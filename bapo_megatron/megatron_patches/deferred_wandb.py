@@ -16,7 +16,7 @@ name it defines (``wandb.init``), or imports one of its submodules: from then on
 package, the object Megatron and our W&B sink (``trainer/sinks/wandb_run.py``) hold included. The
 standard library's ``LazyLoader`` does the same but runs the package at any attribute lookup,
 ``__file__`` included, so under torch it saves nothing. It is called by the command lines
-(:mod:`bapo_megatron.commands.process_start`), before any module imports megatron.
+(:mod:`bapo_megatron.process.start`), before any module imports megatron.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Megatron-Core warns at import, once per module, that it falls back to torch impl
 Transformer Engine or NVIDIA Apex is missing. That is always the case on the CPU, where the
 fallback is the intended path, so the warnings say nothing; the project's docs say which paths
 need either package. :func:`quiet_missing_accelerator_warnings` is called by the command lines
-(:mod:`bapo_megatron.commands.process_start`), so it is in force before any module imports
+(:mod:`bapo_megatron.process.start`), so it is in force before any module imports
 megatron.
 """
 

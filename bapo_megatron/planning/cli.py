@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from bapo_megatron.config import ModelConfig
+from bapo_megatron.config import ModelConfig, check_training
 from bapo_megatron.config.loading import load_config
 from bapo_megatron.planning.conversion import conversion_command
 from bapo_megatron.planning.plan import GB, plan_layout
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)
     try:
         config = load_config(args.recipe, args.overrides)
-        config.check_training()
+        check_training(config)
         model = _model(config, args.hf_config)
         if args.world_size < 1 or args.gpu_memory_gb <= 0 or args.prompt_tokens < 1:
             raise ValueError("--world-size, --gpu-memory-gb and --prompt-tokens must be positive")

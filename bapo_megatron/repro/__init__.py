@@ -1,1 +1,1 @@
-"""The reproduction kit: evaluation, run plots, the loss demo and the staleness sweep."""
+"""The reproduction kit: run plots, the loss demo and the staleness sweep."""

@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from bapo_megatron.config import Config
+from bapo_megatron.config import Config, check_training
 from bapo_megatron.config.loading import config_yaml, load_config
 from bapo_megatron.config.trackers import check_tracker_packages
 from bapo_megatron.disaggregated.engine_rank import run_engine_rank
@@ -37,7 +37,7 @@ def preflight(cfg: Config) -> None:
     :meth:`ParallelContext.initialize` and the task's prompts against the model's context by
     :func:`bapo_megatron.data.task.load_task`, both before the actor is built.)"""
     refuse_unpickling_loads()
-    cfg.check_training()
+    check_training(cfg)
     rollout_api_key(cfg.rollout)  # a named variable that is not set, refused now
     check_tracker_packages(cfg.logging.wandb, cfg.logging.mlflow)
     get_reward(cfg.reward.name)  # unknown names and imports that fail, named

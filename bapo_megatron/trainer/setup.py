@@ -20,7 +20,7 @@ from bapo_megatron.actor.actor import Actor, build_actor
 from bapo_megatron.actor.optimizer import require_offload_support
 from bapo_megatron.actor.reference import ReferencePolicy
 from bapo_megatron.algo.search_plan import SearchPlan
-from bapo_megatron.config import Config
+from bapo_megatron.config import Config, check_training
 from bapo_megatron.config.checks import check_model, records_routes
 from bapo_megatron.data.experience import ReplayBuffer
 from bapo_megatron.data.task import Task, load_task
@@ -154,7 +154,7 @@ def start_run(cfg: Config, context: ParallelContext, engines: EngineLink | None 
     the engines. ``engines``: the links to a disaggregated run's engine ranks (None: each
     replica builds its colocated engine). Rank 0 holds the output folder's lock until
     :meth:`Run.close`."""
-    cfg.check_training()
+    check_training(cfg)
     output = Path(cfg.train.output_dir)
     lock = _lock_output(output, context, cfg.parallel.startup_timeout_s)
     try:

@@ -34,7 +34,7 @@ from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.megatron_patches import cpu_runtime as cpu_patches
 from bapo_megatron.megatron_patches import without_transformer_engine as without_te
 from tests.distributed import test_routing_replay as moe
-from tests.helpers import gloo_launch
+from tests.helpers import gloo_launch, tiny_models
 from tests.helpers.gloo_threads import gloo_transport_threads, gloo_transport_threads_reaching
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -43,14 +43,8 @@ BATCH, SEQ = 2, 12
 
 
 def tiny_model(model_type: str = "llama", tied: bool = False) -> ModelConfig:
-    return ModelConfig(
+    return tiny_models.tiny_model(
         model_type=model_type,
-        num_layers=2,
-        hidden_size=64,
-        ffn_hidden_size=128,
-        num_attention_heads=4,
-        num_query_groups=2,
-        vocab_size=128,
         max_position_embeddings=64,
         tie_word_embeddings=tied,
         rope_theta=1e6 if model_type == "qwen2" else 10000.0,
@@ -372,6 +366,6 @@ def test_tp2_with_split_tp1_weights_gives_tp1_logits_and_pp_stages(tmp_path, sin
 
 if __name__ == "__main__":
     worker(gloo_launch.worker_arguments(sys.argv[1:], reference=str))
-    from bapo_megatron.commands.process_exit import skip_final_collection
+    from bapo_megatron.process.end import skip_final_collection
 
     skip_final_collection()

@@ -180,6 +180,6 @@ def test_entropy_bonus_and_masked_weights_match_the_single_process_run(tmp_path,
 
 if __name__ == "__main__":
     worker(gloo_launch.worker_arguments(sys.argv[1:], data=str))
-    from bapo_megatron.commands.process_exit import skip_final_collection
+    from bapo_megatron.process.end import skip_final_collection
 
     skip_final_collection()

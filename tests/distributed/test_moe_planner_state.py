@@ -138,6 +138,6 @@ def test_planned_state_equals_the_built_moe_actor_on_every_rank(tmp_path):
 
 if __name__ == "__main__":
     worker(gloo_launch.worker_arguments(sys.argv[1:]))
-    from bapo_megatron.commands.process_exit import skip_final_collection
+    from bapo_megatron.process.end import skip_final_collection
 
     skip_final_collection()

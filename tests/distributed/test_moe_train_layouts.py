@@ -57,24 +57,20 @@ from bapo_megatron.actor.logprobs import (  # noqa: E402
     compute_logprobs_and_routes,
 )
 from bapo_megatron.actor.microbatches import Batching  # noqa: E402
-from bapo_megatron.actor.model import (  # noqa: E402
-    global_parameter_name,
-    load_whole_model_weights,
-    parameter_shard,
-)
-from bapo_megatron.actor.train_step import train_step  # noqa: E402
-from bapo_megatron.algo.search_plan import SearchPlan  # noqa: E402
-from bapo_megatron.config import (  # noqa: E402
-    ActorConfig,
-    ClipSearchConfig,
-    LossConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ParallelConfig,
-)
+from bapo_megatron.actor.model import load_whole_model_weights  # noqa: E402
+from bapo_megatron.config import ActorConfig, ModelConfig, OptimizerConfig, ParallelConfig  # noqa: E402
 from bapo_megatron.config.moe import MoeConfig  # noqa: E402
 from bapo_megatron.distributed.context import ParallelContext  # noqa: E402
-from tests.helpers import gloo_launch  # noqa: E402
+from tests.helpers import gloo_launch, layout_training  # noqa: E402
+from tests.helpers.layout_training import (  # noqa: E402
+    COMPARED,
+    LAUNCH_TIMEOUT_S,
+    NUM_SEQUENCES,
+    OPTIMIZER,
+    PARAM_TOLERANCE,
+    run_result,
+    whole_weights,
+)
 
 AUX_COEF = 0.05
 MODEL = ModelConfig(
@@ -97,11 +93,7 @@ MODEL = ModelConfig(
     ),
 )
 ACTOR = ActorConfig(micro_batch_size=1, temperature=0.8, seed=5)
-OPTIMIZER = OptimizerConfig(lr=3e-3, weight_decay=0.01, clip_grad=0.5)
 DISTRIBUTED_OPTIMIZER = dataclasses.replace(OPTIMIZER, use_distributed_optimizer=True)
-LOSS = LossConfig(aggregation="token-mean")
-STEPS = 3
-NUM_SEQUENCES = 8
 SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
 LAYOUTS = {
     "ep2": (ParallelConfig(expert_model_parallel_size=2), OPTIMIZER),
@@ -127,43 +119,14 @@ REPLAY_LAYOUTS = {
     "pp2": LAYOUTS["pp2"][0],
     "pp2-recompute": LAYOUTS["pp2"][0],
 }
-COMPARED = (
-    "loss",
-    "grad_norm",
-    "entropy",
-    "bapo/c_low",
-    "bapo/c_high",
-    "bapo/rho_before",
-    "bapo/rho_after",
-    "bapo/search_steps",
-    "response_tokens",
-    "moe/aux_loss",
-    "moe/load_balancing_loss",
-)
-PARAM_TOLERANCE = 0.01 * OPTIMIZER.lr * STEPS  # as the dense layouts' test
-LAUNCH_TIMEOUT_S = 600.0
-
-
-def plan() -> SearchPlan:
-    return SearchPlan.from_config(ClipSearchConfig.from_preset("paper", granularity="step"))
+MOE_COMPARED = (*COMPARED, "moe/aux_loss", "moe/load_balancing_loss")
 
 
 def sequences(initial_logprobs_of) -> PolicyBatch:
-    """8 right-padded sequences of lengths 9-16 with 3-6 prompt tokens; old log-probs are the
-    initial policy's plus noise; one advantage per sequence."""
-    g = torch.Generator().manual_seed(20261126)
-    length = 16
-    tokens = torch.randint(0, MODEL.vocab_size, (NUM_SEQUENCES, length), generator=g)
-    mask = torch.zeros(NUM_SEQUENCES, length, dtype=torch.bool)
-    for i in range(NUM_SEQUENCES):
-        prompt = int(torch.randint(3, 7, (), generator=g))
-        end = int(torch.randint(9, length + 1, (), generator=g))
-        mask[i, prompt:end] = True
-        tokens[i, end:] = 0
-    logprobs = initial_logprobs_of(PolicyBatch(tokens=tokens, response_mask=mask))
-    old = torch.where(mask, logprobs + 0.4 * torch.randn(NUM_SEQUENCES, length, generator=g), 0.0)
-    advantages = torch.randn(NUM_SEQUENCES, generator=g) - 0.8  # mostly negative: the search moves
-    return PolicyBatch(tokens=tokens, response_mask=mask, old_logprobs=old, advantages=advantages)
+    # mostly negative advantages: the search moves
+    return layout_training.sequences(
+        initial_logprobs_of, MODEL.vocab_size, seed=20261126, advantage_shift=-0.8
+    )
 
 
 def train(
@@ -174,17 +137,14 @@ def train(
     model: ModelConfig = MODEL,
     actor_config: ActorConfig = ACTOR,
 ) -> dict:
-    """Build an actor with ``weights``, train STEPS steps on ``batch``: metrics per step and the
-    final parameters by global name (this rank's shards)."""
-    actor = build_actor(model, actor_config, optimizer, context)
-    load_whole_model_weights(actor.chunks, weights, context)
-    step_plan = plan()
-    metrics = [train_step(actor, batch, LOSS, step_plan) for _ in range(STEPS)]
-    params = {}
-    for chunk in actor.chunks:
-        for name, param in chunk.module.named_parameters():
-            params[global_parameter_name(chunk, name)] = (name, param)
-    return dict(metrics=metrics, params=params)
+    """:func:`layout_training.train` at granularity `step`."""
+    return layout_training.train(
+        model, actor_config, context, weights, batch, "step", optimizer=optimizer
+    )
+
+
+def _assert_metrics_match(got: list[dict], want: list[dict], what: str) -> None:
+    layout_training.assert_metrics_match(got, want, what, MOE_COMPARED)
 
 
 # ------------------------------------------------------------------------ worker
@@ -231,10 +191,7 @@ def worker(args: argparse.Namespace) -> None:
                 ("packed replay", dataclasses.replace(local, routes=routes[rows]), final_replay),
             ):
                 run_packed = train(context, weights, given, actor_config=packed)
-                replay_runs[name] = dict(
-                    metrics=run_packed["metrics"],
-                    param_error=_param_error(run_packed["params"], want, context),
-                )
+                replay_runs[name] = run_result(run_packed, want, context)
         for replay_name, replay_layout in REPLAY_LAYOUTS.items():
             if replay_layout != layout or layout_name not in REPLAY_LAYOUTS:
                 continue
@@ -247,16 +204,12 @@ def worker(args: argparse.Namespace) -> None:
                 dataclasses.replace(local, routes=routes[rows]),
                 actor_config=actor_config,
             )
-            replay_runs[replay_name] = dict(
-                metrics=replayed["metrics"],
-                param_error=_param_error(replayed["params"], final_replay, context),
-            )
+            replay_runs[replay_name] = run_result(replayed, final_replay, context)
         results[layout_name] = dict(
             recorded=recorded,
             packed_recorded=packed_recorded,
             replay_runs=replay_runs,
-            metrics=run["metrics"],
-            param_error=_param_error(run["params"], final, context),
+            **run_result(run, final, context),
             experts_here=sorted({n.split(".")[6] for n in run["params"] if ".local_experts." in n}),
             logprobs=logprobs,
             rows=rows,
@@ -267,35 +220,14 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _param_error(params: dict, final: dict[str, torch.Tensor], context: ParallelContext) -> float:
-    """Largest absolute difference between this rank's shards and the reference's weights."""
-    worst = 0.0
-    for global_name, (local_name, shard) in params.items():
-        expected = parameter_shard(local_name, final[global_name], shard, context)
-        worst = max(worst, float((shard.detach() - expected).abs().max()))
-    return worst
-
-
 # ------------------------------------------------------------------------ test
-
-
-def _assert_metrics_match(got: list[dict], want: list[dict], what: str) -> None:
-    assert len(got) == len(want) == STEPS
-    for step, (g, w) in enumerate(zip(got, want)):
-        for key in COMPARED:
-            assert g[key] == pytest.approx(w[key], rel=2e-5, abs=2e-6), f"{what} step {step} {key}"
-        assert g["skipped"] == 0.0
 
 
 @pytest.mark.multiprocess
 def test_moe_layouts_match_the_single_process_run(tmp_path, single_process):
     context = single_process
     reference_actor = build_actor(MODEL, ACTOR, OPTIMIZER, context)
-    weights = {
-        global_parameter_name(c, n): p.detach().clone()
-        for c in reference_actor.chunks
-        for n, p in c.module.named_parameters()
-    }
+    weights = whole_weights(reference_actor)
 
     def initial_logprobs(batch: PolicyBatch) -> torch.Tensor:
         return compute_logprobs(
@@ -322,9 +254,9 @@ def test_moe_layouts_match_the_single_process_run(tmp_path, single_process):
     last = batch.response_mask.long().cumsum(1).argmax(1)
     routes[torch.arange(NUM_SEQUENCES), last] = -1
     replay_reference = train(context, weights, dataclasses.replace(batch, routes=routes))
-    final_replay = {name: p.detach().clone() for name, (_, p) in replay_reference["params"].items()}
+    final_replay = layout_training.final_weights(replay_reference)
     reference = train(context, weights, batch)
-    final = {name: p.detach().clone() for name, (_, p) in reference["params"].items()}
+    final = layout_training.final_weights(reference)
     # The term matters: without it the routers end elsewhere, and it is reported.
     no_aux = dataclasses.replace(MODEL, moe=dataclasses.replace(MODEL.moe, router_aux_loss_coef=0))
     without = train(context, weights, batch, model=no_aux)
@@ -383,6 +315,6 @@ def test_moe_layouts_match_the_single_process_run(tmp_path, single_process):
 
 if __name__ == "__main__":
     worker(gloo_launch.worker_arguments(sys.argv[1:], data=str))
-    from bapo_megatron.commands.process_exit import skip_final_collection
+    from bapo_megatron.process.end import skip_final_collection
 
     skip_final_collection()

@@ -64,6 +64,6 @@ def test_every_rank_agrees_on_the_lock(tmp_path):
 
 if __name__ == "__main__":
     worker(gloo_launch.worker_arguments(sys.argv[1:], held=Path, free=Path))
-    from bapo_megatron.commands.process_exit import skip_final_collection
+    from bapo_megatron.process.end import skip_final_collection
 
     skip_final_collection()

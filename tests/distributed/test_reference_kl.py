@@ -112,6 +112,6 @@ def test_reference_and_kl_loss_match_the_single_process_run(tmp_path, single_pro
 
 if __name__ == "__main__":
     worker(gloo_launch.worker_arguments(sys.argv[1:], data=str))
-    from bapo_megatron.commands.process_exit import skip_final_collection
+    from bapo_megatron.process.end import skip_final_collection
 
     skip_final_collection()

@@ -225,6 +225,6 @@ def test_a_rank_that_sends_to_itself_copies_in_place(single_process):
 
 if __name__ == "__main__":
     worker(gloo_launch.worker_arguments(sys.argv[1:]))
-    from bapo_megatron.commands.process_exit import skip_final_collection
+    from bapo_megatron.process.end import skip_final_collection
 
     skip_final_collection()

@@ -41,41 +41,29 @@ from bapo_megatron.actor.actor import build_actor
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.actor.logprobs import compute_logprobs
 from bapo_megatron.actor.microbatches import Batching
-from bapo_megatron.actor.model import (
-    global_parameter_name,
-    load_whole_model_weights,
-    tensor_parallel_shard,
-)
-from bapo_megatron.actor.train_step import train_step
-from bapo_megatron.algo.search_plan import SearchPlan
-from bapo_megatron.config import (
-    ActorConfig,
-    ClipSearchConfig,
-    LossConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ParallelConfig,
-)
+from bapo_megatron.actor.model import load_whole_model_weights
+from bapo_megatron.config import ActorConfig, OptimizerConfig, ParallelConfig
 from bapo_megatron.distributed.context import ParallelContext
-from tests.helpers import gloo_launch
+from tests.helpers import gloo_launch, layout_training
+from tests.helpers.layout_training import (
+    COMPARED,
+    LAUNCH_TIMEOUT_S,
+    NUM_SEQUENCES,
+    OPTIMIZER,
+    PARAM_TOLERANCE,
+    run_result,
+    whole_weights,
+)
+from tests.helpers.tiny_models import tiny_model
 
-MODEL = ModelConfig(
+MODEL = tiny_model(
     model_type="qwen2",
     num_layers=4,
-    hidden_size=64,
-    ffn_hidden_size=128,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=128,
     max_position_embeddings=64,
     tie_word_embeddings=True,
     rope_theta=1e6,
 )
 ACTOR = ActorConfig(micro_batch_size=1, temperature=0.8, seed=3)
-OPTIMIZER = OptimizerConfig(lr=3e-3, weight_decay=0.01, clip_grad=0.5)
-LOSS = LossConfig(aggregation="token-mean")
-STEPS = 3
-NUM_SEQUENCES = 8
 GRANULARITIES = ("step", "microbatch")
 LAYOUTS = {
     "tp2-pp2": ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
@@ -93,44 +81,11 @@ PACKED = {  # layout: (run name, granularity, actor fields)
     "pp2-dp2": [("packed budget step", "step", BUDGET)],
     "tp2-pp2": [("packed microbatch", "microbatch", dict(pack_sequences=True))],
 }
-COMPARED = (
-    "loss",
-    "grad_norm",
-    "entropy",
-    "bapo/c_low",
-    "bapo/c_high",
-    "bapo/rho_before",
-    "bapo/rho_after",
-    "bapo/search_steps",
-    "bapo/clip_frac_positive",
-    "response_tokens",
-)
-# Adam turns float rounding in near-zero gradient components into differences of the size of
-# an update; 1% of the most a parameter can move in STEPS steps (about lr per step).
-PARAM_TOLERANCE = 0.01 * OPTIMIZER.lr * STEPS
-LAUNCH_TIMEOUT_S = 600.0
-
-
-def plan(granularity: str) -> SearchPlan:
-    return SearchPlan.from_config(ClipSearchConfig.from_preset("paper", granularity=granularity))
+DENSE_COMPARED = (*COMPARED, "bapo/clip_frac_positive")
 
 
 def sequences(initial_logprobs_of) -> PolicyBatch:
-    """8 right-padded sequences of lengths 9-16 with 3-6 prompt tokens; old log-probs are the
-    initial policy's plus noise; one advantage per sequence."""
-    g = torch.Generator().manual_seed(20261123)
-    length = 16
-    tokens = torch.randint(0, MODEL.vocab_size, (NUM_SEQUENCES, length), generator=g)
-    mask = torch.zeros(NUM_SEQUENCES, length, dtype=torch.bool)
-    for i in range(NUM_SEQUENCES):
-        prompt = int(torch.randint(3, 7, (), generator=g))
-        end = int(torch.randint(9, length + 1, (), generator=g))
-        mask[i, prompt:end] = True
-        tokens[i, end:] = 0
-    logprobs = initial_logprobs_of(PolicyBatch(tokens=tokens, response_mask=mask))
-    old = torch.where(mask, logprobs + 0.4 * torch.randn(NUM_SEQUENCES, length, generator=g), 0.0)
-    advantages = torch.randn(NUM_SEQUENCES, generator=g)
-    return PolicyBatch(tokens=tokens, response_mask=mask, old_logprobs=old, advantages=advantages)
+    return layout_training.sequences(initial_logprobs_of, MODEL.vocab_size, seed=20261123)
 
 
 def shard_rows(batch: PolicyBatch, counts: list[int], rank: int) -> PolicyBatch:
@@ -160,22 +115,13 @@ def train(
     optimizer: OptimizerConfig = OPTIMIZER,
     **actor_fields,
 ) -> dict:
-    """Build an actor with ``weights`` (``actor_fields`` override ACTOR's), train STEPS steps on
-    ``batch``; metrics per step and the final parameters by global name (this rank's shards)."""
-    actor = build_actor(
-        MODEL,
-        dataclasses.replace(ACTOR, micro_batch_size=micro_batch_size, **actor_fields),
-        optimizer,
-        context,
-    )
-    load_whole_model_weights(actor.chunks, weights, context)
-    step_plan = plan(granularity)
-    metrics = [train_step(actor, batch, LOSS, step_plan) for _ in range(STEPS)]
-    params = {}
-    for chunk in actor.chunks:
-        for name, param in chunk.module.named_parameters():
-            params[global_parameter_name(chunk, name)] = (name, param)  # keeps its TP attributes
-    return dict(metrics=metrics, params=params)
+    """:func:`layout_training.train` with ACTOR's fields overridden by ``actor_fields``."""
+    actor = dataclasses.replace(ACTOR, micro_batch_size=micro_batch_size, **actor_fields)
+    return layout_training.train(MODEL, actor, context, weights, batch, granularity, optimizer)
+
+
+def _assert_metrics_match(got: list[dict], want: list[dict], what: str) -> None:
+    layout_training.assert_metrics_match(got, want, what, DENSE_COMPARED)
 
 
 # ------------------------------------------------------------------------ worker
@@ -194,10 +140,7 @@ def worker(args: argparse.Namespace) -> None:
         runs = {}
         for granularity in GRANULARITIES:
             run = train(context, weights, local, granularity)
-            runs[granularity] = dict(
-                metrics=run["metrics"],
-                param_error=_param_error(run["params"], finals[(dp, granularity)], context),
-            )
+            runs[granularity] = run_result(run, finals[(dp, granularity)], context)
         if layout_name == "tp2-dp2":  # Megatron's distributed optimizer: states sharded over DP
             run = train(
                 context,
@@ -206,23 +149,15 @@ def worker(args: argparse.Namespace) -> None:
                 "step",
                 optimizer=dataclasses.replace(OPTIMIZER, use_distributed_optimizer=True),
             )
-            runs["distributed-optimizer step"] = dict(
-                metrics=run["metrics"],
-                param_error=_param_error(run["params"], finals[(dp, "step")], context),
-            )
+            runs["distributed-optimizer step"] = run_result(run, finals[(dp, "step")], context)
         for name, granularity, fields in PACKED.get(layout_name, ()):
             run = train(context, weights, local, granularity, **fields)
             reference = finals[(dp if granularity == "microbatch" else 1, granularity)]
-            runs[name] = dict(
-                metrics=run["metrics"], param_error=_param_error(run["params"], reference, context)
-            )
+            runs[name] = run_result(run, reference, context)
         if dp == 2:
             for case, counts in UNEVEN.items():
                 run = train(context, weights, shard_rows(batch, counts, context.dp_rank), "step")
-                runs["uneven " + case] = dict(
-                    metrics=run["metrics"],
-                    param_error=_param_error(run["params"], finals[(1, "step")], context),
-                )
+                runs["uneven " + case] = run_result(run, finals[(1, "step")], context)
         actor = build_actor(MODEL, ACTOR, OPTIMIZER, context)
         load_whole_model_weights(actor.chunks, weights, context)
         logprobs, entropy = compute_logprobs(
@@ -251,38 +186,14 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _param_error(params: dict, final: dict[str, torch.Tensor], context: ParallelContext) -> float:
-    """Largest absolute difference between this rank's shards and the reference's final weights."""
-    worst = 0.0
-    for global_name, (local_name, shard) in params.items():
-        name = global_name if global_name in final else "embedding.word_embeddings.weight"
-        expected = tensor_parallel_shard(
-            local_name, final[name], shard, context.tp_rank, context.tp_size
-        )
-        worst = max(worst, float((shard.detach() - expected).abs().max()))
-    return worst
-
-
 # ------------------------------------------------------------------------ test
-
-
-def _assert_metrics_match(got: list[dict], want: list[dict], what: str) -> None:
-    assert len(got) == len(want) == STEPS
-    for step, (g, w) in enumerate(zip(got, want)):
-        for key in COMPARED:
-            assert g[key] == pytest.approx(w[key], rel=2e-5, abs=2e-6), f"{what} step {step} {key}"
-        assert g["skipped"] == 0.0
 
 
 @pytest.mark.multiprocess
 def test_layouts_match_the_single_process_run(tmp_path, single_process):
     context = single_process
     reference_actor = build_actor(MODEL, ACTOR, OPTIMIZER, context)
-    weights = {
-        global_parameter_name(c, n): p.detach().clone()
-        for c in reference_actor.chunks
-        for n, p in c.module.named_parameters()
-    }
+    weights = whole_weights(reference_actor)
 
     def initial_logprobs(batch: PolicyBatch) -> torch.Tensor:
         return compute_logprobs(
@@ -320,10 +231,7 @@ def test_layouts_match_the_single_process_run(tmp_path, single_process):
     )
     # The search moved the bounds in some step, or the comparison below would be weak.
     assert any(m["bapo/search_steps"] > 0 for run in references.values() for m in run["metrics"])
-    final_weights = {
-        key: {name: p.detach().clone() for name, (_, p) in run["params"].items()}
-        for key, run in references.items()
-    }
+    final_weights = {key: layout_training.final_weights(run) for key, run in references.items()}
     torch.save(
         dict(weights=weights, batch=batch, final_weights=final_weights), tmp_path / "data.pt"
     )
@@ -374,6 +282,6 @@ def test_layouts_match_the_single_process_run(tmp_path, single_process):
 
 if __name__ == "__main__":
     worker(gloo_launch.worker_arguments(sys.argv[1:], data=str))
-    from bapo_megatron.commands.process_exit import skip_final_collection
+    from bapo_megatron.process.end import skip_final_collection
 
     skip_final_collection()

@@ -6,13 +6,13 @@ from __future__ import annotations
 import copy
 import json
 
+from bapo_megatron.device_bench.run import BENCH_HEADLINES
 from bapo_megatron.device_check import run
 from bapo_megatron.device_check.compare import compare_actor_runs, summary_markdown
 from tests.helpers.gloo_launch import ONE_THREAD
 
-# loss_bench and packing_bench only wrap tools/bench_bapo_loss.py and bench_actor_step.py,
-# whose smoke tests are in test_tools.py; packing's module runs in process below
-FAST_CHECKS = "actor_tiny,actor_moe,conversion,engine"
+# packing's module runs in process below; the benchmarks: test_device_bench.py
+FAST_CHECKS = "actor_tiny,actor_moe,conversion"
 
 
 def test_the_check_runs_on_the_cpu_and_writes_its_report(tmp_path, monkeypatch):
@@ -87,7 +87,7 @@ def test_the_summary_names_every_check_and_what_was_not_run():
         },
         "not_run": {"TE": "cannot be carried"},
     }
-    text = summary_markdown(report)
+    text = summary_markdown(report, "Device benchmarks", BENCH_HEADLINES)
     assert "| engine | passed | 1.0 | 12 tokens/s |" in text
     assert "| memory | error | 2.0 | Boom: out of / memory |" in text
     assert "- TE: cannot be carried" in text

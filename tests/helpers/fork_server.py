@@ -33,7 +33,7 @@ import traceback
 # What a trainer, a tool or a worker of the suite imports (each costing > 0.1 s), in the order
 # they would be imported, after :func:`preload` has deferred Megatron-Core's imports of wandb,
 # TorchDynamo and its JIT as every command line of a real run does
-# (bapo_megatron/commands/process_start.py). A module that fails to import here is only imported
+# (bapo_megatron/process/start.py). A module that fails to import here is only imported
 # by the child.
 PRELOAD = (
     "bapo_megatron",
@@ -63,7 +63,7 @@ PRELOAD = (
     "bapo_megatron.trainer.main",
     "bapo_megatron.trainer.loop",
     "bapo_megatron.weights.convert_cli",
-    "bapo_megatron.repro.evaluate_cli",
+    "bapo_megatron.evaluation.cli",
 )
 
 
@@ -71,7 +71,7 @@ def preload() -> None:
     import importlib
     import warnings
 
-    from bapo_megatron.commands.process_start import prepare_process
+    from bapo_megatron.process.start import prepare_process
 
     prepare_process()  # before megatron's import, and inherited by every child
     with warnings.catch_warnings():

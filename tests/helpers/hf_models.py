@@ -203,3 +203,13 @@ def read_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
     for path in sorted(folder.glob("*.safetensors")):
         tensors.update(load_file(str(path)))
     return tensors
+
+
+def saved_folders(root: Path) -> dict[str, tuple[Path, torch.Tensor]]:
+    """variant -> (an HF folder of it saved under ``root``, transformers' logits on
+    :func:`tokens`), for every variant."""
+    out = {}
+    for seed, variant in enumerate(VARIANTS):
+        model = save_hf_folder(root / variant, variant, seed=seed)
+        out[variant] = (root / variant, hf_logits(model))
+    return out

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bapo_megatron.config import ClipSearchConfig, Config
+from bapo_megatron.config import ClipSearchConfig, Config, check_training
 from bapo_megatron.config.loading import load_config
+from tests.helpers.tiny_models import tiny_model_overrides
 
 
 def test_presets_match_the_spec():
@@ -192,20 +193,11 @@ def test_unparsable_yaml_names_the_file_or_override(tmp_path, where):
 
 
 # A config that passes check_training: a tiny model from random weights on the synthetic task.
-TRAINABLE = [
-    "data.synthetic_task=count_to",
-    "model.model_type=llama",
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.ffn_hidden_size=128",
-    "model.num_attention_heads=4",
-    "model.num_query_groups=2",
-    "model.vocab_size=128",
-]
+TRAINABLE = ["data.synthetic_task=count_to", *tiny_model_overrides()]
 
 
 def test_the_trainable_config_trains():
-    load_config(None, TRAINABLE).check_training()
+    check_training(load_config(None, TRAINABLE))
 
 
 @pytest.mark.parametrize("value", ["", "'  '"])
@@ -218,22 +210,22 @@ def test_an_empty_output_dir_is_refused(value):
 def test_a_rollout_lag_that_leaves_no_training_step_is_refused():
     cfg = load_config(None, TRAINABLE + ["algorithm.rollout_lag=5", "train.steps=5"])
     with pytest.raises(ValueError) as raised:
-        cfg.check_training()
+        check_training(cfg)
     assert str(raised.value).startswith(
         "algorithm.rollout_lag (5) must be smaller than train.steps (5): the first 5 rollout steps "
         "only generate"
     )
-    load_config(None, TRAINABLE + ["algorithm.rollout_lag=5", "train.steps=6"]).check_training()
+    check_training(load_config(None, TRAINABLE + ["algorithm.rollout_lag=5", "train.steps=6"]))
 
 
 def test_one_sample_per_prompt_is_refused_for_training_only():
     cfg = load_config(None, TRAINABLE + ["rollout.samples_per_prompt=1"])  # fine outside training
     with pytest.raises(ValueError) as raised:
-        cfg.check_training()
+        check_training(cfg)
     message = str(raised.value)
     assert message.startswith("rollout.samples_per_prompt=1 cannot train")
     assert "a group of one gives every response the advantage 0" in message
-    load_config(None, TRAINABLE + ["rollout.samples_per_prompt=2"]).check_training()
+    check_training(load_config(None, TRAINABLE + ["rollout.samples_per_prompt=2"]))
 
 
 RECOMPUTE = ["algorithm.old_logprobs=recompute"]
@@ -263,7 +255,7 @@ RECOMPUTE = ["algorithm.old_logprobs=recompute"]
 )
 def test_the_off_policy_correction_trains_as_named(overrides, correction):
     cfg = load_config(None, TRAINABLE + overrides)
-    cfg.check_training()
+    check_training(cfg)
     assert cfg.resolved_off_policy_correction() == correction
 
 
@@ -299,7 +291,7 @@ def test_the_off_policy_correction_trains_as_named(overrides, correction):
 def test_an_off_policy_correction_without_its_parts_is_refused(overrides, message):
     cfg = load_config(None, TRAINABLE + overrides)
     with pytest.raises(ValueError) as raised:
-        cfg.check_training()
+        check_training(cfg)
     assert str(raised.value).startswith(message)
 
 

@@ -30,6 +30,7 @@ from bapo_megatron.actor.megatron_config import to_transformer_config
 from bapo_megatron.actor.model import build_model, layer_spec
 from bapo_megatron.config import ModelConfig, ParallelConfig
 from bapo_megatron.config.moe import MoeConfig
+from tests.helpers.tiny_models import tiny_model
 
 HEAD_SIZE = 16
 LENGTHS = [7, 1, 12, 3, 9]
@@ -222,17 +223,7 @@ def test_packed_row_equals_the_sequences_run_padded_one_at_a_time(context):
 
 
 def test_packed_row_through_gpt_model_equals_its_sequences_one_at_a_time(context):
-    model = ModelConfig(
-        model_type="qwen3",
-        num_layers=2,
-        hidden_size=64,
-        ffn_hidden_size=128,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=16,
-        vocab_size=96,
-        max_position_embeddings=64,
-    )
+    model = tiny_model(model_type="qwen3", head_dim=16, vocab_size=96, max_position_embeddings=64)
     chunk = build_model(model, ParallelConfig(), context)[0]
     g = torch.Generator().manual_seed(808)
     sequences = [torch.randint(0, model.vocab_size, (n,), generator=g) for n in LENGTHS]

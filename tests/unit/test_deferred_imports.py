@@ -21,19 +21,20 @@ import tomllib
 import pytest
 import torch
 
-from bapo_megatron.commands import process_exit, process_start
 from bapo_megatron.megatron_patches.deferred_jit_compile import compile_on_first_call
+from bapo_megatron.process import end, start
 from tests.helpers.gloo_launch import REPO_ROOT
 
 # The command line each console script runs.
 CONSOLE_COMMAND_LINES = {
     "bapo-train": "bapo_megatron.trainer.main",
     "bapo-convert-checkpoint": "bapo_megatron.weights.convert_cli",
-    "bapo-evaluate": "bapo_megatron.repro.evaluate_cli",
+    "bapo-evaluate": "bapo_megatron.evaluation.cli",
     "bapo-plot-runs": "bapo_megatron.repro.plots_cli",
     "bapo-sweep": "bapo_megatron.repro.sweep_cli",
     "bapo-plan-layout": "bapo_megatron.planning.cli",
     "bapo-gpu-check": "bapo_megatron.device_check.run",
+    "bapo-gpu-bench": "bapo_megatron.device_bench.run",
     "bapo-gguf-to-hf": "bapo_megatron.weights.gguf_to_hf",
     "bapo-make-arithmetic": "bapo_megatron.data.arithmetic_task",
 }
@@ -191,8 +192,8 @@ def test_a_console_script_prepares_its_process_first_and_skips_the_final_collect
     script, monkeypatch
 ):
     calls = []
-    monkeypatch.setattr(process_start, "prepare_process", lambda: calls.append("prepare"))
-    monkeypatch.setattr(process_exit, "skip_final_collection", lambda: calls.append("skip"))
+    monkeypatch.setattr(start, "prepare_process", lambda: calls.append("prepare"))
+    monkeypatch.setattr(end, "skip_final_collection", lambda: calls.append("skip"))
     command_line = importlib.import_module(CONSOLE_COMMAND_LINES[script])
     monkeypatch.setattr(command_line, "main", lambda: calls.append("main") or 0)
     module, _, function = console_scripts()[script].partition(":")
@@ -236,8 +237,8 @@ def test_openmp_spinning_is_bounded_unless_the_user_chose(tmp_path, preset, want
         f"""
         import os
         os.environ.update({preset!r})
-        from bapo_megatron.commands import process_start
-        process_start.prepare_process()
+        from bapo_megatron.process import start
+        start.prepare_process()
         import ctypes, torch
         libc = ctypes.CDLL(None)
         libc.getenv.restype = ctypes.c_char_p

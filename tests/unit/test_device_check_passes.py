@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from bapo_megatron.config import load_config
+from bapo_megatron.config import check_training, load_config
 from bapo_megatron.device_check import actor_checks, passes, run
 from bapo_megatron.device_check.actor_steps import parallel_config
 from bapo_megatron.device_check.compare import compare_actor_runs
@@ -114,7 +114,7 @@ def test_the_actor_process_takes_its_fp8_mode_from_the_command_line():
 def test_the_loop_with_vllm_starts_from_a_folder_with_a_tokenizer(tmp_path):
     [config] = vllm_loop_inputs(tmp_path, gpu=False)
     cfg = load_config(config.split("=", 1)[1])
-    cfg.check_training()
+    check_training(cfg)
     assert cfg.rollout.engine == "vllm" and cfg.model is None
     assert (tmp_path / "start" / "tokenizer.json").is_file()
     assert len((tmp_path / "prompts.jsonl").read_text().splitlines()) == 200

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bapo_megatron.config import ParallelConfig, RolloutConfig
+from bapo_megatron.config import ParallelConfig, RolloutConfig, check_training
 from bapo_megatron.config.loading import load_config
 from bapo_megatron.distributed.layout import split_world
 from tests.unit.test_config import TRAINABLE
@@ -36,7 +36,7 @@ def test_bad_placement_settings_name_the_field(overrides, message):
 def test_what_a_disaggregated_run_cannot_do_is_refused(overrides, message):
     cfg = load_config(None, [*TRAINABLE, *SPLIT, *overrides])
     with pytest.raises(ValueError, match=message):
-        cfg.check_training()
+        check_training(cfg)
 
 
 def test_servers_are_engines_without_ranks():
@@ -50,15 +50,15 @@ def test_servers_are_engines_without_ranks():
         "algorithm.max_staleness=1",
         "rollout.inflight_update=resume",
     ]
-    load_config(None, asynchronous).check_training()
+    check_training(load_config(None, asynchronous))
 
 
 def test_a_disaggregated_config_trains():
-    load_config(None, [*TRAINABLE, *SPLIT]).check_training()
-    load_config(None, [*TRAINABLE, *SPLIT, "algorithm.max_staleness=2"]).check_training()
+    check_training(load_config(None, [*TRAINABLE, *SPLIT]))
+    check_training(load_config(None, [*TRAINABLE, *SPLIT, "algorithm.max_staleness=2"]))
     shards = "rollout.weight_transport=shard-to-shard"
-    load_config(None, [*TRAINABLE, *SPLIT, shards]).check_training()
-    load_config(None, [*TRAINABLE, *SPLIT, shards, "algorithm.max_staleness=2"]).check_training()
+    check_training(load_config(None, [*TRAINABLE, *SPLIT, shards]))
+    check_training(load_config(None, [*TRAINABLE, *SPLIT, shards, "algorithm.max_staleness=2"]))
 
 
 ASYNC = [*SPLIT, "algorithm.max_staleness=1"]
@@ -85,7 +85,7 @@ ASYNC = [*SPLIT, "algorithm.max_staleness=1"]
 def test_what_asynchronous_training_cannot_do_is_refused(overrides, message):
     cfg = load_config(None, [*TRAINABLE, *overrides])
     with pytest.raises(ValueError, match=message):
-        cfg.check_training()
+        check_training(cfg)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import types
 import pytest
 
 import tests.unit.test_rollout_engines as suite
-from bapo_megatron.config import ModelConfig, load_config
+from bapo_megatron.config import ModelConfig, check_training, load_config
 from bapo_megatron.config.checks import check_engine_heads, check_model
 from bapo_megatron.rollout.checksum import agreed_checksum, checksum
 from bapo_megatron.rollout.vllm import engine_worker_gpus
@@ -71,17 +71,17 @@ def test_the_head_rule_is_the_split_it_allows(heads, kv_heads, tp):
 
 def test_the_run_checks_the_engine_size_against_the_model_and_the_engine_kind():
     with pytest.raises(ValueError, match="rollout.engine='embedded' runs in one process"):
-        load_config(None, [*TRAINABLE, "rollout.engine_tensor_parallel_size=2"]).check_training()
+        check_training(load_config(None, [*TRAINABLE, "rollout.engine_tensor_parallel_size=2"]))
     cfg = load_config(
         None, [*TRAINABLE, "rollout.engine=vllm", "rollout.engine_tensor_parallel_size=2"]
     )
-    cfg.check_training()  # the model section's 4 heads in 2 groups split over 2 workers
+    check_training(cfg)  # the model section's 4 heads in 2 groups split over 2 workers
     check_model(cfg, model_with(4, 1))  # one key/value head, replicated
     with pytest.raises(ValueError, match="=2 must divide the model's 3 attention heads"):
         check_model(cfg, model_with(3, 1))
     too_many = [*TRAINABLE, "rollout.engine=vllm", "rollout.engine_tensor_parallel_size=8"]
     with pytest.raises(ValueError, match="=8 must divide the model's 4 attention heads"):
-        load_config(None, too_many).check_training()
+        check_training(load_config(None, too_many))
 
 
 def test_one_worker_runs_in_process_and_several_in_processes_of_their_own():

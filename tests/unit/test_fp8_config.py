@@ -7,20 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from bapo_megatron.config import ModelConfig, ParallelConfig
+from bapo_megatron.config import ParallelConfig
 from bapo_megatron.config.parallel import fp8_length_multiple
 from bapo_megatron.distributed.layout import Accelerator, validate_layout
+from tests.helpers.tiny_models import tiny_model
 
-TINY = ModelConfig(
-    model_type="llama",
-    num_layers=2,
-    hidden_size=64,
-    ffn_hidden_size=128,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=128,
-    params_dtype="bfloat16",
-)
+TINY = tiny_model(params_dtype="bfloat16")
 
 
 def test_fp8_is_refused_where_transformer_engine_does_not_run_it():

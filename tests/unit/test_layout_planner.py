@@ -23,6 +23,7 @@ from bapo_megatron.planning.cli import main
 from bapo_megatron.weights.convert_cli import build_parser as convert_parser
 from tests.e2e.test_examples import GPU_RECIPE_PARAMS, GPU_RECIPES
 from tests.helpers.published_configs import PUBLISHED_PARAMETERS, config_path, published_config
+from tests.helpers.tiny_models import tiny_model
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -320,7 +321,7 @@ def test_a_token_budget_plans_rows_of_the_budget_without_an_attention_term():
     """Packed rows under a token budget: the planner's worst case is a row of the budget (or
     of one sequence over it), with as many rows as whole sequences at the cap need, and its
     fused-attention estimate grows linearly with the row, with no s x s term."""
-    from bapo_megatron.config import ActorConfig, ModelConfig, ParallelConfig
+    from bapo_megatron.config import ActorConfig, ParallelConfig
     from bapo_megatron.planning.activations import layer_bytes, training_shape
 
     packed = ActorConfig(pack_sequences=True, max_tokens_per_microbatch=4096)
@@ -330,16 +331,7 @@ def test_a_token_budget_plans_rows_of_the_budget_without_an_attention_term():
     assert (over.sequence_length, over.micro_batches) == (5000, 10)
     padded = training_shape(ActorConfig(micro_batch_size=4), sequence_length=1000, sequences=10)
     assert (padded.micro_batch_size, padded.sequence_length, padded.micro_batches) == (4, 1000, 3)
-    model = ModelConfig(
-        model_type="qwen2",
-        num_layers=2,
-        hidden_size=64,
-        ffn_hidden_size=128,
-        num_attention_heads=4,
-        num_query_groups=2,
-        vocab_size=128,
-        max_position_embeddings=8192,
-    )
+    model = tiny_model(model_type="qwen2", max_position_embeddings=8192)
     for attention in ("sdpa", "flash"):
         one, two = (
             layer_bytes(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bapo_megatron.config import ClipSearchConfig
+from bapo_megatron.config import ClipSearchConfig, check_training
 from bapo_megatron.config.loading import load_config
 from tests.unit.test_config import RECOMPUTE, TRAINABLE
 
@@ -90,7 +90,7 @@ def test_bad_values_are_refused_naming_the_field(overrides, message):
 def test_training_rules_name_the_fields(overrides, message):
     cfg = load_config(None, TRAINABLE + overrides)
     with pytest.raises(ValueError) as raised:
-        cfg.check_training()
+        check_training(cfg)
     assert str(raised.value).startswith(message)
 
 
@@ -102,7 +102,7 @@ def test_a_band_mask_trains_with_its_band_alone(correction):
         "loss.mismatch_band_high=5",
     ]
     cfg = load_config(None, TRAINABLE + RECOMPUTE + overrides)
-    cfg.check_training()
+    check_training(cfg)
     assert cfg.loss.mismatch_band() == (0.5, 5.0)
 
 
@@ -110,10 +110,10 @@ def test_one_sample_per_prompt_trains_with_verls_rule():
     cfg = load_config(
         None, TRAINABLE + ["rollout.samples_per_prompt=1", "algorithm.one_sample_advantage=reward"]
     )
-    cfg.check_training()
+    check_training(cfg)
     cfg = load_config(None, TRAINABLE + ["rollout.samples_per_prompt=1"])
     with pytest.raises(ValueError, match="algorithm.one_sample_advantage=reward"):
-        cfg.check_training()
+        check_training(cfg)
 
 
 def test_the_verl_presets_hold_verls_defaults():

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bapo_megatron.config import ModelConfig, ParallelConfig
+from bapo_megatron.config import ModelConfig, ParallelConfig, check_training
 from bapo_megatron.config.moe import MoeConfig
 from bapo_megatron.distributed.layout import Accelerator, validate_layout
 from tests.helpers.published_configs import config_path, published_config
@@ -281,7 +281,7 @@ def test_routing_replay_and_moe_runs_are_checked(overrides, message):
 
     cfg = load_config(None, [*TRAINABLE_DENSE, *overrides])
     with pytest.raises(ValueError) as raised:
-        cfg.check_training()
+        check_training(cfg)
     assert message in str(raised.value)
 
 
@@ -318,7 +318,7 @@ def test_expert_layouts_the_weight_sync_serves_are_accepted(overrides):
     from bapo_megatron.config import load_config
 
     cfg = load_config(None, [*TRAINABLE_DENSE, *MOE, *overrides])
-    cfg.check_training()
+    check_training(cfg)
 
 
 def test_routing_replay_values_are_checked():
@@ -326,32 +326,36 @@ def test_routing_replay_values_are_checked():
 
     with pytest.raises(ValueError, match="algorithm.routing_replay: expected one of"):
         load_config(None, ["algorithm.routing_replay=R3"])
-    load_config(None, TRAINABLE_DENSE).check_training()  # none: the dense run as before
+    check_training(load_config(None, TRAINABLE_DENSE))  # none: the dense run as before
     for replay in ("none", "rollout"):
-        load_config(
-            None, [*TRAINABLE_DENSE, *MOE, f"algorithm.routing_replay={replay}"]
-        ).check_training()
+        check_training(
+            load_config(None, [*TRAINABLE_DENSE, *MOE, f"algorithm.routing_replay={replay}"])
+        )
     # every engine loads expert weights and returns routes (vLLM, SGLang: when asked)
     for engine in ("vllm", "vllm-server", "sglang", "sglang-server"):
+        check_training(
+            load_config(
+                None,
+                [
+                    *TRAINABLE_DENSE,
+                    *MOE,
+                    "algorithm.routing_replay=rollout",
+                    f"rollout.engine={engine}",
+                    "rollout.server_urls=[http://localhost:1]",
+                ],
+            )
+        )
+    check_training(
         load_config(
             None,
             [
                 *TRAINABLE_DENSE,
                 *MOE,
-                "algorithm.routing_replay=rollout",
-                f"rollout.engine={engine}",
-                "rollout.server_urls=[http://localhost:1]",
+                "algorithm.routing_replay=trainer",
+                "algorithm.old_logprobs=recompute",
             ],
-        ).check_training()
-    load_config(
-        None,
-        [
-            *TRAINABLE_DENSE,
-            *MOE,
-            "algorithm.routing_replay=trainer",
-            "algorithm.old_logprobs=recompute",
-        ],
-    ).check_training()
+        )
+    )
 
 
 def test_the_layout_planner_plans_moe_models():

@@ -19,36 +19,23 @@ import torch
 from bapo_megatron.actor.actor import build_actor
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.actor.logprobs import compute_logprobs
-from bapo_megatron.actor.microbatches import (
-    Batching,
-    Multiples,
-    build_microbatches,
-    plan_groups,
-)
+from bapo_megatron.actor.microbatches import Batching, build_microbatches, plan_groups
 from bapo_megatron.actor.model import global_parameter_name, load_whole_model_weights
-from bapo_megatron.actor.packing import sequence_lengths, unpack_tokens
+from bapo_megatron.actor.packing import Multiples, sequence_lengths, unpack_tokens
 from bapo_megatron.actor.train_step import train_step
 from bapo_megatron.algo.search_plan import SearchPlan
 from bapo_megatron.config import (
     ActorConfig,
     ClipSearchConfig,
     LossConfig,
-    ModelConfig,
     OptimizerConfig,
+    check_training,
 )
 from bapo_megatron.config.loading import load_config
+from tests.helpers.tiny_models import tiny_model
 from tests.unit.test_config import TRAINABLE
 
-MODEL = ModelConfig(
-    model_type="qwen2",
-    num_layers=2,
-    hidden_size=64,
-    ffn_hidden_size=128,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=96,
-    max_position_embeddings=64,
-)
+MODEL = tiny_model(model_type="qwen2", vocab_size=96, max_position_embeddings=64)
 OPTIMIZER = OptimizerConfig(lr=1e-3, clip_grad=0.0)
 # Adam's first update is about lr * sign(g): float rounding in a near-zero gradient component
 # moves it by up to that much; 1% of it (as tests/distributed/test_train_layouts.py allows).
@@ -272,4 +259,4 @@ def test_bad_packing_fields_are_refused_naming_them(overrides, message):
 def test_packing_a_layout_cannot_run_is_refused_at_startup(overrides, message):
     cfg = load_config(None, TRAINABLE + ["actor.pack_sequences=true", *overrides])
     with pytest.raises(ValueError, match=re.escape(message)):
-        cfg.check_training()
+        check_training(cfg)

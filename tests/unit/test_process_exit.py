@@ -1,4 +1,4 @@
-"""A process that skips the final collection (bapo_megatron/commands/process_exit.py) still ends
+"""A process that skips the final collection (bapo_megatron/process/end.py) still ends
 cleanly: its ``atexit`` handlers run, a file it left open is flushed as its module is torn down,
 and the exit status is the one it asked for. ``python -m bapo_megatron.train`` ends as
 ``bapo-train`` does: it is the same function (what that function calls:
@@ -29,7 +29,7 @@ def test_exit_handlers_run_and_open_files_are_flushed(tmp_path):
     code = textwrap.dedent(
         f"""
         import atexit, gc, sys
-        from bapo_megatron.commands.process_exit import skip_final_collection
+        from bapo_megatron.process.end import skip_final_collection
         left_open = open({str(tmp_path / "open.txt")!r}, "w")
         left_open.write("written, never closed")
         atexit.register(lambda: open({str(tmp_path / "atexit.txt")!r}, "w").write("ran"))

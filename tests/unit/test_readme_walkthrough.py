@@ -13,9 +13,9 @@ import shlex
 
 import pytest
 
-from bapo_megatron.config import load_config
+from bapo_megatron.config import check_training, load_config
+from bapo_megatron.evaluation.cli import build_parser as evaluate_parser
 from bapo_megatron.planning.cli import main as plan_layout
-from bapo_megatron.repro.evaluate_cli import build_parser as evaluate_parser
 from bapo_megatron.weights.convert_cli import build_parser as convert_parser
 from tests.helpers.gloo_launch import REPO_ROOT
 from tests.helpers.published_configs import config_path
@@ -50,7 +50,7 @@ def test_each_trainer_launch_passes_the_training_checks():
         script = next(i for i, w in enumerate(words) if w.endswith("torchrun_multinode.sh"))
         config, *overrides = words[script + 1 :]
         cfg = load_config(REPO_ROOT / config, overrides)
-        cfg.check_training()
+        check_training(cfg)
         world = int(env["NNODES"]) * int(env["GPUS_PER_NODE"])
         parallel = cfg.parallel
         replicas = world // (

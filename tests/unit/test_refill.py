@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from bapo_megatron.config import check_training
 from bapo_megatron.config.loading import load_config
 from bapo_megatron.data.experience import ReplayBuffer
 from bapo_megatron.data.prompts import PromptRow
@@ -48,7 +49,7 @@ def test_refill_with_partial_rollout_is_refused():
         ],
     )
     with pytest.raises(ValueError, match=r"max_refill_rounds=1 with rollout\.partial_tokens"):
-        cfg.check_training()
+        check_training(cfg)
 
 
 def _replica(rank: int, replicas: int, per_replica: int, rows: int, shuffle: bool):

@@ -11,26 +11,14 @@ import torch
 from bapo_megatron.actor.actor import build_actor
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.actor.logprobs import token_logprobs
-from bapo_megatron.actor.microbatches import (
-    Batching,
-    Multiples,
-    build_microbatches,
-    plan_groups,
-)
+from bapo_megatron.actor.microbatches import Batching, build_microbatches, plan_groups
+from bapo_megatron.actor.packing import Multiples
 from bapo_megatron.actor.pipeline_schedule import run_schedule
 from bapo_megatron.actor.response_logits import predicting_rows, scatter_rows
-from bapo_megatron.config import ActorConfig, ModelConfig, OptimizerConfig
+from bapo_megatron.config import ActorConfig, OptimizerConfig
+from tests.helpers.tiny_models import tiny_model
 
-MODEL = ModelConfig(
-    model_type="llama",
-    num_layers=2,
-    hidden_size=64,
-    ffn_hidden_size=128,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=96,
-    max_position_embeddings=64,
-)
+MODEL = tiny_model(vocab_size=96, max_position_embeddings=64)
 
 
 def test_rows_and_scatter_against_a_loop():

@@ -13,12 +13,13 @@ from bapo_megatron.actor.actor import build_actor
 from bapo_megatron.actor.batch import PolicyBatch
 from bapo_megatron.actor.logprobs import compute_logprobs
 from bapo_megatron.actor.microbatches import Batching
-from bapo_megatron.config import ActorConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from bapo_megatron.config import ActorConfig, OptimizerConfig, ParallelConfig
 from bapo_megatron.config.rope import Llama3RopeScaling
 from bapo_megatron.distributed.context import ParallelContext
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.weights.export import export_weights, named_tensors_of
+from tests.helpers.tiny_models import tiny_model
 
 # variant -> the ModelConfig fields that make it
 FAMILIES = {
@@ -41,16 +42,7 @@ FAMILIES = {
 
 @pytest.mark.parametrize("variant", list(FAMILIES))
 def test_engine_logprobs_equal_actor_logprobs_after_export(variant):
-    model = ModelConfig(
-        num_layers=2,
-        hidden_size=64,
-        ffn_hidden_size=128,
-        num_attention_heads=4,
-        num_query_groups=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-        **FAMILIES[variant],
-    )
+    model = tiny_model(max_position_embeddings=64, **FAMILIES[variant])
     temperature = 0.7
     context = ParallelContext.initialize(ParallelConfig())
     try:

@@ -23,11 +23,11 @@ from bapo_megatron.rollout.vllm.worker_extension import (
 )
 from bapo_megatron.weights.export import export_weights, named_tensors_of
 from tests.helpers import hf_models
+from tests.helpers.fake_sglang import FakeServer
 from tests.helpers.fake_vllm import (
     FakeLLM,
     FakeVLLMServer,
 )
-from tests.unit.test_rollout_sglang import FakeServer
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ from bapo_megatron.rollout.sglang.engine import SGLangEngine, generate_request
 from bapo_megatron.rollout.sglang.server_client import SGLangServerClient
 from bapo_megatron.rollout.vllm.engine import VLLMEngine
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient, parse_completion_response
+from tests.helpers.fake_sglang import FakeEngine, FakeServer, sglang_output
 from tests.helpers.fake_vllm import (
     FakeLLM,
     FakeLLMEngine,
@@ -39,7 +40,6 @@ from tests.helpers.fake_vllm import (
     vllm_choice,
 )
 from tests.unit.test_rollout_moe_engine import MODEL as MOE_ENGINE_MODEL
-from tests.unit.test_rollout_sglang import FakeEngine, FakeServer, sglang_output
 
 # layer 0 dense, layers 1 and 2 with 4 experts, top-2: the engines' layer axis has 3 columns
 MOE = MOE_ENGINE_MODEL

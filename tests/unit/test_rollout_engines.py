@@ -14,23 +14,14 @@ import threading
 import pytest
 import torch
 
-from bapo_megatron.config import ModelConfig
 from bapo_megatron.rollout.checksum import checksum
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 from bapo_megatron.rollout.embedded.sampling import next_tokens
 from bapo_megatron.rollout.protocol import SamplingParams
+from tests.helpers.tiny_models import tiny_model
 
-MODEL = ModelConfig(
-    model_type="qwen2",
-    num_layers=2,
-    hidden_size=64,
-    ffn_hidden_size=128,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=128,
-    max_position_embeddings=128,
-    tie_word_embeddings=True,
-    rope_theta=1e6,
+MODEL = tiny_model(
+    model_type="qwen2", max_position_embeddings=128, tie_word_embeddings=True, rope_theta=1e6
 )
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
 

@@ -13,8 +13,8 @@ import pytest
 
 import bapo_megatron.rollout.sglang as sglang_family
 import bapo_megatron.rollout.vllm as vllm_family
-from bapo_megatron.config import ModelConfig, RolloutConfig, load_config
-from bapo_megatron.rollout.registry import EngineSetup
+from bapo_megatron.config import ModelConfig, RolloutConfig, check_training, load_config
+from bapo_megatron.rollout.engine_setup import EngineSetup
 from bapo_megatron.rollout.sglang.engine import SGLangEngine
 from bapo_megatron.rollout.vllm.engine import VLLMEngine
 from tests.helpers.gloo_launch import REPO_ROOT
@@ -48,7 +48,7 @@ def test_a_cpu_run_refuses_a_quantized_engine():
     base = ["rollout.engine=vllm", "rollout.quantization=fp8", "warmup.steps=0"]
     with pytest.raises(ValueError, match=r"rollout.quantization='fp8' needs the engine on a CUDA "
                        r"GPU with FP8, but parallel.device is 'cpu'"):
-        load_config(config, [*base, "parallel.device=cpu"]).check_training()
+        check_training(load_config(config, [*base, "parallel.device=cpu"]))
 
 
 def _setup(engine: str, quantization: str | None, tmp_path) -> EngineSetup:

@@ -26,21 +26,12 @@ from bapo_megatron.config import (
     ActorConfig,
     ClipSearchConfig,
     LossConfig,
-    ModelConfig,
     OptimizerConfig,
 )
 from tests.helpers import bapo_reference
+from tests.helpers.tiny_models import tiny_model
 
-MODEL = ModelConfig(
-    model_type="llama",
-    num_layers=2,
-    hidden_size=64,
-    ffn_hidden_size=128,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=96,
-    max_position_embeddings=64,
-)
+MODEL = tiny_model(vocab_size=96, max_position_embeddings=64)
 
 
 def make_actor(context, micro_batch_size=2, temperature=0.9, **optimizer):

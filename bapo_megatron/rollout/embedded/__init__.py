@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from bapo_megatron.rollout.embedded.engine import EmbeddedEngine
 
 if TYPE_CHECKING:
+    from bapo_megatron.rollout.engine_setup import EngineSetup
     from bapo_megatron.rollout.protocol import RolloutEngine
-    from bapo_megatron.rollout.registry import EngineSetup
 
 FAMILY = "embedded"
 """Its ``rollout.engine`` kind (it has no server client)."""

@@ -15,8 +15,8 @@ from bapo_megatron.rollout.sglang.engine import SGLangEngine
 from bapo_megatron.rollout.sglang.server_client import SGLangServerClient
 
 if TYPE_CHECKING:
+    from bapo_megatron.rollout.engine_setup import EngineSetup
     from bapo_megatron.rollout.protocol import RolloutEngine
-    from bapo_megatron.rollout.registry import EngineSetup
 
 FAMILY = "sglang"
 """Its ``rollout.engine`` kinds: ``sglang`` (in process) and ``sglang-server``."""

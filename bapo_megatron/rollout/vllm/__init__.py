@@ -23,8 +23,8 @@ from bapo_megatron.rollout.vllm.tensor_parallel import (
 )
 
 if TYPE_CHECKING:
+    from bapo_megatron.rollout.engine_setup import EngineSetup
     from bapo_megatron.rollout.protocol import RolloutEngine
-    from bapo_megatron.rollout.registry import EngineSetup
 
 FAMILY = "vllm"
 """Its ``rollout.engine`` kinds: ``vllm`` (in process) and ``vllm-server``."""

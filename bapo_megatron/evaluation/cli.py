@@ -17,7 +17,7 @@ scored by a reward (``--reward``, default ``math``: math-verify on the last ``\\
 Malformed rows and answers the reward cannot score are counted in the report, not fatal, but a
 benchmark none of whose rows can be evaluated is an error; ``--out`` is checked before the
 evaluation starts, so that an unwritable path does not lose its results. The library code is
-:mod:`bapo_megatron.repro.evaluate`; ``python tools/evaluate.py`` is the same command.
+:mod:`bapo_megatron.evaluation.evaluate`; ``python tools/evaluate.py`` is the same command.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def run(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Heavy imports here, not at the top: the reward pool's (spawn) workers re-import the main
     # module, which imports this one.
-    from bapo_megatron.repro.evaluate import (
+    from bapo_megatron.evaluation.evaluate import (
         EvalSettings,
         check_report_path,
         run_evaluation,

@@ -50,14 +50,14 @@ from bapo_megatron.data.prompts import (
     load_prompts,
     prompt_token_ids,
 )
-from bapo_megatron.files.atomic import write_text_atomically
-from bapo_megatron.repro.checkpoint_source import (
+from bapo_megatron.evaluation.checkpoint_source import (
     load_tokenizer,
     model_config,
     open_engine,
     resolve_checkpoint,
     stop_tokens,
 )
+from bapo_megatron.files.atomic import write_text_atomically
 from bapo_megatron.rewards.pool import RewardPool
 from bapo_megatron.rewards.registry import get_reward
 from bapo_megatron.rollout.protocol import RolloutEngine, SamplingParams

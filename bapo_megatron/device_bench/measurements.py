@@ -1,7 +1,7 @@
-"""The device check's measurements beside the actor comparisons: memory per component against
-the layout planner, the loss benchmark, the model-level checks' processes, and the actor's
-train-step speed against transformers' model (:mod:`bapo_megatron.device_check.run` records
-them)."""
+"""The device benchmarks: memory per component against the layout planner, the loss benchmark,
+the packing benchmark, the embedded engine's tokens/s, and the actor's train-step speed against
+transformers' model with its model FLOPs utilisation (:mod:`bapo_megatron.device_bench.run`
+records them). Each runs in a process of its own, as the device check's checks do."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from bapo_megatron.device_check.shapes import model_config
 from bapo_megatron.device_check.start_folder import write_start_folder
 
-if TYPE_CHECKING:  # annotations only: actor_checks.py imports this module
+if TYPE_CHECKING:
     from bapo_megatron.device_check.processes import Checks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -88,23 +88,6 @@ def loss_bench(checks: Checks) -> dict:
     return {"status": "passed", **report}
 
 
-def packing(checks: Checks) -> dict:
-    """Packed rows against padded rows on the device (:mod:`.packed_rows`): the ~0.5B shape in
-    bf16 with 2k-token responses on a GPU, the tiny model on the CPU."""
-    argv = ["--device", checks.args.device]
-    argv += (
-        ["--size", "small", "--dtype", "bfloat16", "--sequences", "32", "--length", "2048"]
-        if checks.gpu
-        else ["--size", "tiny", "--sequences", "8", "--length", "48"]
-    )
-    run = checks.python(
-        "bapo_megatron.device_check.packed_rows", *argv, timeout=checks.args.check_timeout
-    )
-    if run["status"] != "passed":
-        raise RuntimeError(f"packed rows differ from padded rows beyond tolerance: {run}")
-    return run
-
-
 def packing_bench(checks: Checks) -> dict:
     """``tools/bench_actor_step.py --packing``: real tokens/s and peak memory of packed rows
     against padded micro-batches of 4 and 1, at L = 4096 on a GPU (CPU: a smoke size)."""
@@ -155,15 +138,26 @@ def packing_bench(checks: Checks) -> dict:
     return {"status": "passed", **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
-def model_check(checks: Checks, name: str, *argv: str) -> dict:
+def speed_process(checks: Checks, name: str, *argv: str) -> dict:
+    """One measurement of :mod:`.model_speed` in a process of its own."""
     return checks.python(
-        "bapo_megatron.device_check.model_checks",
+        "bapo_megatron.device_bench.model_speed",
         name,
         "--device",
         checks.args.device,
         *argv,
         timeout=checks.args.check_timeout,
     )
+
+
+def engine(checks: Checks) -> dict:
+    """The embedded engine's generated tokens/s on the device."""
+    argv = (
+        ["--dtype", "bfloat16"]
+        if checks.gpu
+        else ["--cpu-sized", "--prompts", "4", "--max-new-tokens", "8"]
+    )
+    return speed_process(checks, "engine", *argv)
 
 
 def speed(checks: Checks) -> dict:
@@ -197,7 +191,7 @@ def speed(checks: Checks) -> dict:
         *common,
         timeout=checks.args.check_timeout,
     )
-    theirs = model_check(checks, "hf-speed", *common)
+    theirs = speed_process(checks, "hf-speed", *common)
     fastest = {v["variant"]: min(v["step_seconds"][1:]) for v in ours["variants"]}
     tokens_per_s = ours["tokens_per_step"] / fastest["paper/microbatch"]
     model = ours["model"]
