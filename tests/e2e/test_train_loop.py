@@ -257,7 +257,7 @@ _FAMILY_FIELDS = {
 }
 
 
-def _walk_model_folder(folder, family: str = "llama"):
+def _counting_model_folder(folder, family: str = "llama"):
     """A real HF folder: a tiny random model of ``family`` and the counting tasks' tokenizer, saved
     by transformers."""
     import transformers
@@ -291,7 +291,7 @@ def _prompt_file(path, rows):
 @pytest.mark.parametrize("family", ["qwen3-tied", "qwen3-untied", "llama32-tied"])
 def test_training_starts_from_an_hf_folder_of_each_family(tmp_path, family):
     model = tmp_path / "model"
-    _walk_model_folder(model, family)
+    _counting_model_folder(model, family)
     data = _prompt_file(tmp_path / "train.jsonl", [{"prompt": "7>12", "answer": "8 9 10 11 12"}])
     records = run_in_process(
         tmp_path / "run",
@@ -321,7 +321,7 @@ def test_verl_data_and_reward_train_unchanged(tmp_path):
     import pyarrow.parquet as pq
 
     model = tmp_path / "model"
-    _walk_model_folder(model)
+    _counting_model_folder(model)
     rows = [
         {
             "data_source": "count_to",
@@ -359,7 +359,7 @@ def test_verl_data_and_reward_train_unchanged(tmp_path):
 
 def test_prompt_file_and_hf_model_with_bad_rows(tmp_path):
     model = tmp_path / "model"
-    _walk_model_folder(model)
+    _counting_model_folder(model)
     data = tmp_path / "train.jsonl"
     rows = [
         {"prompt": "7>12", "answer": "8 9 10 11 12"},

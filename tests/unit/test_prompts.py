@@ -16,7 +16,7 @@ from bapo_megatron.config.loading import load_config
 from bapo_megatron.data.prompts import PromptRow, chat_messages, load_prompts, prompt_token_ids
 from bapo_megatron.data.record_fields import ChatMessage
 from bapo_megatron.data.task import encode_prompt, load_task
-from tests.helpers.prompt_files import walk_model_folder, write_jsonl, write_parquet
+from tests.helpers.prompt_files import counting_model_folder, write_jsonl, write_parquet
 
 ROWS = [
     {"prompt": "What is 2+3?", "answer": "5", "id": "a"},
@@ -198,7 +198,7 @@ def test_a_prompt_too_long_for_the_model_is_a_bad_row(tmp_path, suffix):
     ]
     path = tmp_path / f"train{suffix}"
     (write_jsonl if suffix == ".jsonl" else write_parquet)(path, rows)
-    model = walk_model_folder(tmp_path / "model", max_position_embeddings=64)
+    model = counting_model_folder(tmp_path / "model", max_position_embeddings=64)
     common = [
         "model=null",
         f"train.model_path={model}",
@@ -225,7 +225,7 @@ def test_a_prompt_too_long_for_the_model_is_a_bad_row(tmp_path, suffix):
 
 def test_the_system_prompt_counts_toward_the_length(tmp_path):
     path = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "12345>6", "answer": "6"}])
-    model = walk_model_folder(tmp_path / "model", max_position_embeddings=16)
+    model = counting_model_folder(tmp_path / "model", max_position_embeddings=16)
     common = [
         "model=null",
         f"train.model_path={model}",
@@ -286,7 +286,7 @@ def test_a_prompt_the_tokenizer_cannot_encode_is_a_bad_row(tmp_path, suffix):
     rows = [{"prompt": "7>9", "answer": "8 9"}, {"prompt": "7>x", "answer": "no"}]
     path = tmp_path / f"train{suffix}"
     (write_jsonl if suffix == ".jsonl" else write_parquet)(path, rows)
-    model = walk_model_folder(tmp_path / "model", max_position_embeddings=64)
+    model = counting_model_folder(tmp_path / "model", max_position_embeddings=64)
     common = [
         "model=null",
         f"train.model_path={model}",
