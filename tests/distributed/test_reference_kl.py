@@ -33,9 +33,9 @@ from bapo_megatron.actor.train_step import train_step
 from bapo_megatron.config import ParallelConfig
 from bapo_megatron.config.kl import KLConfig
 from bapo_megatron.distributed.context import ParallelContext
-from tests.distributed.test_train_layouts import ACTOR, MODEL
+from tests.distributed.test_train_layouts import ACTOR, MODEL, sequences
 from tests.helpers import gloo_launch
-from tests.helpers.layout_training import LOSS, NUM_SEQUENCES, OPTIMIZER, STEPS, plan, sequences
+from tests.helpers.layout_training import LOSS, NUM_SEQUENCES, OPTIMIZER, STEPS, plan
 
 LAYOUT = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
 KL = KLConfig(coef=0.5, estimator="k3")

@@ -396,7 +396,7 @@ def test_shard_to_shard_sync_sends_each_engine_rank_its_shard_only(engine_tp, bo
 
 
 def test_a_kl_reference_holds_a_weights_shard_on_the_gpu_or_on_the_host():
-    recipe = ("qwen2.5-7b/train.yaml", 16, "DeepSeek-R1-Distill-Qwen-7B")
+    recipe = ("deepseek-r1-distill-qwen-7b-tp4-dp4/train.yaml", 16, "DeepSeek-R1-Distill-Qwen-7B")
     plain = run_planner(*recipe)[1]["worst_rank_memory_gb"]
     code, summary, err = run_planner(*recipe, 'algorithm.kl={"coef": 0.01}')
     assert code == 0, err

@@ -36,7 +36,11 @@ def _run(engine, context, release: bool = True, old_logprobs: str = "engine", ep
     cfg = SimpleNamespace(
         rollout=SimpleNamespace(release_memory_during_training=release),
         algorithm=SimpleNamespace(
-            epochs=epochs, max_staleness=0, old_logprobs=old_logprobs, optimizer_steps_per_rollout=3
+            epochs=epochs,
+            max_staleness=0,
+            old_logprobs=old_logprobs,
+            optimizer_steps_per_rollout=3,
+            kl=None,
         ),
         loss=None,
     )
@@ -95,7 +99,7 @@ def test_only_the_first_update_after_recomputed_logprobs_is_told_its_ratios_are_
 
     flags = []
 
-    def fake_train_step(actor, batch, loss, plan, *, ratios_are_one):
+    def fake_train_step(actor, batch, loss, plan, *, ratios_are_one, kl):
         flags.append(ratios_are_one)
         return {"response_tokens": 1.0}
 
