@@ -54,9 +54,9 @@ def test_the_recipe_step_runs_with_kl_entropy_overlong_and_icepop(real_model, tm
     assert abs(rollout["kl/rollout_mean"]) < 1e-4  # the reference is the starting weights
     for key in ("overlong/penalty_mean", "overlong/penalized_fraction"):
         assert math.isfinite(rollout[key]) and rollout[key] <= 1, key
-    [update] = update_records(records)
     # the engine and the actor hold the same weights: no token leaves IcePop's band
-    assert update["off_policy/masked_token_share"] == 0
+    assert rollout["off_policy/masked_token_share"] == 0
+    [update] = update_records(records)
     assert abs(update["kl/mean"]) < 1e-4
     for key in ("loss", "actor/entropy_bonus", "actor/policy_loss", "kl/loss"):
         assert math.isfinite(update[key]), key
