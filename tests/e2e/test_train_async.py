@@ -49,11 +49,13 @@ def run(tmp_path: Path, warm_start, *overrides: str) -> list[dict]:
 def assert_each_step_trained_once(records: list[dict], steps: int) -> None:
     """Rollout steps 1..steps logged once each, and each accounts for all its prompts (the
     groups of rollout item j are the prompts j * PROMPTS .. (j + 1) * PROMPTS - 1 of the data
-    order: trained, or dropped and counted)."""
+    order, and each refill round's PROMPTS more: trained, filtered, or dropped and counted)."""
     rollouts = rollout_records(records)
     assert [r["rollout_step"] for r in rollouts] == list(range(1, steps + 1))
     for record in rollouts:
-        assert record["rollout/finished_groups"] + record["async/dropped_groups"] == PROMPTS
+        rounds = record.get("dynamic_sampling/refill_rounds", 0.0)
+        generated = record["rollout/finished_groups"] + record["async/dropped_groups"]
+        assert generated == PROMPTS * (1 + rounds)
 
 
 @pytest.mark.parametrize(  # eta 2: the two-replica and SIGKILL runs below
@@ -147,12 +149,15 @@ def test_two_replicas_each_with_its_engine_rank_resuming_samples_from_their_pref
     assert all(r["async/weight_update_bytes"] > 0 for r in rollouts)
 
 
-def test_sigkill_resumes_with_every_step_trained_once(tmp_path, warm_start):
+@pytest.mark.parametrize("refill", [False, True], ids=["plain", "refill"])
+def test_sigkill_resumes_with_every_step_trained_once(tmp_path, warm_start, refill):
     # 1. the run is killed (SIGKILL) while it is certainly inside rollout step 3 (its rewards
     # hang once checkpoint 2 exists, written at the end of step 2) with items 3-5 admitted to
-    # the engine; 2. the resumed run redoes step 3 and finishes: every step logged once
+    # the engine; 2. the resumed run redoes step 3 and finishes: every step logged once (with
+    # dynamic sampling's refill, every refill round's groups accounted for too)
     hang = tmp_path / "hang"
-    overrides = [*warm_start[0], "checkpoint.interval=2", *HELD, *asynchronous(2)]
+    more = ["algorithm.filter_equal_groups=true", "algorithm.max_refill_rounds=2"] if refill else []
+    overrides = [*warm_start[0], "checkpoint.interval=2", *HELD, *asynchronous(2, *more)]
     told = {
         HANG_FILE: str(hang),
         HANG_AFTER: str(tmp_path / "checkpoints" / "step_00000002"),
