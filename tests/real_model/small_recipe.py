@@ -3,12 +3,20 @@ runs: 2 prompts x 2 samples of up to 16 tokens on the embedded engine, one rollo
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import yaml
 
 from bapo_megatron.data.arithmetic_task import write_task
+from tests.helpers import preloaded_processes
 from tests.helpers.gloo_launch import REPO_ROOT
+from tests.helpers.train_runs import subprocess_env
 
 PROMPTS, SAMPLES, MAX_NEW_TOKENS = 2, 2, 16
+RUN_TIMEOUT_S = 1200
+"""A guard against a hung run, not a speed requirement (a run takes one to two minutes here)."""
 
 RECIPE = REPO_ROOT / "examples" / "smollm2-135m-cpu" / "train.yaml"
 
@@ -46,3 +54,18 @@ def run_config(real_model, tmp_path) -> dict:
     config = merged(yaml.safe_load(RECIPE.read_text()), small)
     assert config["reward"]["name"] == "final_number" and config["actor"]["pack_sequences"]
     return config
+
+
+def train(config: dict, folder: Path) -> subprocess.CompletedProcess:
+    """``python -m bapo_megatron.train --config FILE`` as a user runs it, FILE ``config`` written
+    into ``folder``; its exit status and captured output."""
+    path = folder / "train.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return preloaded_processes.run(
+        [sys.executable, "-m", "bapo_megatron.train", "--config", str(path)],
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )

@@ -11,16 +11,10 @@ from __future__ import annotations
 
 import math
 import shutil
-import sys
 
-import yaml
+from tests.helpers.train_runs import read_metrics, rollout_records, update_records
+from tests.real_model.small_recipe import MAX_NEW_TOKENS, merged, run_config, train
 
-from tests.helpers import preloaded_processes
-from tests.helpers.gloo_launch import REPO_ROOT
-from tests.helpers.train_runs import read_metrics, rollout_records, subprocess_env, update_records
-from tests.real_model.small_recipe import MAX_NEW_TOKENS, merged, run_config
-
-RUN_TIMEOUT_S = 1200  # a guard against a hung run, not a speed requirement
 MENU = {
     "algorithm": {
         "kl": {"coef": 0.05, "estimator": "k3", "placement": "loss"},
@@ -36,17 +30,7 @@ MENU = {
 
 
 def test_the_recipe_step_runs_with_kl_entropy_overlong_and_icepop(real_model, tmp_path):
-    config = merged(run_config(real_model, tmp_path), MENU)
-    path = tmp_path / "train.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    done = preloaded_processes.run(
-        [sys.executable, "-m", "bapo_megatron.train", "--config", str(path)],
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-    )
+    done = train(merged(run_config(real_model, tmp_path), MENU), tmp_path)
     assert done.returncode == 0, done.stderr[-6000:]
     records = read_metrics(tmp_path / "run")
     shutil.rmtree(tmp_path / "run" / "checkpoints")  # 1.6 GB of weights and Adam moments

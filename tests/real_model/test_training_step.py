@@ -20,34 +20,18 @@ from __future__ import annotations
 
 import math
 import shutil
-import sys
 
 import pytest
-import yaml
 
-from tests.helpers import preloaded_processes
-from tests.helpers.gloo_launch import REPO_ROOT
-from tests.helpers.train_runs import read_metrics, rollout_records, subprocess_env, update_records
-from tests.real_model.small_recipe import MAX_NEW_TOKENS, PROMPTS, SAMPLES, run_config
-
-# A guard against a hung run, not a speed requirement (the run takes about a minute here).
-RUN_TIMEOUT_S = 1200
+from tests.helpers.train_runs import read_metrics, rollout_records, update_records
+from tests.real_model.small_recipe import MAX_NEW_TOKENS, PROMPTS, SAMPLES, run_config, train
 
 
 @pytest.fixture(scope="module")
 def trained(real_model, tmp_path_factory):
     """(the run's folder, its metric records, its console output) of the one-step run."""
     tmp_path = tmp_path_factory.mktemp("train")
-    config = tmp_path / "train.yaml"
-    config.write_text(yaml.safe_dump(run_config(real_model, tmp_path), sort_keys=False))
-    done = preloaded_processes.run(
-        [sys.executable, "-m", "bapo_megatron.train", "--config", str(config)],
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-    )
+    done = train(run_config(real_model, tmp_path), tmp_path)
     assert done.returncode == 0, done.stderr[-6000:]
     yield tmp_path / "run", read_metrics(tmp_path / "run"), done.stdout
     # the checkpoint (weights and Adam moments, 1.6 GB) is not kept with the test's folders

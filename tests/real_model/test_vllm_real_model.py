@@ -14,19 +14,14 @@ the test says so if one does.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
-import yaml
 
 from bapo_megatron.data.prompts import PromptRow, prompt_token_ids
 from bapo_megatron.data.record_fields import ChatMessage
 from bapo_megatron.rollout.protocol import SamplingParams
-from tests.helpers.gloo_launch import REPO_ROOT
-from tests.helpers.train_runs import read_metrics, rollout_records, subprocess_env
-from tests.real_model.small_recipe import merged, run_config
+from tests.helpers.train_runs import read_metrics, rollout_records
+from tests.real_model.small_recipe import merged, run_config, train
 
 pytestmark = pytest.mark.vllm
 
@@ -38,8 +33,6 @@ QUESTIONS = (
     "Name three colours of the rainbow.",
     "Write one sentence about the sea.",
 )
-# A guard against a hung run, not a speed requirement (a run takes one to two minutes here).
-RUN_TIMEOUT_S = 1200
 
 
 @pytest.fixture(scope="module")
@@ -105,16 +98,7 @@ def test_a_recipe_run_on_vllm_exits_cleanly_with_float32_logprob_gaps(real_model
         run_config(real_model, tmp_path),
         {"rollout": {"engine": "vllm", "engine_eager": True}, "checkpoint": {"interval": 0}},
     )
-    path = tmp_path / "train.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    run = subprocess.run(
-        [sys.executable, "-m", "bapo_megatron.train", "--config", str(path)],
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-    )
+    run = train(config, tmp_path)
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-6000:]
     assert "Traceback" not in output, output[-6000:]
