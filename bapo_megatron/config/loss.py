@@ -78,33 +78,11 @@ CLIP_PRESETS: dict[str, dict[str, object]] = {
         "c_high_step": 0.05,
         "dual_clip": None,
     },
-    "verl-grpo": {
-        "schedule": "paper",
-        "semantics": "gradient",
-        "target_unit": "share",
-        "target": 0.4,
-        "c_low_start": 0.8,
-        "c_low_max": 0.8,
-        "c_low_step": 0.02,
-        "c_high_start": 1.2,
-        "c_high_max": 1.2,
-        "c_high_step": 0.05,
-        "dual_clip": 3.0,
-    },
-    "verl-dapo": {
-        "schedule": "paper",
-        "semantics": "gradient",
-        "target_unit": "share",
-        "target": 0.4,
-        "c_low_start": 0.8,
-        "c_low_max": 0.8,
-        "c_low_step": 0.02,
-        "c_high_start": 1.28,
-        "c_high_max": 1.28,
-        "c_high_step": 0.05,
-        "dual_clip": 3.0,
-    },
 }
+# verl's vanilla PPO loss always applies its dual clip (clip_ratio_c, default 3.0): GRPO's and
+# DAPO's fixed bounds with it (docs/algorithm.md section 7.1)
+CLIP_PRESETS["verl-grpo"] = {**CLIP_PRESETS["grpo"], "dual_clip": 3.0}
+CLIP_PRESETS["verl-dapo"] = {**CLIP_PRESETS["clip-higher"], "dual_clip": 3.0}
 
 
 @dataclass(kw_only=True)
