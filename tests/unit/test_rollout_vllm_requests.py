@@ -142,4 +142,47 @@ def test_reload_reties_a_tied_output_layer():
     assert retie_output_layer(model) is False
 
 
+class CutGroup:
+    """A weight group whose sender died: every broadcast's wait raises as gloo's does."""
+
+    def broadcast(self, tensors, options):
+        return types.SimpleNamespace(wait=self.fail)
+
+    @staticmethod
+    def fail():
+        raise RuntimeError("Read error [127.0.0.1]:13733: Connection reset by peer")
+
+
+def test_a_cut_update_is_answered_not_raised_and_the_client_names_it():
+    """Every worker answers a cut update (vLLM's executor would leave a second worker's raised
+    answer queued for the server's next call); the client raises naming the workers, and the
+    worker loaded nothing."""
+    from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
+
+    worker = object.__new__(BapoWorkerExtension)
+    worker._bapo_weight_groups = {"bapo-weights-1": (CutGroup(), "gloo")}
+    worker._bapo_reload = lambda received: pytest.fail("a cut update was loaded")
+    request_json = (
+        '{"group_name": "bapo-weights-1", "names": ["model.norm.weight"], '
+        '"dtypes": ["float32"], "shapes": [[4]], "checksum": true}'
+    )
+    answer = worker.bapo_receive_weights(request_json)
+    assert answer == {
+        "failed": "RuntimeError: Read error [127.0.0.1]:13733: Connection reset by peer"
+    }
+
+    client = object.__new__(VLLMServerClient)
+    client.base_url, client.model_config = "http://127.0.0.1:1", None
+    client.weight_group = types.SimpleNamespace(
+        update=lambda received, checksum: None, answer={"results": [answer, answer]}
+    )
+    with pytest.raises(RuntimeError) as cut:
+        client._load_weights(iter([("model.norm.weight", torch.ones(4))]), version=3, checksum=True)
+    assert str(cut.value).startswith(
+        "vLLM server at http://127.0.0.1:1: the update to version 3 was cut off, the server keeps "
+        "its previous weights (worker 0: RuntimeError: Read error"
+    )
+    assert "; worker 1: RuntimeError" in str(cut.value)
+
+
 # ------------------------------------------------------------------ the step loop, on a fake vLLM

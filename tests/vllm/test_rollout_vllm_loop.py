@@ -52,19 +52,51 @@ PAPER_START = (0.6, 1.2)
 """The bounds the tiny CPU run's search starts from (its loss preset, `paper`)."""
 RUN_TIMEOUT_S = 1800
 """Bounds a hang only; a run takes one to a few minutes."""
+TWO_HEADS = ["model.num_attention_heads=2", "model.num_query_groups=1"]
 VLLM_TP2 = [
     "rollout.engine=vllm",
     "rollout.engine_tensor_parallel_size=2",
     "rollout.engine_eager=true",
-    "model.num_attention_heads=2",
-    "model.num_query_groups=1",
+    *TWO_HEADS,
     "logging.logprob_diff_interval=1",
     "logging.console=false",
     "checkpoint.interval=0",
 ]
 
 
-def command(output_dir, *overrides: str) -> list[str]:
+@pytest.fixture(scope="module")
+def warm_start(tmp_path_factory) -> str:
+    """The tiny CPU run's model (2 heads) after its own warm-up, as a checkpoint both loop runs
+    start from (``train.load_checkpoint``) instead of paying the 300 warm-up steps each. (The
+    loop has no run of zero steps: its one rollout step, on the embedded engine, trains at
+    learning rate 0, so the checkpoint holds the warm-up's weights.) Its override."""
+    output = tmp_path_factory.mktemp("warm-start")
+    # a process of its own: a later vLLM started in this one (uniproc executor) cannot register
+    # its CPU kernels once numba's llvmlite is imported (the loss's CPU kernel imports it)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bapo_megatron.train",
+            "--config",
+            str(TINY_CONFIG),
+            f"train.output_dir={output}",
+            *TWO_HEADS,
+            "train.steps=1",
+            "optimizer.lr=0",
+            "logging.console=false",
+        ],
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return f"train.load_checkpoint={output / 'checkpoints' / 'step_00000001'}"
+
+
+def command(output_dir, warm_start: str, *overrides: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -73,6 +105,8 @@ def command(output_dir, *overrides: str) -> list[str]:
         str(TINY_CONFIG),
         f"train.output_dir={output_dir}",
         *VLLM_TP2,
+        "warmup.steps=0",
+        warm_start,
         *overrides,
     ]
 
@@ -94,12 +128,15 @@ def check_run(output_dir, steps: int, *, learned: bool) -> None:
         assert moved, "BAPO's bounds never left where they start"
 
 
-def test_the_colocated_loop_learns_with_vllm_over_two_workers_shard_to_shard(tmp_path):
+def test_the_colocated_loop_learns_with_vllm_over_two_workers_shard_to_shard(tmp_path, warm_start):
     """Colocated, every sync shard to shard: both workers join the trainer's transfer group and
     each receives its own shard."""
     run = subprocess.run(
         command(
-            tmp_path / "run", "rollout.weight_transport=shard-to-shard", f"train.steps={STEPS}"
+            tmp_path / "run",
+            warm_start,
+            "rollout.weight_transport=shard-to-shard",
+            f"train.steps={STEPS}",
         ),
         cwd=REPO_ROOT,
         env=subprocess_env(),
@@ -111,7 +148,9 @@ def test_the_colocated_loop_learns_with_vllm_over_two_workers_shard_to_shard(tmp
     check_run(tmp_path / "run", STEPS, learned=True)
 
 
-def test_the_disaggregated_loop_syncs_into_an_engine_rank_spanning_two_workers(tmp_path):
+def test_the_disaggregated_loop_syncs_into_an_engine_rank_spanning_two_workers(
+    tmp_path, warm_start
+):
     """Disaggregated, every sync shard to shard into the engine rank's two workers: each step's
     samples come from the weights just sent. (That the loop learns is the colocated run's
     check: the placement moves the same weights by another route.)"""
@@ -121,7 +160,7 @@ def test_the_disaggregated_loop_syncs_into_an_engine_rank_spanning_two_workers(t
         "rollout.engine_ranks=1",
         "rollout.weight_transport=shard-to-shard",
     ]
-    ranks = start_ranks(command(tmp_path / "run", *overrides), world_size=2)
+    ranks = start_ranks(command(tmp_path / "run", warm_start, *overrides), world_size=2)
     try:
         outputs = [rank.communicate(timeout=RUN_TIMEOUT_S)[0] for rank in ranks]
     finally:

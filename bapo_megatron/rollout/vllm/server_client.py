@@ -385,6 +385,16 @@ class VLLMServerClient(VllmShardReceiving, ResubmittingEngine):
             if received:
                 self.weight_group.update(received, checksum=checksum)
                 reports = _results(self.weight_group.answer, "bapo_receive_weights")
+                failed = [
+                    f"worker {rank}: {report['failed']}"
+                    for rank, report in enumerate(reports)
+                    if isinstance(report, dict) and "failed" in report
+                ]
+                if failed:
+                    raise RuntimeError(
+                        f"vLLM server at {self.base_url}: the update to version {version} was "
+                        f"cut off, the server keeps its previous weights ({'; '.join(failed)})"
+                    )
             self._call("POST", "/reset_prefix_cache")
             return reports
 

@@ -292,8 +292,8 @@ class BapoWorkerExtension:
         ``request`` is JSON with ``names``, ``dtypes``, ``shapes``, ``group_name`` (SGLang's
         ``/update_weights_from_distributed`` fields) and ``checksum``; the tensors arrive in that
         order, broadcast from group rank 0. Everything is received before anything is loaded, so
-        an update cut off part-way raises here and leaves the model on its previous weights.
-        Returns :func:`summed`."""
+        an update cut off part-way leaves the model on its previous weights and answers
+        ``{"failed": message}``. Returns :func:`summed`."""
         fields = json.loads(request)
         group, backend = self._bapo_group(fields["group_name"])
         # gloo carries CPU tensors; NCCL the worker's own device's
@@ -304,9 +304,14 @@ class BapoWorkerExtension:
         ]
         options = torch.distributed.BroadcastOptions()
         options.rootRank = 0
-        works = [group.broadcast([tensor], options) for _, tensor in received]
-        for work in works:
-            work.wait()
+        try:
+            for work in [group.broadcast([tensor], options) for _, tensor in received]:
+                work.wait()
+        except RuntimeError as failure:
+            # answered, not raised: vLLM 0.32's multiprocess executor raises at the first
+            # failed worker's answer and leaves the other workers' answers queued, where the
+            # server's next call (the next trainer's first) would read this failure as its own
+            return {"failed": f"{type(failure).__name__}: {failure}"}
         check_cpu_experts_reloadable(self.model_runner.get_model())
         report = summed(received, bool(fields.get("checksum")))
         self._bapo_reload(received)
