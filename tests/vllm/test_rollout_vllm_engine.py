@@ -45,14 +45,25 @@ def vllm_engines(tmp_path_factory):
     torch.manual_seed(0)
     EmbeddedEngine(VLLM_MODEL).model.save_pretrained(folder)
     engines: dict[int, VLLMEngine] = {}
+    threads: dict[int, tuple[int, int]] = {}
 
     def engine_at(tensor_parallel_size: int) -> VLLMEngine:
         if tensor_parallel_size not in engines:
-            engines[tensor_parallel_size] = VLLMEngine.from_pretrained(
-                folder, enforce_eager=True, tensor_parallel_size=tensor_parallel_size
-            )
+            # started as in a process without OMP_NUM_THREADS, where vLLM lowers the torch
+            # threads of the process it starts in: the count before and after is kept
+            unset = os.environ.pop("OMP_NUM_THREADS", None)
+            before = torch.get_num_threads()
+            try:
+                engines[tensor_parallel_size] = VLLMEngine.from_pretrained(
+                    folder, enforce_eager=True, tensor_parallel_size=tensor_parallel_size
+                )
+            finally:
+                if unset is not None:
+                    os.environ["OMP_NUM_THREADS"] = unset
+            threads[tensor_parallel_size] = (before, torch.get_num_threads())
         return engines[tensor_parallel_size]
 
+    engine_at.threads = threads
     yield engine_at
     for engine in engines.values():
         engine.close()
@@ -283,6 +294,16 @@ def test_vllm_logprobs_are_full_vocabulary_under_top_k(vllm_suite):
 # float32 tolerance between the two sizes: at TP 2 each worker sums half of every row-parallel
 # product and an all-reduce adds the halves, which rounds differently from one sum (seen: 1e-6).
 TP_LOGPROB_ATOL = 1e-5
+
+
+def test_starting_an_engine_leaves_this_process_its_torch_threads(vllm_engines):
+    """vLLM's multiprocess executor (tensor parallel 2 here; also a size-1 engine beside a
+    world of several ranks) lowers the torch threads of the process that starts it to one: a
+    trainer sharing that process would train on one thread."""
+    vllm_engines(2)
+    before, after = vllm_engines.threads[2]
+    assert before >= 2, "the check needs a process of two threads or more"
+    assert after == before, f"torch threads {before} -> {after} across the engine's start"
 
 
 def test_vllm_tp2_generates_what_tp1_generates_on_the_same_weights(vllm_engines, monkeypatch):

@@ -64,35 +64,46 @@ VLLM_TP2 = [
 ]
 
 
-@pytest.fixture(scope="module")
-def warm_start(tmp_path_factory) -> str:
-    """The tiny CPU run's model (2 heads) after its own warm-up, as a checkpoint both loop runs
-    start from (``train.load_checkpoint``) instead of paying the 300 warm-up steps each. (The
-    loop has no run of zero steps: its one rollout step, on the embedded engine, trains at
-    learning rate 0, so the checkpoint holds the warm-up's weights.) Its override."""
+@pytest.fixture(scope="module", autouse=True)
+def warm_start_run(tmp_path_factory):
+    """The tiny CPU run's model (2 heads) trained by its own warm-up, started in the background
+    when the module starts (the closing test runs beside it) and saved as a checkpoint both
+    loop runs start from, instead of paying the 300 warm-up steps each. (The loop has no run of
+    zero steps: its one rollout step, on the embedded engine, trains at learning rate 0, so the
+    checkpoint holds the warm-up's weights.) A process of its own: a later vLLM started in this
+    one (the uniproc executor) cannot register its CPU kernels once numba's llvmlite is
+    imported, as the loss's CPU kernel does. Its output folder and process."""
     output = tmp_path_factory.mktemp("warm-start")
-    # a process of its own: a later vLLM started in this one (uniproc executor) cannot register
-    # its CPU kernels once numba's llvmlite is imported (the loss's CPU kernel imports it)
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bapo_megatron.train",
-            "--config",
-            str(TINY_CONFIG),
-            f"train.output_dir={output}",
-            *TWO_HEADS,
-            "train.steps=1",
-            "optimizer.lr=0",
-            "logging.console=false",
-        ],
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
+    command = [
+        sys.executable,
+        "-m",
+        "bapo_megatron.train",
+        "--config",
+        str(TINY_CONFIG),
+        f"train.output_dir={output}",
+        *TWO_HEADS,
+        "train.steps=1",
+        "optimizer.lr=0",
+        "logging.console=false",
+    ]
+    log = output.with_name(output.name + ".log").open("w+")
+    process = subprocess.Popen(
+        command, cwd=REPO_ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT
     )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    yield output, process, log
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def warm_start(warm_start_run) -> str:
+    """The warm-up's checkpoint, once its run ended: the override that starts from it."""
+    output, process, log = warm_start_run
+    code = process.wait(timeout=RUN_TIMEOUT_S)
+    log.seek(0)
+    assert code == 0, log.read()[-3000:]
     return f"train.load_checkpoint={output / 'checkpoints' / 'step_00000001'}"
 
 
@@ -126,6 +137,47 @@ def check_run(output_dir, steps: int, *, learned: bool) -> None:
         assert sum(rewards[-3:]) / 3 - rewards[0] >= MARGIN, rewards
         moved = [u for u in updates if bounds_moved(u, *PAPER_START)]
         assert moved, "BAPO's bounds never left where they start"
+
+
+CLOSE_WHILE_THE_WORLD_LIVES = """
+import sys
+import torch.distributed as dist
+from bapo_megatron.rollout.vllm.engine import VLLMEngine
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+engine = VLLMEngine.from_pretrained(sys.argv[1], enforce_eager=True, max_model_len=64)
+engine.close()
+assert dist.is_initialized(), "closing the engine destroyed the world it found"
+dist.barrier()  # and the world still works
+dist.destroy_process_group()
+print("the world outlived the engine")
+# without a world vLLM makes its own, and takes it down with it
+engine = VLLMEngine.from_pretrained(sys.argv[1], enforce_eager=True, max_model_len=64)
+assert dist.is_initialized()
+engine.close()
+assert not dist.is_initialized(), "the world vLLM made outlived it"
+print("the world vLLM made ended with it")
+"""
+
+
+def test_closing_a_vllm_engine_leaves_the_world_it_found(tmp_path):
+    """vLLM's shutdown ends with `torch.distributed.destroy_process_group()`: an engine closed
+    before the trainer tears down would take the trainer's world with it. A world vLLM made
+    itself is still its own to end."""
+    hf_models.save_hf_folder(tmp_path, "llama32-tied", heads=2, kv_heads=1)
+    run = subprocess.run(
+        [sys.executable, "-c", CLOSE_WHILE_THE_WORLD_LIVES, str(tmp_path)],
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    assert "the world outlived the engine" in run.stdout
+    assert "the world vLLM made ended with it" in run.stdout
+    assert "Traceback" not in output, output[-3000:]
 
 
 def test_the_colocated_loop_learns_with_vllm_over_two_workers_shard_to_shard(tmp_path, warm_start):
@@ -170,44 +222,3 @@ def test_the_disaggregated_loop_syncs_into_an_engine_rank_spanning_two_workers(
                 rank.communicate()
     assert [rank.returncode for rank in ranks] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     check_run(tmp_path / "run", DISAGGREGATED_STEPS, learned=False)
-
-
-CLOSE_WHILE_THE_WORLD_LIVES = """
-import sys
-import torch.distributed as dist
-from bapo_megatron.rollout.vllm.engine import VLLMEngine
-
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-engine = VLLMEngine.from_pretrained(sys.argv[1], enforce_eager=True, max_model_len=64)
-engine.close()
-assert dist.is_initialized(), "closing the engine destroyed the world it found"
-dist.barrier()  # and the world still works
-dist.destroy_process_group()
-print("the world outlived the engine")
-# without a world vLLM makes its own, and takes it down with it
-engine = VLLMEngine.from_pretrained(sys.argv[1], enforce_eager=True, max_model_len=64)
-assert dist.is_initialized()
-engine.close()
-assert not dist.is_initialized(), "the world vLLM made outlived it"
-print("the world vLLM made ended with it")
-"""
-
-
-def test_closing_a_vllm_engine_leaves_the_world_it_found(tmp_path):
-    """vLLM's shutdown ends with `torch.distributed.destroy_process_group()`: an engine closed
-    before the trainer tears down would take the trainer's world with it. A world vLLM made
-    itself is still its own to end."""
-    hf_models.save_hf_folder(tmp_path, "llama32-tied", heads=2, kv_heads=1)
-    run = subprocess.run(
-        [sys.executable, "-c", CLOSE_WHILE_THE_WORLD_LIVES, str(tmp_path)],
-        cwd=REPO_ROOT,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-    )
-    output = run.stdout + run.stderr
-    assert run.returncode == 0, output[-3000:]
-    assert "the world outlived the engine" in run.stdout
-    assert "the world vLLM made ended with it" in run.stdout
-    assert "Traceback" not in output, output[-3000:]

@@ -38,6 +38,7 @@ import torch
 
 from bapo_megatron.config import ModelConfig
 from bapo_megatron.config.checks import check_engine_heads
+from bapo_megatron.megatron_patches.vllm_torch_threads import torch_threads_kept
 from bapo_megatron.rollout.protocol import SamplingParams
 from bapo_megatron.rollout.resubmission import EngineOutput, ResubmittingEngine, RoundRequest
 from bapo_megatron.rollout.vllm.borrowed_world import current_world, note_engine_world
@@ -260,7 +261,11 @@ class VLLMEngine(VllmShardReceiving, ResubmittingEngine):
             options.pop("enable_sleep_mode", None)
         found = current_world()  # a world vLLM finds is adopted, not made (borrowed_world.py)
         try:
-            with visible_to_workers(worker_gpus, os.environ), tokenizer_free_warmup_quiet():
+            with (
+                visible_to_workers(worker_gpus, os.environ),
+                tokenizer_free_warmup_quiet(),
+                torch_threads_kept(),  # a worker in this process would leave torch one thread
+            ):
                 llm = vllm.LLM(**options)
         except Exception as error:
             if tensor_parallel_size > 1 and "WorkerProc initialization failed" in str(error):
