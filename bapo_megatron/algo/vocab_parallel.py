@@ -24,7 +24,8 @@ padded columns; pass the true ``vocab_size`` so those columns leave the distribu
 
 Numerics are float32 at least (bf16 / fp16 logits are upcast; float64 stays float64). Backward
 keeps the input logits (no copy) and three numbers per row, and recomputes the softmax of the
-local shard: no full-vocabulary probability tensor outlives the forward.
+local shard. Both passes walk the rows in chunks of a few MB: the only full-size tensor either
+allocates is the gradient it returns.
 """
 
 from __future__ import annotations
@@ -37,17 +38,36 @@ import torch.distributed as dist
 __all__ = ["token_logprobs_and_entropy"]
 
 
+# Rows go through the vocabulary in chunks of about this many elements (4 MB in float32). A
+# chunk's temporaries stay in cache and come back from the heap on the next chunk, where
+# full-size [rows, vocabulary] temporaries (hundreds of MB at a 49k vocabulary) are fresh pages
+# every call: on a CPU, faulting them in cost more than the arithmetic. Much smaller chunks pay
+# Python's per-chunk overhead instead (docs/benchmarks.md).
+_CHUNK_ELEMENTS = 1 << 20
+
+
 def _world_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _scaled(
-    logits: torch.Tensor, temperature: float, dtype: torch.dtype, pad: torch.Tensor | None
-) -> torch.Tensor:
-    """z = logits / T in ``dtype``, padded columns at -inf (they get probability exactly 0)."""
-    z = logits.to(dtype)
-    z = z / temperature if temperature != 1.0 else z.clone()
-    return z if pad is None else z.masked_fill_(pad, -math.inf)
+def _scaled(logits: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    """z = logits / T in ``dtype``, always a fresh tensor (callers work on it in place)."""
+    z = logits.to(dtype, copy=True)
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _chunks(rows: int, width: int) -> list[slice]:
+    step = max(1, _CHUNK_ELEMENTS // max(width, 1))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _owned_targets(
+    targets: torch.Tensor, vocab_start: int, valid: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which rows' targets this shard holds, and their columns (clamped into the shard)."""
+    local = targets - vocab_start
+    owned = (local >= 0) & (local < valid)
+    return owned, local.clamp(0, max(valid - 1, 0))
 
 
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
@@ -66,36 +86,35 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         dtype = torch.promote_types(logits.dtype, torch.float32)
         width = logits.shape[-1]
-        distributed = _world_size(group) > 1
-        pad = None
-        if vocab_size is not None and vocab_start + width > vocab_size:
-            pad = torch.arange(vocab_start, vocab_start + width, device=logits.device) >= vocab_size
-        z = _scaled(logits, temperature, dtype, pad)
+        # Megatron's padding columns are the shard's tail: they are left out of every sum.
+        valid = width if vocab_size is None else max(0, min(width, vocab_size - vocab_start))
+        rows = targets.numel()  # not reshape(-1, width): a shard may hold no column
+        flat = logits.reshape(rows, width)
+        owned, index = _owned_targets(targets.reshape(-1), vocab_start, valid)
 
-        # Global row max for stability. It only shifts the exponent, so it carries no gradient.
-        if width > 0:
-            m = z.amax(dim=-1)
+        # Global row max for stability. It only shifts the exponent, so it carries no gradient;
+        # max(x) / T is max(x / T) exactly (rounding is monotone).
+        if valid > 0:
+            m = flat[:, :valid].amax(dim=-1).to(dtype)
+            m = m / temperature if temperature != 1.0 else m
         else:
-            m = torch.full(z.shape[:-1], -math.inf, dtype=dtype, device=z.device)
-        if distributed:
+            m = torch.full((rows,), -math.inf, dtype=dtype, device=logits.device)
+        if distributed := _world_size(group) > 1:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
 
-        z.sub_(m.unsqueeze(-1))  # z - m in place; with e the forward holds two float copies
-        e = z.exp()  # exactly 0 at padded columns
-        local = targets - vocab_start
-        owned = (local >= 0) & (local < width)
-        if vocab_size is not None:
-            owned &= targets < vocab_size  # a padded column is no token
-        index = local.clamp(0, max(width - 1, 0)).unsqueeze(-1)
-        z_y = z.gather(-1, index).squeeze(-1) if width > 0 else torch.zeros_like(m)
-        rows = [e.sum(-1), torch.where(owned, z_y, 0.0), owned.to(dtype)]  # z_y is z_y - m
-        if with_entropy:
-            # exp(z - m) (z - m), with 0 (not 0 * -inf) at padded columns.
-            ez = e.mul_(z) if pad is None else e.mul_(z.masked_fill_(pad, 0.0))
-            rows.append(ez.sum(-1))
-        del z, e
-        stats = torch.stack(rows)
-        if distributed:  # sum-exp, target logit, ownership count and sum p*logit in one go
+        # Per row: sum exp(z - m), z_y - m (0 where the target is elsewhere), the ownership
+        # count and sum exp(z - m) (z - m), one all-reduce for all of them.
+        stats = torch.zeros(4 if with_entropy else 3, rows, dtype=dtype, device=logits.device)
+        stats[2] = owned.to(dtype)
+        for part in _chunks(rows, valid) if valid > 0 else []:
+            z = _scaled(flat[part, :valid], temperature, dtype).sub_(m[part, None])
+            z_y = z.gather(-1, index[part, None]).squeeze(-1)
+            stats[1, part] = torch.where(owned[part], z_y, 0.0)
+            e = z.exp()
+            stats[0, part] = e.sum(-1)
+            if with_entropy:
+                stats[3, part] = e.mul_(z).sum(-1)
+        if distributed:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
 
         # Each target must lie in exactly one shard. After the reduce every rank sees the same
@@ -109,16 +128,15 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
 
         log_s = stats[0].log()
         log_z = m + log_s  # log of the full partition function of z
-        logprobs = stats[1] - log_s
-        outputs = [logprobs]
+        outputs = [(stats[1] - log_s).view(targets.shape)]
         mean_z = log_z  # placeholder when the entropy is not asked for (unused in backward)
         if with_entropy:
             mu = stats[3] / stats[0]  # E_p[z] - m
-            outputs.append(log_s - mu)
+            outputs.append((log_s - mu).view(targets.shape))
             mean_z = m + mu
         ctx.save_for_backward(logits, targets, log_z, mean_z)
         ctx.vocab_start, ctx.temperature, ctx.dtype = vocab_start, temperature, dtype
-        ctx.pad, ctx.with_entropy = pad, with_entropy
+        ctx.valid, ctx.with_entropy = valid, with_entropy
         ctx.set_materialize_grads(False)
         return tuple(outputs)
 
@@ -130,29 +148,33 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         g_ent = grads[1] if ctx.with_entropy else None
         if g_logp is None and g_ent is None:
             return (None,) * 7
-        z = _scaled(logits, ctx.temperature, ctx.dtype, ctx.pad)
-        p = (z - log_z.unsqueeze(-1)).exp_()  # the local shard of the global softmax
+        dtype, valid, width = ctx.dtype, ctx.valid, logits.shape[-1]
+        rows = targets.numel()
+        flat = logits.reshape(rows, width)
+        g_logp = None if g_logp is None else g_logp.reshape(-1).to(dtype)
+        g_ent = None if g_ent is None else g_ent.reshape(-1).to(dtype)
+        owned, index = _owned_targets(targets.reshape(-1), ctx.vocab_start, valid)
+        grad = torch.empty(rows, width, dtype=logits.dtype, device=logits.device)
+        grad[:, valid:] = 0.0  # padding columns
         # dL/dz_v = g_logp (1[v=y] - p_v) - g_ent p_v (z_v - E_p[z])
         #         = -p_v (g_logp + g_ent (z_v - E_p[z])) + g_logp 1[v=y]
-        if g_ent is not None:
-            coeff = z.sub_(mean_z.unsqueeze(-1))
-            if ctx.pad is not None:
-                coeff.masked_fill_(ctx.pad, 0.0)  # -inf there, and p = 0
-            coeff.mul_(g_ent.to(ctx.dtype).unsqueeze(-1))
-            if g_logp is not None:
-                coeff.add_(g_logp.to(ctx.dtype).unsqueeze(-1))
-        else:
-            coeff = g_logp.to(ctx.dtype).unsqueeze(-1)
-        grad = p.mul_(coeff).neg_()
-        if g_logp is not None and grad.shape[-1] > 0:
-            local = targets - ctx.vocab_start
-            owned = (local >= 0) & (local < grad.shape[-1])
-            index = local.clamp(0, grad.shape[-1] - 1).unsqueeze(-1)
-            hit = torch.where(owned, g_logp.to(ctx.dtype), 0.0)  # + g_logp 1[v = y]
-            grad.scatter_add_(-1, index, hit.unsqueeze(-1))
-        if ctx.temperature != 1.0:
-            grad.div_(ctx.temperature)
-        return grad.to(logits.dtype), None, None, None, None, None, None
+        for part in _chunks(rows, valid) if valid > 0 else []:
+            z = _scaled(flat[part, :valid], ctx.temperature, dtype)
+            p = (z - log_z[part, None]).exp_()  # this chunk of the shard's global softmax
+            if g_ent is not None:
+                coeff = z.sub_(mean_z[part, None]).mul_(g_ent[part, None])
+                if g_logp is not None:
+                    coeff.add_(g_logp[part, None])
+            else:
+                coeff = g_logp[part, None]
+            chunk = p.mul_(coeff).neg_()
+            if g_logp is not None:  # + g_logp 1[v = y]
+                hit = torch.where(owned[part], g_logp[part], 0.0)
+                chunk.scatter_add_(-1, index[part, None], hit[:, None])
+            if ctx.temperature != 1.0:
+                chunk.div_(ctx.temperature)
+            grad[part, :valid] = chunk
+        return grad.view(logits.shape), None, None, None, None, None, None
 
 
 def token_logprobs_and_entropy(

@@ -23,7 +23,6 @@ evaluation starts, so that an unwritable path does not lose its results. The lib
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -123,7 +122,6 @@ def run(argv: list[str] | None = None) -> dict:
     exit code 2 on bad input."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Heavy imports here, not at the top: the reward pool's (spawn) workers re-import the main
     # module, which imports this one.
     from bapo_megatron.evaluation.evaluate import (

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bapo_megatron.algo import vocab_parallel
 from bapo_megatron.algo.vocab_parallel import token_logprobs_and_entropy
 from tests.helpers.logprob_reference import (
     assert_close,
@@ -96,6 +97,27 @@ def test_padded_columns_leave_the_distribution():
     assert_close(got["entropy"], want["entropy"], 0, 1e-12, "entropy")
     assert_close(got["grad"], want["grad"], 0, 1e-10, "gradient")
     assert not got["grad"][..., 11:].any()
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 2, 5])
+def test_rows_in_chunks_match_the_reference(monkeypatch, rows_per_chunk):
+    """Rows go through the vocabulary a chunk at a time (7 x 3 rows: uneven last chunks), padding
+    columns included: values and gradients still match float64, and the chunks were used."""
+    vocab = 23
+    monkeypatch.setattr(vocab_parallel, "_CHUNK_ELEMENTS", rows_per_chunk * 19)  # 19 real columns
+    seen = []
+    chunks = vocab_parallel._chunks
+    monkeypatch.setattr(vocab_parallel, "_chunks", lambda *a: seen.append(chunks(*a)) or seen[-1])
+    logits, targets, w_logp, w_ent = random_inputs(11, (7, 3), vocab, target_limit=19)
+    for temperature in (1.0, 0.7):
+        want = reference_with_grad(logits, targets, temperature, w_logp, w_ent, vocab_size=19)
+        got = ours_with_grad(logits, targets, temperature, w_logp, w_ent, vocab_size=19)
+        assert_close(got["logp"], want["logp"], 0, 1e-12, "log-probs")
+        assert_close(got["entropy"], want["entropy"], 0, 1e-12, "entropy")
+        assert_close(got["grad"], want["grad"], 0, 1e-10, "gradient")
+        assert not got["grad"][..., 19:].any()
+    assert len(seen) == 4  # forward and backward, at both temperatures
+    assert all(len(parts) == -(-21 // rows_per_chunk) for parts in seen)
 
 
 def test_no_group_means_no_collective(monkeypatch):

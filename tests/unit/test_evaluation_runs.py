@@ -9,6 +9,7 @@ before a run starts."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -265,3 +266,23 @@ def test_a_benchmark_whose_rows_are_all_too_long_is_an_error(known_answers, tmp_
         "64 positions"
     ) in err, err
     assert not (tmp_path / "report.json").exists()
+
+
+def test_the_command_leaves_the_engines_threads_alone(known_answers, tmp_path, monkeypatch):
+    """No OMP_NUM_THREADS=1 of its own: the engine generates on the threads the process has
+    (the reward workers are spawned processes and set their own)."""
+    from bapo_megatron.evaluation import evaluate as evaluation
+
+    hf, bench = known_answers
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    class Reached(Exception):
+        pass
+
+    def reached(*args, **kwargs):
+        raise Reached(os.environ.get("OMP_NUM_THREADS"))
+
+    monkeypatch.setattr(evaluation, "run_evaluation", reached)
+    with pytest.raises(Reached) as stopped:
+        evaluate_command_line([str(hf), str(bench), *command_line_args(tmp_path / "r.json")])
+    assert stopped.value.args == (None,)

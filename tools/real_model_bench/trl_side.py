@@ -28,7 +28,10 @@ Timing: a TrainerCallback takes each optimizer step from ``on_step_begin`` to ``
 
 The last stdout line is one JSON object (see ``summary`` below). ``--out`` receives
 ``trl_log.jsonl`` (TRL's own per-step logs) and ``result.json``; ``--save-final DIR`` saves the
-trained model and tokenizer for held-out evaluation elsewhere.
+trained model and tokenizer for held-out evaluation elsewhere. For time to accuracy, ``--save-every
+N`` saves ``checkpoint-<optimizer step>`` folders every N rollout steps and records each save's
+wall time since the script started (``saves``); ``--num-iterations`` and ``--epsilon-high`` set
+the recipe's reuse of a batch and its clip range.
 
 Run with the TRL venv (tools/real_model_bench/requirements-trl.txt), e.g.
   OMP_NUM_THREADS=2 ~/.cache/bapo-megatron/trl-venv/bin/python tools/real_model_bench/trl_side.py \\
@@ -44,6 +47,7 @@ import statistics
 import sys
 import time
 
+STARTED = time.perf_counter()  # the saves' wall times count from here, imports included
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -107,6 +111,19 @@ class StepTimer(TrainerCallback):
         print(f"[trl_side] step {len(self.steps)}: {json.dumps(row)}", file=sys.stderr, flush=True)
 
 
+class SaveTimes(TrainerCallback):
+    """The wall time of every checkpoint save since the script started (time to accuracy)."""
+
+    def __init__(self):
+        self.saves = []
+
+    def on_save(self, args, state, control, **kwargs):
+        wall = round(time.perf_counter() - STARTED, 1)
+        row = {"optimizer_step": state.global_step, "wall_s": wall}
+        self.saves.append(row)
+        print(f"[trl_side] saved: {json.dumps(row)}", file=sys.stderr, flush=True)
+
+
 class LogSink(TrainerCallback):
     """Writes TRL's own log dicts (loss, reward, step_time, ...) one JSON object a line."""
 
@@ -166,7 +183,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="HF model folder")
     p.add_argument("--prompts", required=True, help="JSONL: prompt, answer")
-    p.add_argument("--steps", type=int, default=6, help="rollout (= optimizer) steps")
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps (rollout steps x mu)")
     p.add_argument("--out", default="/tmp/trl_side_out", help="folder for logs and result.json")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast on CPU (fp32 weights)")
     p.add_argument("--prompts-per-step", type=int, default=8)
@@ -174,7 +191,17 @@ def main(argv=None):
     p.add_argument("--max-completion-length", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--lr", type=float, default=5e-6)
-    p.add_argument("--epsilon", type=float, default=0.2, help="clip epsilon, low and high")
+    p.add_argument("--epsilon", type=float, default=0.2, help="clip epsilon (low, and high)")
+    p.add_argument("--epsilon-high", type=float, default=None, help="default: --epsilon")
+    p.add_argument(
+        "--num-iterations", type=int, default=1, help="optimizer steps per rollout batch (TRL's mu)"
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="save a checkpoint every this many rollout steps, timed (0: none)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--grad-checkpointing", action="store_true", help="TRL's default; off here")
     p.add_argument("--seed", type=int, default=0)
@@ -210,15 +237,17 @@ def main(argv=None):
         top_k=0,
         beta=0.0,
         epsilon=args.epsilon,
-        epsilon_high=args.epsilon,
-        num_iterations=1,
+        epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
+        num_iterations=args.num_iterations,
         learning_rate=args.lr,
         lr_scheduler_type="constant",
         warmup_steps=0,
         max_steps=args.steps,
         use_vllm=False,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if args.save_every else "no",
+        save_steps=max(args.save_every, 1) * args.num_iterations,
+        save_only_model=True,
         report_to="none",
         seed=args.seed,
         dataloader_num_workers=0,
@@ -226,6 +255,7 @@ def main(argv=None):
     )
 
     timer = StepTimer()
+    save_times = SaveTimes()
 
     def last_integer_reward_recorded(prompts, completions, answer, **kwargs):
         rewards = last_integer_reward(prompts, completions, answer)
@@ -238,7 +268,7 @@ def main(argv=None):
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[timer, LogSink(log_path)],
+        callbacks=[timer, save_times, LogSink(log_path)],
     )
     assert trainer.args.generation_batch_size == completions_per_step, trainer.args
     assert trainer.args.steps_per_generation == 1, trainer.args.steps_per_generation
@@ -274,6 +304,8 @@ def main(argv=None):
         "activation_checkpointing": bool(trainer.args.activation_checkpointing),
         "train_wall_s": round(train_wall, 3),
         "total_wall_s": round(time.perf_counter() - t_start, 3),
+        "num_iterations": args.num_iterations,
+        "saves": save_times.saves,
     }
     with open(os.path.join(args.out, "result.json"), "w") as f:
         json.dump({**summary, "steps_detail": steps}, f, indent=1)
