@@ -64,7 +64,6 @@ MOVED = 3.0
 tolerances, so that a missed update cannot pass."""
 
 
-
 def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1, vocab_size, (count, length), generator=g).tolist()
